@@ -1,0 +1,97 @@
+"""Tensors, codes and token ids to and from protobuf `bytes` fields (DEVELOPING.md conventions).
+
+Everything on the wire is little-endian and contiguous:
+- tensors: raw elements in the named dtype (bfloat16 travels as its 16 bits);
+- codes: int16 frame-major `[T, N]` (so a stream appends whole frames); Python APIs use int64 `[N, T]`;
+- token ids: int32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# numpy has no bfloat16: those bytes go through int16 with the same 16 bits.
+_NUMPY_CARRIER = {
+    torch.bfloat16: (torch.int16, np.dtype("<i2")), torch.float16: (torch.float16, np.dtype("<f2")),
+    torch.float32: (torch.float32, np.dtype("<f4")), torch.int16: (torch.int16, np.dtype("<i2")),
+    torch.int32: (torch.int32, np.dtype("<i4")), torch.int64: (torch.int64, np.dtype("<i8")),
+    torch.uint8: (torch.uint8, np.dtype("u1")),
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of `t` (any shape, C order) in its own dtype."""
+    if t.dtype not in _NUMPY_CARRIER:
+        raise ValueError(f"dtype {t.dtype} cannot go on the wire; expected one of {', '.join(DTYPES)}")
+    carrier, np_dtype = _NUMPY_CARRIER[t.dtype]
+    array = t.detach().cpu().contiguous().view(carrier).numpy()
+    return array.astype(np_dtype, copy=False).tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """Inverse of tensor_to_bytes: a new (writable) tensor of `shape` and dtype name `dtype`."""
+    torch_dtype = dtype_from_name(dtype)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    carrier, np_dtype = _NUMPY_CARRIER[torch_dtype]
+    expected = math.prod(shape) * np_dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(f"{len(data)} bytes do not hold a {dtype} tensor of shape {list(shape)} "
+                         f"({expected} bytes expected)")
+    array = np.frombuffer(data, dtype=np_dtype).astype(np_dtype.newbyteorder("="), copy=True)
+    return torch.from_numpy(array).view(carrier).view(torch_dtype).reshape(shape)
+
+
+def codes_to_wire(codes: torch.Tensor) -> bytes:
+    """Codes [N, T] (codebook-major, any int dtype) -> int16 frame-major [T, N] bytes."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [N, T], got shape {list(codes.shape)}")
+    if codes.numel() and (codes.min() < -(2 ** 15) or codes.max() >= 2 ** 15):
+        raise ValueError("codes do not fit int16")
+    return tensor_to_bytes(codes.t().to(torch.int16))
+
+
+def codes_from_wire(data: bytes, n_codebooks: int) -> torch.Tensor:
+    """int16 frame-major [T, N] bytes -> int64 codes [N, T]."""
+    if n_codebooks <= 0:
+        raise ValueError(f"n_codebooks must be positive, got {n_codebooks}")
+    frame_bytes = 2 * n_codebooks
+    if len(data) % frame_bytes:
+        raise ValueError(f"{len(data)} bytes are not a whole number of frames of {n_codebooks} "
+                         f"int16 codes ({frame_bytes} bytes each)")
+    frames = tensor_from_bytes(data, "int16", (len(data) // frame_bytes, n_codebooks))
+    return frames.t().to(torch.int64).contiguous()
+
+
+def ids_to_bytes(ids: Sequence[int] | torch.Tensor) -> bytes:
+    """Token ids -> int32 little-endian bytes."""
+    ids = torch.as_tensor(ids).reshape(-1)
+    if ids.numel() and (ids.min() < -(2 ** 31) or ids.max() >= 2 ** 31):
+        raise ValueError("token ids do not fit int32")
+    return tensor_to_bytes(ids.to(torch.int32))
+
+
+def ids_from_bytes(data: bytes) -> torch.Tensor:
+    """int32 little-endian bytes -> int64 ids [L]."""
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes are not a whole number of int32 token ids")
+    return tensor_from_bytes(data, "int32", (len(data) // 4,)).to(torch.int64)
+
