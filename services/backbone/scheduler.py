@@ -1,0 +1,667 @@
+"""Continuous batching for the backbone stage (API.md §3.4-§3.5, MODEL.md §5.4, §8.3).
+
+Pure Python over the engine: no protobuf and no gRPC here. `server.py` turns a GenerateRequest
+into a `Job`, submits it, and translates the session's events back into GenerateResponses; the
+tower is reached through an object with `ready` and `async step(TowerStep) -> TowerResult`
+(`tower_client.TowerClient`).
+
+One loop iteration is one step:
+    1. admit queued sessions FIFO while the engine has free slots (each gets its first chunk's rows);
+    2. plan: at most one entry per session, decode rows first (one row: the frame the tower just
+       drew), then prefill pieces within the step's prefill row budget, at most `max_rows` entries;
+    3. `engine.step` on the engine thread (the event loop never blocks on the model);
+    4. one TowerStep with every row (hidden, targets, draws, and the releases since the last step);
+    5. route the drawn frames: buffer and emit them, end chunks on `stop` (STOP) or at
+       `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
+
+Every engine call (open, release, step) happens inside the loop coroutine, so the engine never
+sees two calls at once; `cancel` and the tower's loss callback only set flags and wake the loop.
+Stage pipelining (two row groups in flight, API.md §3.5 `max_inflight_steps`) fits this shape
+later: plan two disjoint groups and keep one in the engine while the other is at the tower; a
+session is in at most one group because it waits for its own frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+class GenerateError(Exception):
+    """A session's failure, named by gRPC status (`status` is a `grpc.StatusCode` name) with the
+    API's error code and field path (API.md §3.2); the servicer maps it onto the call."""
+
+    def __init__(self, status: str, message: str, *, drama_code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.drama_code, self.param = status, message, drama_code, param
+
+
+class TowerUnavailable(Exception):
+    """The Step stream broke (or is not open): every session with tower state is lost."""
+
+
+# --------------------------------------------------------------------------------------------
+# Rows and the chunk plan
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rows:
+    """A run of timeline rows (MODEL.md §3): `token_ids` int64 [n] and `frames` int64 [n, N],
+    all -1 on a text row; an audio row's token id is semantic_start + its c_0."""
+
+    token_ids: Tensor
+    frames: Tensor
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def __getitem__(self, rows: slice) -> "Rows":
+        return Rows(self.token_ids[rows], self.frames[rows])
+
+    @property
+    def n_audio(self) -> int:
+        return int((self.frames[:, 0] >= 0).sum())
+
+    @property
+    def n_text(self) -> int:
+        return len(self) - self.n_audio
+
+    @staticmethod
+    def cat(parts: list["Rows"]) -> "Rows":
+        return Rows(torch.cat([p.token_ids for p in parts]), torch.cat([p.frames for p in parts]))
+
+
+def text_rows(token_ids: Tensor, num_codebooks: int) -> Rows:
+    """Text rows for token ids [n]."""
+    token_ids = token_ids.to(torch.int64)
+    return Rows(token_ids, torch.full((token_ids.shape[0], num_codebooks), -1, dtype=torch.int64))
+
+
+def audio_rows(codes: Tensor, semantic_start_token_id: int) -> Rows:
+    """Audio rows for codes [N, T] (codebook-major): row j carries frame codes[:, j]."""
+    frames = codes.to(torch.int64).T.contiguous()
+    return Rows(frames[:, 0] + semantic_start_token_id, frames)
+
+
+def row_targets(frames: Tensor) -> Tensor:
+    """Each row's target (MODEL.md §3): the next row's frame where that row is audio, else -1.
+    The last row's target is -1 (it is the draw row, or its successor is not known yet)."""
+    targets = torch.full_like(frames, -1)
+    next_is_audio = frames[1:, 0] >= 0
+    targets[:-1][next_is_audio] = frames[1:][next_is_audio]
+    return targets
+
+
+@dataclass
+class Prompt:
+    """A request's prompt parts (API.md §3.4), already as rows."""
+
+    system: Rows                 # the reference system turn (empty without references)
+    history: list[Rows]          # previous takes, oldest first (user + assistant turns each)
+    user_turns: list[Rows]       # one per text chunk
+    assistant_open: Rows
+    assistant_close: Rows
+
+
+def _context_error(sizes: dict[str, int], budget: int, chunk: int) -> GenerateError:
+    largest = max(sizes, key=sizes.get)
+    return GenerateError(
+        "OUT_OF_RANGE",
+        f"chunk {chunk}: prompt of {sum(sizes.values())} rows does not fit the context "
+        f"({budget} rows left after max_new_tokens); largest part: {largest}",
+        drama_code="context_length_exceeded", param=largest)
+
+
+def check_context(prompt: Prompt, row_budget: int) -> None:
+    """Raise OUT_OF_RANGE unless every chunk can fit `row_budget` (= max_context - max_new_tokens):
+    the first chunk whole (it is never trimmed), later chunks with all previous takes dropped.
+    `param` names the largest contributor (API.md §2.2)."""
+    current = len(prompt.user_turns[0]) + len(prompt.assistant_open)
+    sizes = {"references": len(prompt.system), "history": sum(len(t) for t in prompt.history),
+             "text": current}
+    if sum(sizes.values()) > row_budget:
+        raise _context_error(sizes, row_budget, 0)
+    for index, turn in enumerate(prompt.user_turns[1:], start=1):
+        sizes = {"references": len(prompt.system), "text": len(turn) + len(prompt.assistant_open)}
+        if sum(sizes.values()) > row_budget:
+            raise _context_error(sizes, row_budget, index)
+
+
+def plan_chunk(prompt: Prompt, index: int, previous_frames: Tensor | None, *, row_budget: int,
+               semantic_start_token_id: int) -> Rows:
+    """Chunk `index`'s prompt rows (API.md §3.4, MODEL.md §8.3):
+
+        system ‖ history ‖ (index > 0: user_turns[index-1] ‖ assistant_open ‖ previous_frames ‖
+        assistant_close) ‖ user_turns[index] ‖ assistant_open
+
+    `previous_frames` [N, T] are the frames generated for chunk index-1. When the rows exceed
+    `row_budget`, previous takes are dropped oldest first (history, then the previous chunk);
+    the first chunk is never trimmed (`check_context` refused it at admission).
+    """
+    takes = list(prompt.history)
+    if index > 0:
+        takes.append(Rows.cat([prompt.user_turns[index - 1], prompt.assistant_open,
+                               audio_rows(previous_frames, semantic_start_token_id),
+                               prompt.assistant_close]))
+    current = [prompt.user_turns[index], prompt.assistant_open]
+    fixed = len(prompt.system) + sum(len(p) for p in current)
+    while index > 0 and takes and fixed + sum(len(t) for t in takes) > row_budget:
+        takes.pop(0)
+    rows = Rows.cat([prompt.system, *takes, *current])
+    if len(rows) > row_budget:
+        raise _context_error({"references": len(prompt.system), "history": len(rows) - fixed,
+                              "text": fixed - len(prompt.system)}, row_budget, index)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Requests, events and the tower interface
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int
+    max_new_tokens: int          # frames per chunk
+
+
+@dataclass
+class Job:
+    """One Generate call, validated and converted to rows by the servicer."""
+
+    session_id: str
+    prompt: Prompt
+    sampling: Sampling
+    first_message_frames: int
+    message_frames: int
+    queue_timeout_s: float | None = None     # None: wait as long as the deadline allows
+    deadline: float | None = None            # time.monotonic() value, None: no deadline
+
+
+@dataclass(frozen=True)
+class Started:
+    queue_wait_ms: int
+    prompt_text_tokens: int
+    prompt_audio_frames: int
+
+
+@dataclass(frozen=True)
+class FramesOut:
+    chunk_index: int
+    first_frame_index: int        # within the chunk
+    codes: Tensor                 # int64 [n_frames, N], frame-major as on the wire
+
+
+@dataclass(frozen=True)
+class ChunkEnd:
+    chunk_index: int
+    n_frames: int
+    finish_reason: str            # "STOP" or "LENGTH"
+
+
+@dataclass(frozen=True)
+class Usage:
+    text_tokens: int
+    audio_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class TowerEntry:
+    """One session's rows in a TowerStep (API.md §3.5 RowEntry)."""
+
+    session_id: str
+    first_row: int
+    n_rows: int
+    draw: bool
+    take_index: int = 0
+    frame_index: int = 0
+    sampling: Sampling | None = None
+
+
+@dataclass(frozen=True)
+class TowerStep:
+    entries: list[TowerEntry]
+    hidden: Tensor                # [sum n_rows, H], engine dtype
+    targets: Tensor               # int64 [sum n_rows, N], -1 = none
+    release: list[str]
+
+
+@dataclass(frozen=True)
+class TowerResult:
+    codes: Tensor                 # int64 [len(entries), N]; -1 without a draw or when stopped
+    stop: list[bool]
+    row_errors: dict[int, GenerateError]   # entry index -> the session's error
+
+
+class Tower(Protocol):
+    @property
+    def ready(self) -> bool: ...
+
+    async def step(self, step: TowerStep) -> TowerResult: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------------------------
+
+_END = object()   # the last item of a session's outbox after Usage
+
+
+@dataclass(eq=False)
+class Session:
+    job: Job
+    submitted: float
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: str = "queued"                  # queued -> active -> done
+    cancelled: bool = False
+    slot: int | None = None
+    tower_open: bool = False               # the tower holds state for this timeline
+    chunk_index: int = 0
+    rows: Rows | None = None               # the current chunk's prompt rows
+    targets: Tensor | None = None          # their targets [P, N]
+    sent: int = 0                          # rows of this timeline through engine and tower
+    chunk_frames: list[Tensor] = field(default_factory=list)   # frames drawn in this chunk
+    next_row: Tensor | None = None         # the last drawn frame, its row not yet appended
+    pending: list[Tensor] = field(default_factory=list)        # frames not yet in a message
+    emitted_in_chunk: int = 0              # frames of this chunk already put in messages
+    messages_sent: int = 0
+    buffered_frames: int = 0               # emitted frames the caller has not taken yet
+    paused: bool = False
+    text_tokens: int = 0
+    audio_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.job.session_id
+
+    @property
+    def decoding(self) -> bool:
+        return self.next_row is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.rows is not None and self.sent < len(self.rows)
+
+
+@dataclass
+class _Entry:
+    """A planned entry: the rows a session sends this step."""
+
+    session: Session
+    rows: Rows
+    targets: Tensor
+    draw: bool
+
+
+class Scheduler:
+    """Admission queue, continuous batching loop and per-session output streams."""
+
+    def __init__(self, engine, tower: Tower, *, semantic_start_token_id: int,
+                 max_rows: int = 64, max_queue: int = 256, prefill_chunk_tokens: int = 2048,
+                 step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
+                 idle_poll_s: float = 0.05):
+        self.engine = engine
+        self.tower = tower
+        self.semantic_start_token_id = semantic_start_token_id
+        self.max_rows = max_rows
+        self.max_queue = max_queue
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Prefill rows per step over all sessions, so one long prompt cannot stall the decode
+        # cadence of the running streams.
+        self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
+        self.session_buffer_frames = session_buffer_frames
+        self.idle_poll_s = idle_poll_s
+        self.accepting = True
+        self._queue: collections.deque[Session] = collections.deque()
+        self._active: list[Session] = []           # admission order
+        self._sessions: dict[str, Session] = {}    # queued and active, by id
+        self._release: list[str] = []              # tower states to free in the next step
+        self._tower_lost = False
+        self._wake = asyncio.Event()
+        self._step_id = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-engine")
+        self._task: asyncio.Task | None = None
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="backbone-scheduler")
+
+    async def close(self) -> None:
+        """Stop the loop; sessions still open end UNAVAILABLE."""
+        self.accepting = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        # A step cancelled mid-flight may still run on the engine thread; let it finish before
+        # the slots are released.
+        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        for session in list(self._sessions.values()):
+            self._end(session, GenerateError("UNAVAILABLE", "backbone shutting down",
+                                             drama_code="not_ready"))
+        self._executor.shutdown(wait=True)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting and wait up to `timeout_s` for the open sessions to finish."""
+        self.accepting = False
+        end = time.monotonic() + timeout_s
+        while self._sessions and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    @property
+    def queued_sessions(self) -> int:
+        return len(self._queue)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._active)
+
+    def submit(self, job: Job) -> Session:
+        """Queue a job; raises GenerateError (ALREADY_EXISTS, OUT_OF_RANGE for the context,
+        RESOURCE_EXHAUSTED queue_full, UNAVAILABLE not_ready)."""
+        if not self.accepting:
+            raise GenerateError("UNAVAILABLE", "backbone is draining", drama_code="not_ready")
+        if job.session_id in self._sessions:
+            raise GenerateError("ALREADY_EXISTS", f"session {job.session_id!r} is already running",
+                                param="session_id")
+        check_context(job.prompt, self.engine.max_context - job.sampling.max_new_tokens)
+        if len(self._queue) >= self.max_queue:
+            raise GenerateError("RESOURCE_EXHAUSTED", f"admission queue full ({self.max_queue})",
+                                drama_code="queue_full")
+        session = Session(job, submitted=time.monotonic())
+        self._sessions[job.session_id] = session
+        self._queue.append(session)
+        self._wake.set()
+        return session
+
+    def cancel(self, session: Session) -> None:
+        """The caller went away: the session leaves the batch at the next step (no-op when done)."""
+        if session.state != "done":
+            session.cancelled = True
+            self._wake.set()
+
+    async def events(self, session: Session) -> AsyncIterator[Started | FramesOut | ChunkEnd | Usage]:
+        """The session's events in order; raises its GenerateError if it fails."""
+        while True:
+            item = await session.outbox.get()
+            if item is _END:
+                return
+            if isinstance(item, GenerateError):
+                raise item
+            if isinstance(item, FramesOut):
+                session.buffered_frames -= item.codes.shape[0]
+                if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
+                    self._wake.set()
+            yield item
+
+    def tower_lost(self) -> None:
+        """Called by the tower client when the Step stream breaks (from the event loop)."""
+        self._tower_lost = True
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._tower_lost:
+                    self._fail_tower_sessions()
+                self._reap()
+                self._admit()
+                if not self.tower.ready:
+                    await self._sleep()
+                    continue
+                entries = self._plan()
+                if entries or self._release:
+                    await self._step(entries)
+                else:
+                    await self._sleep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a bug here must not silently stop every stream
+                log.exception("scheduler step failed")
+                for session in list(self._active):
+                    self._end(session, GenerateError("INTERNAL", "backbone scheduler error"))
+
+    async def _sleep(self) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.idle_poll_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _reap(self) -> None:
+        """End cancelled sessions and sessions past their deadline (queued ones too)."""
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            if session.cancelled:
+                self._end(session, None)
+            elif session.job.deadline is not None and now > session.job.deadline:
+                self._end(session, GenerateError("DEADLINE_EXCEEDED", "deadline exceeded"))
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        while self._queue:
+            session = self._queue[0]
+            if session.state != "queued":          # ended while queued
+                self._queue.popleft()
+                continue
+            timeout = session.job.queue_timeout_s
+            if timeout is not None and now - session.submitted > timeout:
+                self._queue.popleft()
+                self._end(session, GenerateError(
+                    "RESOURCE_EXHAUSTED", f"waited more than {timeout:.3f} s for admission",
+                    drama_code="queue_timeout"))
+                continue
+            if self.engine.free_slots <= 0 or len(self._active) >= self.max_rows:
+                # The head waits; later ones still need their queue timeouts checked.
+                for waiting in list(self._queue)[1:]:
+                    t = waiting.job.queue_timeout_s
+                    if waiting.state == "queued" and t is not None and now - waiting.submitted > t:
+                        self._queue.remove(waiting)
+                        self._end(waiting, GenerateError(
+                            "RESOURCE_EXHAUSTED", f"waited more than {t:.3f} s for admission",
+                            drama_code="queue_timeout"))
+                return
+            self._queue.popleft()
+            session.state = "active"
+            self._active.append(session)
+            self._start_chunk(session, previous_frames=None)
+            session.outbox.put_nowait(Started(
+                queue_wait_ms=int((now - session.submitted) * 1000),
+                prompt_text_tokens=session.rows.n_text, prompt_audio_frames=session.rows.n_audio))
+
+    def _start_chunk(self, session: Session, previous_frames: Tensor | None) -> None:
+        """Open a fresh timeline (engine slot, rows from position 0) for the session's chunk."""
+        job = session.job
+        session.rows = plan_chunk(job.prompt, session.chunk_index, previous_frames,
+                                  row_budget=self.engine.max_context - job.sampling.max_new_tokens,
+                                  semantic_start_token_id=self.semantic_start_token_id)
+        session.targets = row_targets(session.rows.frames)
+        session.slot = self.engine.open()
+        session.sent = 0
+        session.chunk_frames = []
+        session.next_row = None
+        session.emitted_in_chunk = 0
+        session.text_tokens += session.rows.n_text
+        session.audio_tokens += session.rows.n_audio
+
+    def _plan(self) -> list[_Entry]:
+        """This step's entries: decode rows first (cadence), then prefill pieces FIFO."""
+        entries: list[_Entry] = []
+        runnable = []
+        for session in self._active:
+            if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
+                session.paused = False
+            if not session.paused:
+                runnable.append(session)
+        for session in runnable:
+            if session.decoding and len(entries) < self.max_rows:
+                frame = session.next_row.unsqueeze(0)
+                row = Rows(frame[:, 0] + self.semantic_start_token_id, frame)
+                entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True))
+        budget = self.step_prefill_rows
+        for session in runnable:
+            if session.prefilling and len(entries) < self.max_rows and budget > 0:
+                n = min(len(session.rows) - session.sent, self.prefill_chunk_tokens, budget)
+                budget -= n
+                end = session.sent + n
+                entries.append(_Entry(session, session.rows[session.sent:end],
+                                      session.targets[session.sent:end],
+                                      draw=end == len(session.rows)))
+        return entries
+
+    async def _step(self, entries: list[_Entry]) -> None:
+        work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
+        if work:
+            try:
+                hidden = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.engine.step, work)
+            except Exception as exc:
+                log.exception("engine step failed")
+                for e in entries:
+                    self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
+                return
+            hidden = torch.cat(hidden)
+        else:   # a release-only message
+            hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
+        tower_entries = []
+        for e in entries:
+            s = e.session
+            tower_entries.append(TowerEntry(
+                s.id, first_row=s.sent, n_rows=len(e.rows), draw=e.draw, take_index=s.chunk_index,
+                frame_index=len(s.chunk_frames), sampling=s.job.sampling))
+            s.sent += len(e.rows)
+            s.next_row = None
+            s.tower_open = True
+        targets = (torch.cat([e.targets for e in entries]) if entries
+                   else torch.empty(0, self.engine.num_codebooks, dtype=torch.int64))
+        release, self._release = self._release, []
+        step = TowerStep(tower_entries, hidden, targets, release)
+        try:
+            result = await self.tower.step(step)
+        except TowerUnavailable:
+            self._fail_tower_sessions()
+            return
+        self._route(entries, result)
+
+    def _route(self, entries: list[_Entry], result: TowerResult) -> None:
+        for index, e in enumerate(entries):
+            session = e.session
+            if session.state == "done":
+                continue
+            if session.cancelled:          # left while its rows were in flight
+                self._end(session, None)
+                continue
+            if index in result.row_errors:
+                self._end(session, result.row_errors[index])
+                continue
+            if not e.draw:
+                continue
+            if result.stop[index]:
+                self._end_chunk(session, "STOP")
+                continue
+            frame = result.codes[index].to(torch.int64)
+            session.chunk_frames.append(frame)
+            session.output_tokens += 1
+            self._buffer(session, frame)
+            if len(session.chunk_frames) >= session.job.sampling.max_new_tokens:
+                self._end_chunk(session, "LENGTH")   # emitted; its row is never appended
+            else:
+                session.next_row = frame
+
+    # ---- output -----------------------------------------------------------------------------
+
+    def _buffer(self, session: Session, frame: Tensor) -> None:
+        session.pending.append(frame)
+        want = (session.job.first_message_frames if session.messages_sent == 0
+                else session.job.message_frames)
+        if len(session.pending) >= want:
+            self._flush(session)
+        if session.buffered_frames + len(session.pending) >= self.session_buffer_frames:
+            session.paused = True
+
+    def _flush(self, session: Session) -> None:
+        if not session.pending:
+            return
+        codes = torch.stack(session.pending)
+        session.outbox.put_nowait(FramesOut(session.chunk_index, session.emitted_in_chunk, codes))
+        session.emitted_in_chunk += len(session.pending)
+        session.buffered_frames += len(session.pending)
+        session.messages_sent += 1
+        session.pending = []
+
+    def _end_chunk(self, session: Session, reason: str) -> None:
+        self._flush(session)
+        n_frames = len(session.chunk_frames)
+        session.outbox.put_nowait(ChunkEnd(session.chunk_index, n_frames, reason))
+        self._close_timeline(session)
+        if session.chunk_index + 1 < len(session.job.prompt.user_turns):
+            previous = (torch.stack(session.chunk_frames).T if n_frames
+                        else torch.empty(self.engine.num_codebooks, 0, dtype=torch.int64))
+            session.chunk_index += 1
+            self._start_chunk(session, previous)
+        else:
+            self._end(session, None)
+
+    def _close_timeline(self, session: Session) -> None:
+        if session.slot is not None:
+            self.engine.release(session.slot)
+            session.slot = None
+        if session.tower_open:
+            self._release.append(session.id)
+            session.tower_open = False
+
+    def _end(self, session: Session, error: GenerateError | None) -> None:
+        """Finish a session: free both stages' state, then Usage + end, or the error."""
+        if session.state == "done":
+            return
+        self._close_timeline(session)
+        if session in self._active:
+            self._active.remove(session)
+        if session.state == "queued":
+            try:
+                self._queue.remove(session)
+            except ValueError:
+                pass
+        session.state = "done"
+        self._sessions.pop(session.id, None)
+        if error is not None:
+            session.outbox.put_nowait(error)
+        elif not session.cancelled:
+            session.outbox.put_nowait(Usage(session.text_tokens, session.audio_tokens,
+                                            session.output_tokens))
+        session.outbox.put_nowait(_END)
+        self._wake.set()
+
+    def _fail_tower_sessions(self) -> None:
+        """The Step stream broke: its state is gone, so every session that had some fails."""
+        self._tower_lost = False
+        self._release = []
+        for session in list(self._active):
+            if session.tower_open:
+                session.tower_open = False    # nothing to release on a new stream
+                self._end(session, GenerateError("UNAVAILABLE", "lost the tower stream"))

@@ -1,0 +1,382 @@
+"""The backbone's gRPC service (API.md §3.4): `drama.backbone.v1.Backbone`.
+
+The servicer only translates: a GenerateRequest becomes a scheduler `Job` (validated here, since
+the checks are about the request's bytes and fields), the session's events become
+GenerateResponses, and a `GenerateError` becomes the call's status with `drama-error-code` and
+`drama-error-param` in trailing metadata. Batching, chunks and the tower live in `scheduler.py`
+and `tower_client.py`.
+
+`start(settings)` listens at once (health NOT_SERVING), loads the weights, sizes the cache pool,
+connects the tower and reports SERVING while the tower stream is up; `serve(settings)` also
+waits for SIGTERM and drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drama.backbone.v1 import backbone_pb2, backbone_pb2_grpc
+from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job, Prompt, Rows,
+                                         Sampling, Scheduler, Started, Usage, audio_rows, text_rows)
+from services.backbone.tower_client import TowerClient
+from services.common import grpcutil
+from services.common.config import DramaConfig, load_config
+from services.common.tensors import codes_to_wire, codes_from_wire, ids_from_bytes
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "drama.backbone.v1.Backbone"
+MODEL_ID = "drama-3"
+DEFAULT_MESSAGE_FRAMES = 8      # API.md §2.1 `latency`: later messages every 8 frames
+STEP_MESSAGE_LIMIT_BYTES = 16 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# GenerateRequest -> Job
+# --------------------------------------------------------------------------------------------
+
+def _invalid(message: str, param: str, code: str = "invalid_value") -> GenerateError:
+    return GenerateError("INVALID_ARGUMENT", message, drama_code=code, param=param)
+
+
+def _token_rows(data: bytes, param: str, config: DramaConfig, *, required: bool) -> Rows:
+    try:
+        ids = ids_from_bytes(data)
+    except ValueError as exc:
+        raise _invalid(str(exc), param) from None
+    if required and ids.numel() == 0:
+        raise _invalid(f"'{param}' must not be empty", param, "empty_string")
+    vocab = config.text.vocab_size
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise _invalid(f"token id {bad} in '{param}' is outside the vocabulary [0, {vocab})", param)
+    return text_rows(ids, config.num_codebooks)
+
+
+def _code_rows(data: bytes, param: str, config: DramaConfig) -> Rows:
+    try:
+        codes = codes_from_wire(data, config.num_codebooks)       # [N, T]
+    except ValueError as exc:
+        raise _invalid(str(exc), param) from None
+    if codes.shape[1] == 0:
+        raise _invalid(f"'{param}' holds no frames", param)
+    limits = [config.semantic_codebook_size] + [config.residual_codebook_size] * (config.num_codebooks - 1)
+    for k, limit in enumerate(limits):
+        row = codes[k]
+        if row.min() < 0 or row.max() >= limit:
+            raise _invalid(f"codebook {k} of '{param}' has codes outside [0, {limit})", param)
+    return audio_rows(codes, config.semantic_start_token_id)
+
+
+def _segment_rows(segments, param: str, config: DramaConfig) -> Rows:
+    parts = []
+    for i, segment in enumerate(segments):
+        kind = segment.WhichOneof("content")
+        if kind == "tokens":
+            parts.append(_token_rows(segment.tokens, f"{param}[{i}].tokens", config, required=False))
+        elif kind == "codes":
+            parts.append(_code_rows(segment.codes, f"{param}[{i}].codes", config))
+        else:
+            raise _invalid(f"'{param}[{i}]' has neither tokens nor codes", f"{param}[{i}]")
+    return Rows.cat(parts) if parts else text_rows(torch.empty(0, dtype=torch.int64), config.num_codebooks)
+
+
+def _check_range(value, low, high, param: str) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise _invalid(f"Invalid '{param}': expected a value between {low} and {high}, "
+                       f"but got {value} instead.", param, "out_of_range")
+
+
+def parse_sampling(request: backbone_pb2.GenerateRequest, config: DramaConfig,
+                   max_context: int) -> Sampling:
+    """Sampling with the checkpoint's defaults for fields a proto3 zero cannot mean: top_p 0,
+    repetition_penalty 0 and max_new_tokens 0 (temperature 0 is greedy, top_k 0 keeps all)."""
+    defaults = config.sampling
+    if not request.HasField("sampling"):
+        return Sampling(defaults.temperature, defaults.top_p, defaults.top_k, 1.0, 0,
+                        min(defaults.max_new_frames, max_context - 1))
+    s = request.sampling
+    top_p = s.top_p or defaults.top_p
+    penalty = s.repetition_penalty or 1.0
+    max_new = s.max_new_tokens or min(defaults.max_new_frames, max_context - 1)
+    _check_range(s.temperature, 0.0, 2.0, "sampling.temperature")
+    _check_range(top_p, 1e-6, 1.0, "sampling.top_p")
+    _check_range(s.top_k, 0, 2 ** 31 - 1, "sampling.top_k")
+    _check_range(penalty, 1.0, 2.0, "sampling.repetition_penalty")
+    _check_range(max_new, 1, max_context - 1, "sampling.max_new_tokens")
+    return Sampling(s.temperature, top_p, s.top_k, penalty, s.seed, max_new)
+
+
+def parse_job(request: backbone_pb2.GenerateRequest, config: DramaConfig, *, max_context: int,
+              deadline: float | None) -> Job:
+    """Validate a GenerateRequest and turn it into rows; raises INVALID_ARGUMENT GenerateErrors."""
+    if not request.session_id:
+        raise _invalid("Missing required parameter: 'session_id'.", "session_id",
+                       "missing_required_parameter")
+    if not request.chunks:
+        raise _invalid("Missing required parameter: 'chunks'.", "chunks", "missing_required_parameter")
+    prompt = Prompt(
+        system=_segment_rows(request.system, "system", config),
+        history=[_segment_rows(take.segments, f"history[{i}].segments", config)
+                 for i, take in enumerate(request.history)],
+        user_turns=[_token_rows(chunk.user_turn, f"chunks[{i}].user_turn", config, required=True)
+                    for i, chunk in enumerate(request.chunks)],
+        assistant_open=_token_rows(request.assistant_open, "assistant_open", config, required=True),
+        assistant_close=_token_rows(request.assistant_close, "assistant_close", config,
+                                    required=len(request.chunks) > 1))
+    sampling = parse_sampling(request, config, max_context)
+    emit = request.emit
+    _check_range(emit.first_message_frames, 0, 2 ** 31 - 1, "emit.first_message_frames")
+    _check_range(emit.message_frames, 0, 2 ** 31 - 1, "emit.message_frames")
+    _check_range(request.queue_timeout_ms, 0, 2 ** 31 - 1, "queue_timeout_ms")
+    message_frames = emit.message_frames or DEFAULT_MESSAGE_FRAMES
+    return Job(session_id=request.session_id, prompt=prompt, sampling=sampling,
+               first_message_frames=emit.first_message_frames or message_frames,
+               message_frames=message_frames,
+               queue_timeout_s=request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None,
+               deadline=deadline)
+
+
+def response_message(event) -> backbone_pb2.GenerateResponse:
+    if isinstance(event, Started):
+        return backbone_pb2.GenerateResponse(started=backbone_pb2.Started(
+            queue_wait_ms=event.queue_wait_ms, prompt_text_tokens=event.prompt_text_tokens,
+            prompt_audio_frames=event.prompt_audio_frames))
+    if isinstance(event, FramesOut):
+        return backbone_pb2.GenerateResponse(frames=backbone_pb2.Frames(
+            chunk_index=event.chunk_index, first_frame_index=event.first_frame_index,
+            n_frames=event.codes.shape[0], codes=codes_to_wire(event.codes.T)))
+    if isinstance(event, ChunkEnd):
+        return backbone_pb2.GenerateResponse(chunk_end=backbone_pb2.ChunkEnd(
+            chunk_index=event.chunk_index, n_frames=event.n_frames,
+            finish_reason=backbone_pb2.FinishReason.Value(event.finish_reason)))
+    if isinstance(event, Usage):
+        return backbone_pb2.GenerateResponse(usage=backbone_pb2.Usage(
+            text_tokens=event.text_tokens, audio_tokens=event.audio_tokens,
+            output_tokens=event.output_tokens))
+    raise TypeError(f"unknown event {event!r}")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: GenerateError) -> None:
+    await grpcutil.abort(context, grpc.StatusCode[error.status], error.message,
+                         drama_code=error.drama_code, param=error.param)
+
+
+# --------------------------------------------------------------------------------------------
+# The servicer
+# --------------------------------------------------------------------------------------------
+
+class BackboneServicer(backbone_pb2_grpc.BackboneServicer):
+    """GetInfo and Generate over a Scheduler; answers not_ready until `attach` and while the
+    tower is away."""
+
+    def __init__(self, *, max_rows: int, max_queue: int, max_context_tokens: int, build: str = ""):
+        self.max_rows, self.max_queue, self.max_context_tokens = max_rows, max_queue, max_context_tokens
+        self.build = build
+        self.config: DramaConfig | None = None
+        self.scheduler: Scheduler | None = None
+        self.tower: TowerClient | None = None
+
+    def attach(self, config: DramaConfig, scheduler: Scheduler, tower: TowerClient) -> None:
+        self.config, self.scheduler, self.tower = config, scheduler, tower
+
+    @property
+    def ready(self) -> bool:
+        return (self.scheduler is not None and self.scheduler.accepting
+                and self.tower is not None and self.tower.ready)
+
+    async def GetInfo(self, request: backbone_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> backbone_pb2.BackboneInfo:
+        scheduler = self.scheduler
+        return backbone_pb2.BackboneInfo(
+            model_id=MODEL_ID, max_rows=self.max_rows, max_queue=self.max_queue,
+            max_context_tokens=self.max_context_tokens,
+            max_speakers=self.config.num_speakers if self.config else 0,
+            tower_ready=bool(self.tower and self.tower.ready),
+            open_sessions=scheduler.open_sessions if scheduler else 0,
+            free_slots=scheduler.engine.free_slots if scheduler else 0,
+            queued_sessions=scheduler.queued_sessions if scheduler else 0,
+            codebooks=self.config.num_codebooks if self.config else 0, build=self.build)
+
+    async def Generate(self, request: backbone_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext):
+        if not self.ready:
+            why = "loading" if self.scheduler is None else (
+                "draining" if not self.scheduler.accepting else "tower not connected")
+            await grpcutil.abort(context, grpc.StatusCode.UNAVAILABLE, f"backbone not ready: {why}",
+                                 drama_code="not_ready")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await grpcutil.abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        try:
+            job = parse_job(request, self.config, max_context=self.scheduler.engine.max_context,
+                            deadline=None if remaining is None else time.monotonic() + remaining)
+            session = self.scheduler.submit(job)
+        except GenerateError as error:
+            await abort_with(context, error)
+        try:
+            async for event in self.scheduler.events(session):
+                yield response_message(event)
+        except GenerateError as error:
+            await abort_with(context, error)
+        finally:
+            self.scheduler.cancel(session)   # a no-op once the session ended
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    checkpoint: str
+    tower_addr: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "cpu"
+    memory_budget_gb: float | None = None
+    max_rows: int = 64
+    max_context_tokens: int = 8192
+    max_queue: int = 256
+    prefill_chunk_tokens: int = 2048
+    session_buffer_frames: int = 1024
+    grace_s: float = 30.0
+
+
+class MemoryBudgetError(RuntimeError):
+    """Weights + cache pool do not fit the memory budget (or the device)."""
+
+
+@dataclass
+class Backbone:
+    """A running backbone stage."""
+
+    server: grpc.aio.Server
+    port: int
+    health: object
+    servicer: BackboneServicer
+    scheduler: Scheduler | None = None
+    tower: TowerClient | None = None
+    _tasks: list = field(default_factory=list)
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        if self.scheduler is not None:
+            self.scheduler.accepting = False
+            await grpcutil.set_serving(self.health, False)
+            if grace_s:
+                await self.scheduler.drain(grace_s)
+        await self.server.stop(grace_s)
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        if self.tower is not None:
+            await self.tower.close()
+
+
+def _build_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("dramaturg")
+    except Exception:
+        return "dev"
+
+
+def memory_report(engine, model, budget_gb: float | None, device: str) -> str:
+    """Print-ready figures; raises MemoryBudgetError when weights + pool exceed the budget."""
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    pool = sum(v for k, v in engine.memory_bytes().items() if "weight" not in k)
+    total = weights + pool
+    limit = budget_gb * 2 ** 30 if budget_gb else None
+    if device.startswith("cuda"):
+        device_total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        limit = min(limit, device_total) if limit else device_total
+    gib = 2 ** 30
+    line = (f"backbone memory: weights {weights / gib:.3f} GiB + cache pool {pool / gib:.3f} GiB "
+            f"({engine.max_sessions} sessions x {engine.max_context} rows) = {total / gib:.3f} GiB; "
+            f"budget {'none' if limit is None else f'{limit / gib:.3f} GiB'}")
+    if limit is not None and total > limit:
+        raise MemoryBudgetError(line + " -> does not fit; lower DRAMA_MAX_ROWS or "
+                                "DRAMA_MAX_CONTEXT_TOKENS, or raise the budget")
+    return line
+
+
+def check_step_message(*, rows: int, hidden_size: int, hidden_dtype: torch.dtype,
+                       codebooks: int, sessions: int) -> None:
+    """Refuse a configuration whose largest StepRequest could pass the message limit (API.md §3.2)."""
+    size = rows * (hidden_size * hidden_dtype.itemsize + codebooks * 2) + sessions * 128
+    if size > STEP_MESSAGE_LIMIT_BYTES:
+        raise ValueError(f"a Step message of {rows} rows is {size / 2 ** 20:.1f} MiB, over the "
+                         f"{STEP_MESSAGE_LIMIT_BYTES // 2 ** 20} MiB limit; lower "
+                         "DRAMA_PREFILL_CHUNK_TOKENS")
+
+
+async def start(settings: Settings, *, loaded_model=None) -> Backbone:
+    """Listen (NOT_SERVING), load, size the pool, connect the tower, then serve.
+
+    `loaded_model` lets tests share one loaded model between stages they start.
+    """
+    from services.backbone.engine import BackboneEngine
+    from services.backbone.model import load_backbone
+
+    config = load_config(settings.checkpoint)
+    max_context = min(settings.max_context_tokens, config.text.max_position_embeddings)
+    servicer = BackboneServicer(max_rows=settings.max_rows, max_queue=settings.max_queue,
+                                max_context_tokens=max_context, build=_build_version())
+    server, port, health = await grpcutil.start_server(
+        add_servicers=[lambda s: backbone_pb2_grpc.add_BackboneServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME], host=settings.host, port=settings.port)
+    running = Backbone(server, port, health, servicer)
+    try:
+        dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
+        model = loaded_model or await asyncio.to_thread(
+            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype)
+        engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
+        print(memory_report(engine, model, settings.memory_budget_gb, settings.device), flush=True)
+        check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
+                           hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
+                           codebooks=config.num_codebooks, sessions=settings.max_rows)
+    except BaseException:
+        await server.stop(0)
+        raise
+
+    def on_tower_ready(ready: bool) -> None:
+        serving = ready and running.scheduler is not None and running.scheduler.accepting
+        running._tasks.append(asyncio.get_running_loop().create_task(
+            grpcutil.set_serving(health, serving)))
+        running.scheduler.wake()
+
+    tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
+                        hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
+                        max_rows=settings.max_rows, max_context_tokens=max_context,
+                        on_ready=on_tower_ready)
+    scheduler = Scheduler(engine, tower, semantic_start_token_id=config.semantic_start_token_id,
+                          max_rows=settings.max_rows, max_queue=settings.max_queue,
+                          prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                          session_buffer_frames=settings.session_buffer_frames)
+    tower.on_lost = scheduler.tower_lost
+    running.scheduler, running.tower = scheduler, tower
+    servicer.attach(config, scheduler, tower)
+    scheduler.start()
+    tower.start()
+    return running
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `grace_s`."""
+    running = await start(settings)
+    log.info("backbone listening on %s:%d, tower %s", settings.host, running.port, settings.tower_addr)
+
+    async def stop_admitting():
+        running.scheduler.accepting = False
+        await running.scheduler.drain(settings.grace_s)
+
+    await grpcutil.serve_until_signalled(running.server, running.health, grace_s=settings.grace_s,
+                                         on_shutdown=stop_admitting)
+    await running.scheduler.close()
+    await running.tower.close()

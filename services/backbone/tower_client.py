@@ -1,0 +1,249 @@
+"""The backbone's side of the long-lived Tower.Step stream (API.md §3.5).
+
+`TowerClient` connects, checks `Tower.GetInfo` against the backbone (hidden size and dtype,
+codebooks, a cache pool at least ours), opens the Step stream and keeps it for the process. One
+`step()` is one StepRequest and its StepResponse; responses come in request order, so a FIFO of
+futures pairs them up and a single reader task resolves them.
+
+When the stream breaks (tower killed, connection lost, a malformed response) every outstanding
+step raises `TowerUnavailable`, `on_lost` tells the scheduler that all tower state is gone, the
+client reports not ready, and it reconnects with exponential backoff (0.1 s doubling up to 5 s).
+It is ready again once GetInfo matches and the new stream is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from drama.tower.v1 import tower_pb2, tower_pb2_grpc
+from services.backbone.scheduler import GenerateError, TowerResult, TowerStep, TowerUnavailable
+from services.common import grpcutil
+from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# TowerStep <-> protobuf
+# --------------------------------------------------------------------------------------------
+
+def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> tower_pb2.StepRequest:
+    rows = []
+    for entry in step.entries:
+        row = tower_pb2.RowEntry(session_id=entry.session_id, first_row=entry.first_row,
+                                 n_rows=entry.n_rows, draw=entry.draw)
+        if entry.draw:
+            s = entry.sampling
+            row.take_index, row.frame_index, row.seed = entry.take_index, entry.frame_index, s.seed
+            row.temperature, row.top_p, row.top_k = s.temperature, s.top_p, s.top_k
+            row.repetition_penalty = s.repetition_penalty
+        rows.append(row)
+    return tower_pb2.StepRequest(
+        step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden.to(hidden_dtype)),
+        targets=tensor_to_bytes(step.targets.to(torch.int16)), release=step.release)
+
+
+def step_result(response: tower_pb2.StepResponse, n_entries: int, codebooks: int) -> TowerResult:
+    """Decode a StepResponse; a malformed one means the two stages disagree: TowerUnavailable."""
+    if len(response.codes) != n_entries * codebooks * 2 or len(response.stop) != n_entries:
+        raise TowerUnavailable(f"malformed StepResponse for {n_entries} entries "
+                               f"({len(response.codes)} code bytes, {len(response.stop)} stops)")
+    codes = tensor_from_bytes(response.codes, "int16", (n_entries, codebooks)).to(torch.int64)
+    errors = {}
+    for err in response.row_errors:
+        # NOT_FOUND (the tower lost the session) goes to the caller as is; anything else means
+        # the backbone built a bad row, which is our bug: INTERNAL.
+        if err.code == grpc.StatusCode.NOT_FOUND.value[0]:
+            errors[err.row_index] = GenerateError("NOT_FOUND", f"tower: {err.message}")
+        else:
+            errors[err.row_index] = GenerateError("INTERNAL", f"tower row error {err.code}: {err.message}")
+    return TowerResult(codes=codes, stop=list(response.stop), row_errors=errors)
+
+
+# --------------------------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------------------------
+
+class TowerClient:
+    """One Step stream to the tower at `addr`, kept open (and reopened) for the process."""
+
+    def __init__(self, addr: str, *, hidden_dim: int, hidden_dtype: torch.dtype, codebooks: int,
+                 max_rows: int, max_context_tokens: int,
+                 on_lost: Callable[[], None] | None = None,
+                 on_ready: Callable[[bool], None] | None = None,
+                 backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
+                 info_timeout_s: float = 5.0):
+        self.addr = addr
+        self.hidden_dim, self.hidden_dtype, self.codebooks = hidden_dim, hidden_dtype, codebooks
+        self.max_rows, self.max_context_tokens = max_rows, max_context_tokens
+        self.on_lost, self.on_ready = on_lost, on_ready
+        self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
+        self.info_timeout_s = info_timeout_s
+        self.info: tower_pb2.TowerInfo | None = None
+        self.last_error: str | None = None
+        self._ready = False
+        self._ready_event = asyncio.Event()
+        self._call = None
+        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._write_lock = asyncio.Lock()
+        self._broken = asyncio.Event()
+        self._step_id = 0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._maintain(), name="tower-client")
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self._ready
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def mismatch(self, info: tower_pb2.TowerInfo) -> str | None:
+        """Why this tower cannot serve this backbone, or None (API.md §3.5)."""
+        want_dtype = DTYPE_NAMES.get(self.hidden_dtype, str(self.hidden_dtype))
+        problems = []
+        if info.hidden_dim != self.hidden_dim:
+            problems.append(f"hidden_dim {info.hidden_dim} != {self.hidden_dim}")
+        if info.hidden_dtype != want_dtype:
+            problems.append(f"hidden_dtype {info.hidden_dtype!r} != {want_dtype!r}")
+        if info.codebooks != self.codebooks:
+            problems.append(f"codebooks {info.codebooks} != {self.codebooks}")
+        if info.max_rows < self.max_rows:
+            problems.append(f"tower max_rows {info.max_rows} < backbone {self.max_rows}")
+        if info.max_context_tokens < self.max_context_tokens:
+            problems.append(f"tower max_context_tokens {info.max_context_tokens} < "
+                            f"backbone {self.max_context_tokens}")
+        return "; ".join(problems) or None
+
+    async def step(self, step: TowerStep) -> TowerResult:
+        """Send one step and wait for its response; raises TowerUnavailable if the stream breaks."""
+        if not self._ready:
+            raise TowerUnavailable("tower not connected")
+        self._step_id += 1
+        request = step_request(step, self._step_id, self.hidden_dtype)
+        future = asyncio.get_running_loop().create_future()
+        async with self._write_lock:   # the queue order is the wire order
+            self._pending.append(future)
+            try:
+                await self._call.write(request)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._broken.set()
+                raise TowerUnavailable(f"Step write failed: {exc}") from None
+        response = await future
+        if response.step_id != request.step_id:
+            self._broken.set()
+            raise TowerUnavailable(f"StepResponse {response.step_id} for request {request.step_id}")
+        try:
+            return step_result(response, len(step.entries), self.codebooks)
+        except TowerUnavailable:
+            self._broken.set()
+            raise
+
+    # ---- connection lifecycle ---------------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        delay = self.backoff_min_s
+        while True:
+            channel = grpcutil.create_channel(self.addr)
+            reader = None
+            try:
+                stub = tower_pb2_grpc.TowerStub(channel)
+                info = await stub.GetInfo(tower_pb2.GetInfoRequest(), timeout=self.info_timeout_s)
+                problem = self.mismatch(info)
+                if problem:
+                    raise _Refused(problem)
+                self.info = info
+                self._broken.clear()
+                self._call = stub.Step()
+                reader = asyncio.create_task(self._read(self._call), name="tower-reader")
+                self._set_ready(True)
+                log.info("tower %s connected (%s)", self.addr, _describe(info))
+                delay = self.backoff_min_s
+                await self._broken.wait()
+                log.warning("tower %s: Step stream lost", self.addr)
+            except _Refused as exc:
+                self.last_error = f"tower {self.addr} refused: {exc}"
+                log.error("%s", self.last_error)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                self.last_error = f"tower {self.addr} unreachable: {_error_text(exc)}"
+                log.debug("%s", self.last_error)
+            finally:
+                was_ready = self._ready
+                self._set_ready(False)
+                self._fail_pending()
+                if reader is not None:
+                    reader.cancel()
+                if self._call is not None:
+                    self._call.cancel()
+                    self._call = None
+                if was_ready and self.on_lost is not None:
+                    self.on_lost()
+                await channel.close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _read(self, call) -> None:
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF or not self._pending:
+                    break
+                future = self._pending.popleft()
+                if not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as exc:
+            self.last_error = f"Step stream: {_error_text(exc)}"
+        finally:
+            self._broken.set()
+
+    def _fail_pending(self) -> None:
+        while self._pending:
+            future = self._pending.popleft()
+            if not future.done():
+                future.set_exception(TowerUnavailable("the Step stream broke"))
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready == self._ready:
+            return
+        self._ready = ready
+        if ready:
+            self._ready_event.set()
+        else:
+            self._ready_event.clear()
+        if self.on_ready is not None:
+            self.on_ready(ready)
+
+
+class _Refused(Exception):
+    """The tower answered GetInfo but cannot serve this backbone."""
+
+
+def _describe(info: tower_pb2.TowerInfo) -> str:
+    return (f"hidden {info.hidden_dim} {info.hidden_dtype}, {info.codebooks} codebooks, "
+            f"pool {info.max_rows} x {info.max_context_tokens}")
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return type(exc).__name__
