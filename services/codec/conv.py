@@ -1,0 +1,195 @@
+"""Convolutional building blocks of the modded DAC (MODEL.md §7.2), offline and streaming.
+
+Every module here has `forward(x)` (the whole sequence, causal zero padding) and, where the
+decoder needs it, `step(x, state)` (the next block of a stream, carrying its input tail in
+`state`). Shapes are channels-first: x is [B, C, L].
+
+Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
+Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
+call's last k_e-1 inputs. A stream starts with a zero tail, so both read the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.codec.state import StreamState
+
+
+# --------------------------------------------------------------------------------------------
+# pure functions
+# --------------------------------------------------------------------------------------------
+
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """Snake activation x + sin²(αx)/(α + 1e-9); x [B, C, L], alpha [1, C, 1]."""
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+
+def effective_kernel(kernel_size: int, dilation: int) -> int:
+    return (kernel_size - 1) * dilation + 1
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int = 1,
+                  dilation: int = 1, groups: int = 1) -> Tensor:
+    """Offline causal conv (§7.2): x [B, C_in, L] -> [B, C_out, ceil(L/stride)].
+
+    Left padding k_e - stride zeros; right padding the minimum that completes the last window.
+    """
+    k_e = effective_kernel(weight.shape[-1], dilation)
+    length = x.shape[-1]
+    n_out = math.ceil(length / stride)
+    right = n_out * stride - length
+    x = F.pad(x, (k_e - stride, right))
+    return F.conv1d(x, weight, bias, stride=stride, dilation=dilation, groups=groups)
+
+
+def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+    """Offline causal transposed conv: x [B, C_in, L] -> [B, C_out, L·stride].
+
+    weight [C_in, C_out, k]; the ordinary transposed conv yields (L-1)·s + k samples, of which
+    the last k - s are dropped (they belong to inputs that have not arrived yet).
+    """
+    y = F.conv_transpose1d(x, weight, bias, stride=stride)
+    return y[..., : x.shape[-1] * stride]
+
+
+# --------------------------------------------------------------------------------------------
+# modules
+# --------------------------------------------------------------------------------------------
+
+class Streaming(nn.Module):
+    """A module that keeps a tensor in the stream state under `state_key` (set by the model)."""
+
+    state_key: str = ""
+
+    def initial_state(self, batch: int, device, dtype) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Snake(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return snake(x, self.alpha)
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        return snake(x, self.alpha)
+
+
+class CausalConv1d(Streaming):
+    """Causal conv; `.conv` holds the (folded) weight so checkpoint names map one to one.
+
+    `weight_normed` marks a conv stored as g/V in the checkpoint (the loader folds it).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+                 dilation: int = 1, groups: int = 1, weight_normed: bool = True):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride=stride,
+                              dilation=dilation, groups=groups)
+        self.conv.weight_normed = weight_normed
+        self.stride, self.dilation, self.groups = stride, dilation, groups
+        self.tail_length = effective_kernel(kernel_size, dilation) - stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        return causal_conv1d(x, self.conv.weight, self.conv.bias, self.stride, self.dilation,
+                             self.groups)
+
+    def initial_state(self, batch: int, device, dtype) -> Tensor:
+        return torch.zeros(batch, self.conv.in_channels, self.tail_length, device=device, dtype=dtype)
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        """x [B, C_in, t] (the next t inputs) -> [B, C_out, t]; stride 1 only."""
+        if self.tail_length == 0:
+            return F.conv1d(x, self.conv.weight, self.conv.bias, dilation=self.dilation,
+                            groups=self.groups)
+        window = torch.cat([state.tails[self.state_key], x], dim=-1)
+        # clone: a view would keep the whole window alive between calls
+        state.tails[self.state_key] = window[..., -self.tail_length:].clone()
+        return F.conv1d(window, self.conv.weight, self.conv.bias, dilation=self.dilation,
+                        groups=self.groups)
+
+
+class CausalConvTranspose1d(Streaming):
+    """Causal transposed conv (kernel k, stride s); `.conv` is the nn.ConvTranspose1d."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int,
+                 weight_normed: bool = True):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.conv.weight_normed = weight_normed
+        self.stride = stride
+        # Output block t depends on inputs t-p … t; a stream keeps those p previous inputs.
+        self.history = math.ceil(kernel_size / stride) - 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
+
+    def initial_state(self, batch: int, device, dtype) -> Tensor:
+        return torch.zeros(batch, self.conv.in_channels, self.history, device=device, dtype=dtype)
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        """x [B, C_in, t] -> [B, C_out, t·s]. A zero previous input adds nothing, as offline."""
+        if self.history == 0:
+            return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
+        window = torch.cat([state.tails[self.state_key], x], dim=-1)
+        state.tails[self.state_key] = window[..., -self.history:].clone()
+        y = F.conv_transpose1d(window, self.conv.weight, self.conv.bias, stride=self.stride)
+        start = self.history * self.stride
+        return y[..., start: start + x.shape[-1] * self.stride]
+
+
+class ResidualUnit(nn.Module):
+    """x + conv1(snake(conv7_d(snake(x)))) (§7.2); `block` indices match the checkpoint."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake(dim),
+            CausalConv1d(dim, dim, kernel_size=7, dilation=dilation),
+            Snake(dim),
+            CausalConv1d(dim, dim, kernel_size=1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.block(x)
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        return x + step_sequence(self.block, x, state)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 → LayerNorm over channels → Linear 4× → GELU → Linear → ⊙γ, + x."""
+
+    def __init__(self, dim: int, mlp_ratio: int = 4, kernel_size: int = 7):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, kernel_size=kernel_size, groups=dim, weight_normed=False)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, mlp_ratio * dim)
+        self.pwconv2 = nn.Linear(mlp_ratio * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def _pointwise(self, y: Tensor) -> Tensor:
+        """The per-step part: y [B, C, L] -> [B, C, L]."""
+        y = self.norm(y.transpose(1, 2))
+        y = self.pwconv2(F.gelu(self.pwconv1(y)))
+        return (self.gamma * y).transpose(1, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self._pointwise(self.dwconv(x))
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        return x + self._pointwise(self.dwconv.step(x, state))
+
+
+def step_sequence(modules: nn.Sequential, x: Tensor, state: StreamState) -> Tensor:
+    """Run a Sequential in streaming mode (modules without state, like Tanh, run as is)."""
+    for module in modules:
+        x = module.step(x, state) if hasattr(module, "step") else module(x)
+    return x

@@ -1,0 +1,50 @@
+"""The DAC decoder of the modded DAC (MODEL.md §7.4 step 5), streaming.
+
+`model.0` causal conv C -> w_0 (k 7); for b = 1…4 a DecoderBlock: Snake(w_{b-1}) -> causal
+transposed conv w_{b-1} -> w_b (k 2r_b, stride r_b) -> ResidualUnits(w_b) with dilations 1, 3, 9;
+then Snake(w_4) -> causal conv w_4 -> 1 (k 7) -> tanh. Module indices match the checkpoint
+(`decoder.model.{b}.block.{i}…`).
+
+Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
+                                 step_sequence)
+from services.codec.state import StreamState
+
+DILATIONS = (1, 3, 9)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, input_dim: int, output_dim: int, rate: int):
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake(input_dim),
+            CausalConvTranspose1d(input_dim, output_dim, kernel_size=2 * rate, stride=rate),
+            *[ResidualUnit(output_dim, dilation) for dilation in DILATIONS],
+        )
+
+    def step(self, x: Tensor, state: StreamState) -> Tensor:
+        """x [B, w_{b-1}, L] -> [B, w_b, L·r_b]."""
+        return step_sequence(self.block, x, state)
+
+
+class Decoder(nn.Module):
+    def __init__(self, latent_dim: int, channels: int, rates: list[int]):
+        super().__init__()
+        widths = [channels // 2 ** i for i in range(len(rates) + 1)]
+        self.model = nn.Sequential(
+            CausalConv1d(latent_dim, widths[0], kernel_size=7),
+            *[DecoderBlock(widths[i], widths[i + 1], rate) for i, rate in enumerate(rates)],
+            Snake(widths[-1]),
+            CausalConv1d(widths[-1], 1, kernel_size=7),
+            nn.Tanh(),
+        )
+
+    def step(self, z: Tensor, state: StreamState) -> Tensor:
+        """z [B, C, L] (upsampled latents) -> audio [B, 1, L·Π rates]."""
+        return step_sequence(self.model, z, state)

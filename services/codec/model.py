@@ -1,0 +1,258 @@
+"""The codec stage: Fish's modded DAC (MODEL.md §7), codes <-> 44.1 kHz mono audio.
+
+    codec = load_codec(checkpoint_dir, device="cpu")
+    pcm = codec.decode(codes)                   # int64 [B, N, T] -> float32 [B, T·2048]
+    codes = codec.encode(pcm, sample_rate)      # float [B, S] -> int64 [B, N, T]
+    stream = codec.stream(); stream.push(codes_chunk) ...; stream.finish()
+
+Decode is streaming by construction: `decode` is the stream over all frames, so a stream fed the
+same frames in any grouping gives the same samples. On CPU float32 they are also the same bits:
+there every decode call runs frame by frame and stream by stream (`frame_serial`), so each frame
+meets exactly the same ops on exactly the same shapes whatever the grouping or the batch. (GEMM
+and vectorised elementwise kernels may pick different blocking or tail loops for a different
+row count, so a chunked call is only equal up to rounding.) On GPU `frame_serial` is off: chunks
+of all sessions with the same length run as one batch, equal to the serial path within F16
+tolerance.
+
+Note for the inventory (services/common/inventory.py), where §2.4 leaves room:
+- `quantizer.upsample.{u}.0.conv.weight` is a ConvTranspose1d weight, [C_in, C_out, 2] = [C, C, 2].
+- ConvNeXt `dwconv` is a plain (not weight-normed) depthwise conv: `...1.dwconv.conv.weight` [C, 1, 7].
+- Weight-norm g is [dim0, 1, 1] (we refuse other shapes, e.g. a flat [dim0]).
+- The encoder-block transformer has `n_head = dim // 64` heads of `transformer_general_config.head_dim`
+  and `intermediate_size = 3·dim`, so for the tiny config (block 4, dim 64): wqkv [192, 64], wo [64, 64],
+  w1/w3 [192, 64], w2 [64, 192].
+- The decoder has no transformer tensors even where `decoder_transformer_layers` is non-zero.
+- `decoder.model.7` (tanh) and the Identity where an encoder block has no transformer hold no tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.codec.conv import Streaming, step_sequence
+from services.codec.decoder import Decoder
+from services.codec.encoder import Encoder
+from services.codec.quantizer import DownsampleResidualVectorQuantize, check_codes
+from services.codec.resample import resample
+from services.codec.state import StreamState
+from services.codec.transformer import WindowedTransformer
+from services.codec.weights import LoadReport, resolve_state_dict
+from services.common.config import CodecConfig, load_config
+
+try:
+    from services.common.safe_pickle import load_torch_state_dict
+except ImportError:  # pragma: no cover - until the allow-list loader lands
+    def load_torch_state_dict(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+log = logging.getLogger(__name__)
+
+
+class Codec(nn.Module):
+    """encoder + quantizer + decoder, named as in codec.pth."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.quantizer = DownsampleResidualVectorQuantize(cfg)
+        self.decoder = Decoder(cfg.latent_dim, cfg.decoder_dim, cfg.decoder_rates)
+        for name, module in self.named_modules():
+            if isinstance(module, (Streaming, WindowedTransformer)):
+                module.state_key = name
+        # CPU float32 is the bit-exact reference path; see the module docstring.
+        self.frame_serial = True
+        self.load_report: LoadReport | None = None
+
+    # -- facts ----------------------------------------------------------------------------------
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.sample_rate
+
+    @property
+    def frame_samples(self) -> int:
+        return self.cfg.frame_samples
+
+    @property
+    def num_codebooks(self) -> int:
+        return self.cfg.num_codebooks
+
+    @property
+    def semantic_codebook_size(self) -> int:
+        return self.cfg.quantizer.semantic_codebook_size
+
+    @property
+    def codebook_size(self) -> int:
+        return self.cfg.quantizer.codebook_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.model[0].conv.weight.device
+
+    @property
+    def decode_dtype(self) -> torch.dtype:
+        return self.decoder.model[0].conv.weight.dtype
+
+    def _decode_modules(self) -> list[nn.Module]:
+        return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
+
+    def prepare(self, device, dtype: torch.dtype) -> "Codec":
+        """Move to `device`; decode path in `dtype`, encode path (and RVQ tables) in float32."""
+        self.to(device).float()
+        for module in self._decode_modules():
+            module.to(dtype)          # round to nearest even
+        self.requires_grad_(False).eval()
+        self.frame_serial = torch.device(device).type == "cpu"
+        return self
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def check_codes(self, codes: Tensor) -> None:
+        """ValueError unless codes [B, N, T]: row 0 in [0, Q_s), rows 1… in [0, Q_r)."""
+        check_codes(codes, self.semantic_codebook_size, self.codebook_size, self.num_codebooks)
+
+    def new_state(self, batch: int = 1) -> StreamState:
+        """A fresh stream: position 0, zero conv tails, empty attention caches."""
+        device, dtype = self.device, self.decode_dtype
+        tensors: dict[str, Tensor] = {}
+        for root in self._decode_modules():
+            for module in root.modules():
+                if isinstance(module, WindowedTransformer):
+                    tensors.update(module.initial_state(batch, device, dtype))
+                elif isinstance(module, Streaming):
+                    initial = module.initial_state(batch, device, dtype)
+                    if initial.shape[-1] > 0:
+                        tensors[module.state_key] = initial
+        return StreamState(torch.zeros(batch, dtype=torch.int64, device=device), tensors)
+
+    def _step(self, codes: Tensor, state: StreamState) -> Tensor:
+        """The next t frames of B streams: codes [B, N, t] -> float32 [B, t·frame_samples]."""
+        z = self.quantizer.dequantize(codes).to(self.decode_dtype)       # [B, C, t]
+        z = self.quantizer.post_module.step(z, state)
+        for stage in self.quantizer.upsample:                            # [B, C, 4t]
+            z = step_sequence(stage, z, state)
+        audio = self.decoder.step(z, state)                              # [B, 1, t·2048]
+        state.position = state.position + codes.shape[-1]
+        return audio[:, 0].float()
+
+    @torch.inference_mode()
+    def decode_streams(self, states: list[StreamState], chunks: list[Tensor]) -> list[Tensor]:
+        """Decode one chunk for each of several single streams (the server's batched call).
+
+        states: one single-stream state per chunk (updated in place); chunks: int64 [N, t_i].
+        Returns float32 [t_i·frame_samples] per chunk. Validates every chunk before touching
+        any state, so a bad chunk leaves all streams as they were.
+        """
+        device = self.device
+        chunks = [c.to(device=device, dtype=torch.int64) for c in chunks]
+        for chunk in chunks:
+            self.check_codes(chunk[None])
+        outputs: list[Tensor | None] = [None] * len(chunks)
+        if self.frame_serial:
+            for index, (state, chunk) in enumerate(zip(states, chunks)):
+                pieces = [self._step(chunk[None, :, i:i + 1], state) for i in range(chunk.shape[-1])]
+                outputs[index] = (torch.cat(pieces, dim=-1)[0] if pieces
+                                  else torch.zeros(0, device=device))
+            return outputs
+        by_length: dict[int, list[int]] = {}
+        for index, chunk in enumerate(chunks):
+            by_length.setdefault(chunk.shape[-1], []).append(index)
+        for length, members in by_length.items():
+            if length == 0:
+                for index in members:
+                    outputs[index] = torch.zeros(0, device=device)
+                continue
+            batch_state = StreamState.cat([states[i] for i in members])
+            audio = self._step(torch.stack([chunks[i] for i in members]), batch_state)
+            for row, (index, single) in enumerate(zip(members, batch_state.split())):
+                states[index].position, states[index].tensors = single.position, single.tensors
+                outputs[index] = audio[row]
+        return outputs
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes int [B, N, T] -> float32 PCM [B, T·frame_samples] in [-1, 1] (§7.4)."""
+        codes = torch.as_tensor(codes)
+        self.check_codes(codes)
+        stream = self.stream(codes.shape[0])
+        return torch.cat([stream.push(codes), stream.finish()], dim=-1)
+
+    def stream(self, batch: int = 1) -> "StreamingDecoder":
+        return StreamingDecoder(self, batch)
+
+    # -- encode ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, pcm: Tensor, sample_rate: int) -> Tensor:
+        """PCM float [B, S] (or [S]) at `sample_rate` -> codes int64 [B, N, ceil(S'/2048)].
+
+        Resampled to the codec rate (S' samples), right-padded with zeros to whole frames, and
+        run in float32 (§7.6).
+        """
+        pcm = torch.as_tensor(pcm)
+        if pcm.dim() == 1:
+            pcm = pcm[None]
+        if pcm.dim() != 2:
+            raise ValueError(f"pcm must be [B, S], got {list(pcm.shape)}")
+        audio = resample(pcm.float(), int(sample_rate), self.sample_rate).to(self.device)
+        frames = -(-audio.shape[-1] // self.frame_samples)
+        if frames == 0:
+            return torch.zeros(audio.shape[0], self.num_codebooks, 0, dtype=torch.int64)
+        audio = F.pad(audio, (0, frames * self.frame_samples - audio.shape[-1]))
+        z = self.encoder(audio[:, None])                                  # [B, C, 4T]
+        z = self.quantizer.downsample(z)                                  # [B, C, T]
+        z = self.quantizer.pre_module(z)
+        return self.quantizer.quantize(z).cpu()
+
+
+class StreamingDecoder:
+    """B decode streams: push frames in order, get their samples at once (no lookahead)."""
+
+    def __init__(self, codec: Codec, batch: int = 1):
+        self.codec = codec
+        self.states = [codec.new_state(1) for _ in range(batch)]
+        self.frames = 0
+        self.finished = False
+
+    def push(self, codes: Tensor) -> Tensor:
+        """codes int [B, N, t] -> float32 [B, t·frame_samples]."""
+        if self.finished:
+            raise RuntimeError("stream already finished")
+        codes = torch.as_tensor(codes)
+        self.codec.check_codes(codes)
+        if codes.shape[0] != len(self.states):
+            raise ValueError(f"stream has {len(self.states)} rows, got codes for {codes.shape[0]}")
+        pieces = self.codec.decode_streams(self.states, list(codes.unbind(0)))
+        self.frames += codes.shape[-1]
+        return torch.stack(pieces).cpu()
+
+    def finish(self) -> Tensor:
+        """Ends the stream. The decoder holds nothing back, so this returns [B, 0]."""
+        self.finished = True
+        return torch.zeros(len(self.states), 0)
+
+
+def load_codec(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> Codec:
+    """Build the codec from `config.json`'s codec_config and `codec.pth` (§2.4, §2.5, §7.3).
+
+    Weight norm is folded in float32, then the decode path is cast to `dtype` (default: float16
+    on CUDA, float32 on CPU); encode always runs in float32.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    cfg = load_config(checkpoint_dir).codec
+    checkpoint = load_torch_state_dict(checkpoint_dir / "codec.pth")
+    with torch.device("meta"):
+        codec = Codec(cfg)
+    weights, report = resolve_state_dict(codec, checkpoint)
+    codec.load_state_dict(weights, strict=True, assign=True)
+    codec.load_report = report
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    return codec.prepare(device, dtype)
