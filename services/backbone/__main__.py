@@ -1,0 +1,64 @@
+"""`python -m services.backbone --checkpoint DIR --port P --tower ADDR` (API.md §3.2, §3.4).
+
+Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_TOWER_ADDR, DRAMA_DEVICE, DRAMA_HOST,
+DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
+DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKENS (2048),
+DRAMA_SESSION_BUFFER_FRAMES (1024) and DRAMA_GRACE_S (30). Prints the memory figures at start and
+refuses to start when weights + cache pool exceed the budget. SIGTERM drains gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.backbone.server import MemoryBudgetError, Settings, serve
+from services.common.grpcutil import env_default
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m services.backbone",
+                                     description="Drama 3 backbone stage (gRPC)")
+    parser.add_argument("--checkpoint", default=env_default("DRAMA_CHECKPOINT"),
+                        help="checkpoint directory (DRAMA_CHECKPOINT)")
+    parser.add_argument("--tower", default=env_default("DRAMA_TOWER_ADDR", "127.0.0.1:50052"),
+                        help="tower address host:port (DRAMA_TOWER_ADDR)")
+    parser.add_argument("--host", default=env_default("DRAMA_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
+    parser.add_argument("--memory-budget-gb", type=float,
+                        default=env_default("DRAMA_MEMORY_BUDGET_GB", None, float))
+    args = parser.parse_args(argv)
+    if not args.checkpoint:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    return Settings(
+        checkpoint=args.checkpoint, tower_addr=args.tower, host=args.host, port=args.port,
+        device=args.device, memory_budget_gb=args.memory_budget_gb,
+        max_rows=env_default("DRAMA_MAX_ROWS", 64, int),
+        max_context_tokens=env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int),
+        max_queue=env_default("DRAMA_MAX_QUEUE", 256, int),
+        prefill_chunk_tokens=env_default("DRAMA_PREFILL_CHUNK_TOKENS", 2048, int),
+        session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
+        grace_s=env_default("DRAMA_GRACE_S", 30.0, float))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_args(argv)
+    try:
+        from services.common.telemetry import setup_telemetry
+        setup_telemetry("drama-backbone")
+        asyncio.run(serve(settings))
+    except MemoryBudgetError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
