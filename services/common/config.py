@@ -522,15 +522,25 @@ def is_flat_text_config(raw: dict) -> bool:
     return "text_config" not in raw and "num_codebooks" not in raw
 
 
-def load_config(checkpoint_dir: str | Path) -> DramaConfig:
+def load_config(checkpoint_dir: str | Path, *, check_tokenizer: bool = True) -> DramaConfig:
+    """config.json of a speech checkpoint; with `check_tokenizer`, and when the directory has a
+    tokenizer.json, every token id of the config must equal the tokenizer's (MODEL.md §2.2)."""
     path = Path(checkpoint_dir) / "config.json"
     raw = _read_json(path)
     if is_flat_text_config(raw):
         raise ConfigError(f"{path}: a text-only Qwen3.5-MoE config; only the backbone loads it")
     try:
-        return DramaConfig.from_dict(raw)
+        cfg = DramaConfig.from_dict(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if check_tokenizer and (Path(checkpoint_dir) / "tokenizer.json").is_file():
+        from services.common.tokenizer import check_token_ids, load_tokenizer   # tokenizers is heavy-ish
+
+        try:
+            check_token_ids(cfg, load_tokenizer(checkpoint_dir))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return cfg
 
 
 def load_text_config(checkpoint_dir: str | Path) -> TextConfig:

@@ -1,0 +1,290 @@
+"""Safetensors checkpoint access and the strict tensor check (MODEL.md §2.1, §2.5).
+
+    ckpt = open_safetensors(checkpoint_dir)       # index + shard headers only, no tensor data
+    ckpt.shape_of(name), ckpt.dtype_of(name)      # from the headers
+    ckpt.get(name)                                # memory-mapped read of one tensor, stored dtype
+    check_tensors(ckpt, expected, other_stage_names=...)   # one WeightError listing every problem
+
+Problems are collected, never raised one at a time: a real checkpoint whose names or shapes differ
+from ours should come back as one list that names each tensor and its shard file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.common.config import DramaConfig
+from services.common.inventory import (
+    BACKBONE_PREFIX,
+    F32_OR_BF16,
+    IGNORED_PREFIXES,
+    TEXT_ONLY_PREFIX,
+    TensorSpec,
+    backbone_inventory,
+    is_ignored,
+    tower_inventory,
+    tower_optional_inventory,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class WeightError(ValueError):
+    """Everything wrong with a checkpoint's tensors, as one error. `.problems` lists the lines."""
+
+    def __init__(self, problems: list[str], where: str = "checkpoint"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {where}:\n{lines}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SafetensorsCheckpoint:
+    """Lazy view of a sharded (or single-file) safetensors checkpoint.
+
+    Shard headers are read when the checkpoint is opened (to check the index against the shards);
+    tensor data is memory-mapped by `safe_open` and read only by `get`.
+    """
+
+    def __init__(self, directory: Path, weight_map: dict[str, str], index_name: str):
+        self.directory = Path(directory)
+        self.index_name = index_name     # the file that lists the tensors, for messages
+        self._weight_map = dict(weight_map)
+        self._handles: dict[str, object] = {}
+        self._headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        problems = []
+        for shard in sorted(set(self._weight_map.values())):
+            path = self.directory / shard
+            if not path.is_file():
+                problems.append(f"shard file {shard} is listed in {index_name} but does not exist")
+                continue
+            try:
+                self._headers[shard] = _read_header(path)
+            except ValueError as exc:
+                problems.append(f"{shard}: {exc}")
+        for name, shard in self._weight_map.items():
+            if shard in self._headers and name not in self._headers[shard]:
+                problems.append(f"{name}: listed in {index_name} under {shard}, but {shard} does not contain it")
+        for shard, header in self._headers.items():
+            for name in header:
+                if self._weight_map.get(name) != shard:
+                    problems.append(f"{name}: stored in {shard} but {index_name} does not map it there")
+        if problems:
+            raise WeightError(problems, f"checkpoint index {self.directory / index_name}")
+
+    # ---- queries (headers only) ----
+    def names(self) -> list[str]:
+        return list(self._weight_map)
+
+    keys = names   # the safetensors.safe_open spelling
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+    def file_of(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise KeyError(f"{name}: not in {self.index_name}") from None
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._headers[self.file_of(name)][name][1]
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        code = self._headers[self.file_of(name)][name][0]
+        try:
+            return SAFETENSORS_DTYPES[code]
+        except KeyError:
+            raise ValueError(f"{name} in {self.file_of(name)}: unsupported dtype {code}") from None
+
+    def nbytes_of(self, name: str) -> int:
+        return math.prod(self.shape_of(name)) * torch.empty(0, dtype=self.dtype_of(name)).element_size()
+
+    # ---- data ----
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor in its stored dtype (memory-mapped; copy it before writing to it)."""
+        shard = self.file_of(name)
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.directory / shard), framework="pt")
+        return self._handles[shard].get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype code, shape) from a safetensors header, without touching the data."""
+    with safe_open(str(path), framework="pt") as fh:
+        out = {}
+        for name in fh.keys():
+            piece = fh.get_slice(name)
+            out[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+        return out
+
+
+def open_safetensors(directory: str | Path) -> SafetensorsCheckpoint:
+    """Open `model.safetensors.index.json` (its weight_map) or else a single `model.safetensors`."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            raw = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = raw["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightError([f"{INDEX_FILE}: unreadable index ({exc!r})"], str(directory)) from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise WeightError([f"{INDEX_FILE}: weight_map must map tensor names to file names"],
+                              str(directory))
+        return SafetensorsCheckpoint(directory, weight_map, INDEX_FILE)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        names = _read_header(single)
+        return SafetensorsCheckpoint(directory, {n: SINGLE_FILE for n in names}, SINGLE_FILE)
+    raise WeightError([f"neither {INDEX_FILE} nor {SINGLE_FILE} exists"], str(directory))
+
+
+def _fp8_stand_in(name: str, spec: TensorSpec, stored: torch.dtype) -> bool:
+    """MODEL.md §2.5 rule 4: any BF16 linear weight may be stored FP8 (with a scale sibling)."""
+    return (stored == torch.float8_e4m3fn and name.endswith(".weight") and len(spec.shape) == 2
+            and torch.bfloat16 in spec.dtypes and not name.endswith("embeddings.weight")
+            and not name.endswith("embed_tokens.weight"))
+
+
+def find_tensor_problems(ckpt: SafetensorsCheckpoint, expected: Mapping[str, TensorSpec], *,
+                         ignore_prefixes: Iterable[str] = IGNORED_PREFIXES,
+                         other_stage_names: Iterable[str] = (),
+                         optional: Mapping[str, TensorSpec] | None = None,
+                         block_size: tuple[int, int] = (128, 128)) -> list[str]:
+    """Every missing, unexpected, mis-shaped and wrong-dtype tensor, one line each with its file.
+
+    expected: this stage's tensors; optional: tensors that may be absent but must match when
+    present; other_stage_names: names another stage claims (neither checked nor unexpected here).
+    """
+    optional = dict(optional or {})
+    other = set(other_stage_names)
+    present = set(ckpt.names())
+    problems = []
+    fp8_scales = set()   # scale siblings of BF16 linears stored as FP8 (rule 4)
+
+    for name, spec in {**expected, **optional}.items():
+        if name not in present:
+            if name in expected:
+                problems.append(f"missing: {name} (expected {spec}; not in {ckpt.index_name})")
+            continue
+        shard, shape, dtype = ckpt.file_of(name), ckpt.shape_of(name), ckpt.dtype_of(name)
+        if shape != spec.shape:
+            problems.append(f"wrong shape: {name} in {shard} is {list(shape)}, expected {list(spec.shape)}")
+        if dtype in spec.dtypes:
+            continue
+        if _fp8_stand_in(name, spec, dtype) and f"{name}_scale_inv" not in expected:
+            fp8_scales.add(f"{name}_scale_inv")
+            problems.extend(_scale_problems(ckpt, f"{name}_scale_inv", spec.shape, block_size))
+            continue
+        allowed = "/".join(dtype_name(d) for d in spec.dtypes)
+        problems.append(f"wrong dtype: {name} in {shard} is {dtype_name(dtype)}, expected {allowed}")
+
+    known = set(expected) | set(optional) | other | fp8_scales
+    for name in ckpt.names():
+        if name in known or is_ignored(name, ignore_prefixes):
+            continue
+        if name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in other:
+            continue   # the scale of another stage's FP8 weight: that stage checks it
+        if name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in present:
+            problems.append(f"unexpected: {name} in {ckpt.file_of(name)} (a scale whose weight "
+                            f"{name.removesuffix('_scale_inv')} is not FP8)")
+        else:
+            problems.append(f"unexpected: {name} in {ckpt.file_of(name)} "
+                            f"({list(ckpt.shape_of(name))} {dtype_name(ckpt.dtype_of(name))})")
+    return problems
+
+
+def _scale_problems(ckpt: SafetensorsCheckpoint, scale: str, weight_shape: tuple[int, ...],
+                    block_size: tuple[int, int]) -> list[str]:
+    want = tuple(math.ceil(n / b) for n, b in zip(weight_shape, block_size))
+    if scale not in ckpt:
+        return [f"missing: {scale} (the FP8 weight needs a {list(want)} scale; not in {ckpt.index_name})"]
+    out = []
+    if ckpt.shape_of(scale) != want:
+        out.append(f"wrong shape: {scale} in {ckpt.file_of(scale)} is {list(ckpt.shape_of(scale))}, "
+                   f"expected {list(want)}")
+    if ckpt.dtype_of(scale) not in F32_OR_BF16:
+        out.append(f"wrong dtype: {scale} in {ckpt.file_of(scale)} is {dtype_name(ckpt.dtype_of(scale))}, "
+                   f"expected float32/bfloat16")
+    return out
+
+
+def check_tensors(ckpt: SafetensorsCheckpoint, expected: Mapping[str, TensorSpec], *,
+                  ignore_prefixes: Iterable[str] = IGNORED_PREFIXES,
+                  other_stage_names: Iterable[str] = (),
+                  optional: Mapping[str, TensorSpec] | None = None,
+                  block_size: tuple[int, int] = (128, 128)) -> None:
+    """Raise one WeightError listing every problem find_tensor_problems reports (or return None)."""
+    problems = find_tensor_problems(ckpt, expected, ignore_prefixes=ignore_prefixes,
+                                    other_stage_names=other_stage_names, optional=optional,
+                                    block_size=block_size)
+    if problems:
+        raise WeightError(problems, f"checkpoint {ckpt.directory}")
+
+
+# --------------------------------------------------------------------------------------------
+# per-stage checks
+# --------------------------------------------------------------------------------------------
+
+STAGES = ("backbone", "tower")
+
+
+def detect_backbone_layout(ckpt: SafetensorsCheckpoint) -> dict:
+    """backbone_inventory keyword arguments that fit `ckpt`: its prefix (§2.5 rule 2) and its
+    routed-expert layout (rule 3: per-expert FP8 or BF16, or fused BF16)."""
+    names = ckpt.names()
+    prefixes = [p for p in (BACKBONE_PREFIX, TEXT_ONLY_PREFIX)
+                if f"{p}embed_tokens.weight" in ckpt]
+    if len(prefixes) != 1:
+        raise WeightError([f"expected exactly one backbone prefix ({BACKBONE_PREFIX!r} or "
+                           f"{TEXT_ONLY_PREFIX!r}) to hold embed_tokens.weight, found {prefixes or 'none'}"],
+                          f"checkpoint {ckpt.directory}")
+    prefix = prefixes[0]
+    fused = any(n.startswith(prefix) and n.endswith("mlp.experts.gate_up_proj") for n in names)
+    probe = f"{prefix}layers.0.mlp.experts.0.gate_proj.weight"
+    fp8 = probe not in ckpt or ckpt.dtype_of(probe) == torch.float8_e4m3fn
+    return {"prefix": prefix, "fp8_experts": fp8, "fused_experts": fused}
+
+
+def stage_expectations(ckpt: SafetensorsCheckpoint, cfg: DramaConfig, stage: str
+                       ) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec], set[str]]:
+    """(expected, optional, names claimed by the other stage) for `stage` of MODEL.md §2.5 rule 6."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    backbone = backbone_inventory(cfg, **detect_backbone_layout(ckpt))
+    tower, tower_optional = tower_inventory(cfg), tower_optional_inventory(cfg)
+    if stage == "backbone":
+        return backbone, {}, set(tower) | set(tower_optional)
+    return tower, tower_optional, set(backbone)
+
+
+def check_stage(ckpt: SafetensorsCheckpoint, cfg: DramaConfig, stage: str) -> None:
+    """The strict check of one stage's tensors; the other stage's names are neither missing nor
+    unexpected here, so each stage's check still covers the whole index."""
+    expected, optional, other = stage_expectations(ckpt, cfg, stage)
+    block = tuple(cfg.quantization_config.weight_block_size) if cfg.quantization_config else (128, 128)
+    check_tensors(ckpt, expected, optional=optional, other_stage_names=other, block_size=block)
