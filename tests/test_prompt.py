@@ -275,20 +275,34 @@ def test_config_tokenizer_mismatch_is_refused(prompt_dir, tmp_path):
 
 
 def test_generated_tiny_checkpoint_tokenizer_gives_the_same_ids(prompt_dir, tmp_path):
-    """The tokenizer services.common builds for the tiny checkpoint equals the spec one here."""
-    tokenizer_module = pytest.importorskip("services.common.tokenizer")
-    from services.common.config import load_config
+    """make_checkpoint's tiny tokenizer.json gives the ids of the spec-built one here."""
+    from services.common.make_checkpoint import make_checkpoint
 
-    built = tokenizer_module.build_tiny_tokenizer(load_config(prompt_dir))
-    if isinstance(built, (str, bytes)):
-        (tmp_path / "tokenizer.json").write_text(built if isinstance(built, str) else built.decode())
-    else:
-        built.save(str(tmp_path / "tokenizer.json"))
-    shutil.copy(prompt_dir / "config.json", tmp_path / "config.json")
-    theirs = PromptBuilder.from_checkpoint(tmp_path)
-    text = "<|speaker:1|>Hello, wörld! [laughs] 你好 <|speaker:0|>ok"
+    theirs = PromptBuilder.from_checkpoint(make_checkpoint(tmp_path, preset="tiny", dry_run=True))
     ours = PromptBuilder.from_checkpoint(prompt_dir)
-    assert theirs.build(text).chunks == ours.build(text).chunks
+    text = "<|speaker:1|>Hello, wörld! [laughs] 你好 <|speaker:0|>ok"
+    refs = [RefPart("Ref.", codes(3), speaker=1)]
+    ids_theirs, frames_theirs = theirs.build(text, references=refs).flat_rows()
+    ids_ours, frames_ours = ours.build(text, references=refs).flat_rows()
+    assert ids_theirs == ids_ours and torch.equal(frames_theirs, frames_ours)
+
+
+def test_full_preset_tokenizer_builds_with_its_own_special_ids(tmp_path):
+    """The full preset places specials at Qwen-like ids; the builder takes them from the files."""
+    from services.common.config import load_config
+    from services.common.make_checkpoint import make_checkpoint
+
+    directory = make_checkpoint(tmp_path, preset="full", dry_run=True)
+    cfg = load_config(directory)
+    prompt = PromptBuilder.from_checkpoint(directory).build(
+        "Hi.", references=[RefPart("Ref.", codes(7, n=cfg.num_codebooks), speaker=0)])
+    assert prompt.assistant_open[0] == cfg.im_start_token_id
+    assert prompt.assistant_open[-1] == cfg.voice_token_id
+    assert prompt.assistant_close[0] == cfg.im_end_token_id
+    assert prompt.chunks[0][0] == cfg.im_start_token_id
+    assert prompt.chunks[0][len(USER)] == cfg.speaker_start_token_id  # after "<|im_start|>user\n"
+    ids, _ = prompt.flat_rows()
+    assert cfg.semantic_start_token_id + 7 in ids
 
 
 # ---------------------------------------------------------------------------------------------
