@@ -519,7 +519,8 @@ def _clip(item, path: str, info: ModelInfo, *, allow_speaker: bool, speaker: int
     if not isinstance(item, dict):
         raise errors.invalid_type(path, "an object", type_name(item))
     check_keys(item, _CLIP_FIELDS if allow_speaker else _CLIP_FIELDS[:-1], path)
-    sources = [key for key in ("audio", "audio_path", "vq_codes") if item.get(key) is not None]
+    # In the caller's key order, so `param` names the second source given.
+    sources = [key for key in item if key in ("audio", "audio_path", "vq_codes") and item[key] is not None]
     if not sources:
         raise errors.missing(f"{path}.audio")
     if len(sources) > 1:
