@@ -29,8 +29,7 @@ def _build(cls, raw: dict, section: str, *, extra_allowed: dict[str, Any] | None
     `extra_allowed` maps keys that are accepted but not stored to a check: None (any value) or a
     required value (compared with ==) or a callable returning True when the value is supported.
     """
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a JSON object, got {type(raw).__name__}")
+    _object(raw, section)
     names = {f.name for f in fields(cls) if f.init}
     kwargs, extra_allowed = {}, extra_allowed or {}
     for key, value in raw.items():
@@ -51,6 +50,12 @@ def _build(cls, raw: dict, section: str, *, extra_allowed: dict[str, Any] | None
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{section}.{exc}") from None
+
+
+def _object(raw, section: str) -> dict:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _require(cond: bool, key: str, message: str) -> None:
@@ -184,8 +189,9 @@ class TextConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, section: str = "text_config") -> "TextConfig":
-        return _build(cls, raw, section, extra_allowed=_TEXT_ACCEPTED | {
-            k: None for k in raw if isinstance(k, str) and k.startswith("mtp_")})
+        mtp_keys = {k: None for k in raw if isinstance(k, str) and k.startswith("mtp_")} \
+            if isinstance(raw, dict) else {}
+        return _build(cls, raw, section, extra_allowed=_TEXT_ACCEPTED | mtp_keys)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +227,8 @@ class AudioDecoderConfig:
         for key in self.rope_parameters:
             _require(key in ("rope_theta", "partial_rotary_factor", "rope_type"),
                      f"rope_parameters.{key}", "unknown key")
+        _require(self.rope_parameters.get("rope_type", "default") == "default", "rope_parameters.rope_type",
+                 f"only 'default' is implemented, got {self.rope_parameters.get('rope_type')!r}")
         rot = self.head_dim * self.partial_rotary_factor
         _require(rot == int(rot) and int(rot) % 2 == 0 and rot > 0, "rope_parameters.partial_rotary_factor",
                  f"head_dim * factor = {rot} must be a positive even integer")
@@ -279,7 +287,7 @@ class QuantizerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, section: str) -> "QuantizerConfig":
-        raw = dict(raw)
+        raw = dict(_object(raw, section))
         for key in ("post_module", "pre_module"):
             if key in raw:
                 raw[key] = _build(WindowedTransformerConfig, raw[key], f"{section}.{key}")
@@ -313,7 +321,7 @@ class CodecConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, section: str = "codec_config") -> "CodecConfig":
-        raw = dict(raw)
+        raw = dict(_object(raw, section))
         if "quantizer" in raw:
             raw["quantizer"] = QuantizerConfig.from_dict(raw["quantizer"], f"{section}.quantizer")
         return _build(cls, raw, section)
@@ -332,6 +340,13 @@ class CodecConfig:
                      f"transformer_general_config.{key}", "unknown key")
         _require(self.frame_samples == math.prod(self.decoder_rates) * math.prod(self.quantizer.downsample_factor),
                  "decoder_rates", "encoder and decoder hop lengths disagree")
+        # Decoder widths halve per block (w_b = decoder_dim / 2^b) and must stay whole.
+        _require(self.decoder_dim % 2 ** len(self.decoder_rates) == 0, "decoder_dim",
+                 f"must be divisible by 2^{len(self.decoder_rates)}")
+        # The encoder block transformer has dim // 64 heads (MODEL.md §7.1): it needs dim >= 64.
+        for b, n_layer in enumerate(self.encoder_transformer_layers):
+            _require(n_layer == 0 or self.encoder_dim * 2 ** (b + 1) >= 64, f"encoder_transformer_layers[{b}]",
+                     f"block width {self.encoder_dim * 2 ** (b + 1)} is below 64 (no attention head)")
 
     @property
     def hop_length(self) -> int:          # encoder hop, 512 for the real codec
@@ -448,6 +463,8 @@ class DramaConfig:
                  "semantic_end_token_id", "semantic token ids must be contiguous and span semantic_codebook_size")
         _require(self.codebook_vocab_size >= max(self.semantic_codebook_size, self.residual_codebook_size),
                  "codebook_vocab_size", "must hold every semantic and residual code")
+        _require(self.semantic_start_token_id >= 0, "semantic_start_token_id", "must be >= 0")
+        _require(self.speaker_start_token_id >= 0, "speaker_start_token_id", "must be >= 0")
         for key in ("semantic_end_token_id", "im_start_token_id", "im_end_token_id", "pad_token_id",
                     "voice_token_id"):
             _require(0 <= getattr(self, key) < self.text_config.vocab_size, key, "outside the vocabulary")
@@ -467,7 +484,7 @@ class DramaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DramaConfig":
-        raw = dict(raw)
+        raw = dict(_object(raw, "config.json"))
         sections = {
             "text_config": lambda v: TextConfig.from_dict(v, "text_config"),
             "audio_decoder_config": lambda v: _build(AudioDecoderConfig, v, "audio_decoder_config"),
