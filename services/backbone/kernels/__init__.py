@@ -1,0 +1,29 @@
+"""GPU fast paths for the backbone (issue #7), each beside a plain-torch reference.
+
+    fp8_moe.py       routed FP8 experts (MODEL.md §4.5, §4.7): Triton decode step + grouped prefill,
+                     a one-launch router/top-k, and `naive_moe_fp8` (loops, float32)
+    gdn.py           Gated DeltaNet core (§4.3): fla kernels on CUDA (chunked prefill, recurrent
+                     decode), an in-place Triton decode step, the causal depthwise conv with its
+                     state, the gated RMSNorm, and float32 references
+    decode_graph.py  small fused kernels of the decode step (RMSNorm⁺, attention q/k norm + RoPE +
+                     KV write) and a CUDA-graph wrapper for a fixed-shape step
+
+Every module imports on a machine without Triton or CUDA: the Triton kernels are defined only
+when `triton` imports, and each public function falls back to its torch reference on CPU.
+`HAS_TRITON` says which side a call takes; tests force either side.
+"""
+
+from __future__ import annotations
+
+try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+
+def use_triton(*tensors) -> bool:
+    """True when every tensor is on CUDA and Triton is importable: the one dispatch rule."""
+    return HAS_TRITON and all(t.is_cuda for t in tensors)

@@ -1,0 +1,456 @@
+"""Routed FP8 experts on the GPU (MODEL.md §4.5 routing, §4.7 block-FP8 arithmetic).
+
+Shape letters: T token rows, H hidden size, E experts, k experts per token (top-k), I expert
+intermediate size, n = T·k (token, slot) pairs, BM rows per block of a grouped GEMM.
+
+Expert weights, stacked over experts (checkpoint tensors `experts.{e}.{gate,up,down}_proj.*`):
+
+    w_gate_up [E, 2I, H] float8_e4m3fn   rows 0..I-1 = gate_proj, rows I..2I-1 = up_proj
+    s_gate_up [E, 2·⌈I/128⌉, ⌈H/128⌉]    gate's weight_scale_inv rows, then up's (kept apart so a
+                                          partial last 128-row block of gate never shares a scale
+                                          with up when I is not a multiple of 128)
+    w_down    [E, H, I] float8_e4m3fn
+    s_down    [E, ⌈H/128⌉, ⌈I/128⌉]
+
+`pack_gate_up` builds the first pair from the separate checkpoint tensors.
+
+One expert applied to an activation row u, with the rounding points this module defines:
+
+    gate = bf16(fp8_linear(u, gate_proj))           §4.7: dynamic 1x128 quantisation of u,
+    up   = bf16(fp8_linear(u, up_proj))             F32 accumulation, per-block scales
+    h    = bf16(silu(gate) · up)                    (silu and product in F32)
+    E(u) = fp8_linear(h, down_proj)   in F32        §4.7 again, quantising h per 1x128 group
+    MoE(u) = Σ_j w_j · E_{e_j}(u)  in F32, rounded once by the caller after adding the shared expert
+
+Public functions:
+
+    router_topk(logits [T, E], k)                        -> ids int32 [T, k], weights bf16 [T, k]
+    moe_fp8(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down) -> y [T, H]
+    moe_fp8_grouped(...)  same, always through the sorted/padded grouped GEMM (prefill)
+    naive_moe_fp8(...)    same arguments: plain loops over tokens and experts on dequantised
+                          weights with §4.7's activation quantisation, float32 (the test reference)
+
+How the decode step reads each selected expert once: the (token, slot) pairs are grouped by
+expert into blocks of BM rows (one launch of `_route_kernel`, no host sync, so the step can be
+captured in a CUDA graph); each program of the two GEMM kernels takes one block and one stripe
+of output columns, so an expert's weights are streamed by exactly one block row of programs.
+Weights are converted fp8 -> bf16 in registers and multiplied with a bf16 `tl.dot`: fp8 values
+are exact in bf16 and products of two are exact in F32, so this is the §4.7 arithmetic, not an
+approximation of it (decode is bound by weight bytes, not by tensor-core rate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import HAS_TRITON, use_triton
+
+FP8_MAX = 448.0
+ACTIVATION_SCALE_FLOOR = 1e-10   # §4.7: a_g = max(max|x_g|, 1e-10) / 448
+GROUP = 128                      # activation group = weight block (weight_block_size [128, 128])
+DECODE_MAX_PAIRS = 1024          # above this many (token, slot) pairs the torch-sorted grouped path is used
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------------
+# torch helpers and references (any device)
+# --------------------------------------------------------------------------------------------
+
+def quantize_rows_fp8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.7 dynamic quantisation along the last dim, on x's device (services.common.fp8's
+    quantize_activation_fp8 is the CPU original; a CPU test checks they agree bit for bit).
+
+    x [..., K] -> (x_q [..., K] float8_e4m3fn, a [..., ⌈K/group⌉] float32).
+    """
+    k = x.shape[-1]
+    groups = math.ceil(k / group)
+    x32 = x.float().reshape(-1, k)
+    padded = F.pad(x32, (0, groups * group - k))
+    amax = padded.abs().view(-1, groups, group).amax(dim=-1)
+    a = amax.clamp_min(ACTIVATION_SCALE_FLOOR) / FP8_MAX
+    x_q = (x32 / a.repeat_interleave(group, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x_q.reshape(x.shape), a.reshape(*x.shape[:-1], groups)
+
+
+def dequantize_weight(w_q: torch.Tensor, s: torch.Tensor, block: int = GROUP) -> torch.Tensor:
+    """W[n, j] = float(W_q[n, j]) · S[n // 128, j // 128] in float32. w_q [N, K], s [⌈N/128⌉, ⌈K/128⌉]."""
+    n, k = w_q.shape
+    full = s.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    return w_q.float() * full
+
+
+def fp8_linear_dequant(x: torch.Tensor, w_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """§4.7 linear through dequantised operands, float32: (x_q·a) @ (W_q·S)ᵀ. x [..., K] -> [..., N]."""
+    x_q, a = quantize_rows_fp8(x)
+    x_deq = x_q.float() * a.repeat_interleave(GROUP, dim=-1)[..., :x.shape[-1]]
+    return x_deq @ dequantize_weight(w_q, s).T
+
+
+def pack_gate_up(w_gate: torch.Tensor, s_gate: torch.Tensor, w_up: torch.Tensor, s_up: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, I, H] gate/up weights and [E, ⌈I/128⌉, ⌈H/128⌉] scales -> (w_gate_up [E, 2I, H], s_gate_up)."""
+    return torch.cat([w_gate, w_up], dim=1).contiguous(), torch.cat([s_gate, s_up], dim=1).float().contiguous()
+
+
+def _check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down):
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    t, h = x.shape
+    e, i2, h2 = w_gate_up.shape
+    i = i2 // 2
+    if h2 != h or i2 % 2:
+        raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} does not fit x {tuple(x.shape)}: expected [E, 2I, {h}]")
+    if tuple(w_down.shape) != (e, h, i):
+        raise ValueError(f"w_down {tuple(w_down.shape)}: expected {(e, h, i)}")
+    sg, kg = math.ceil(i / GROUP), math.ceil(h / GROUP)
+    if tuple(s_gate_up.shape) != (e, 2 * sg, kg):
+        raise ValueError(f"s_gate_up {tuple(s_gate_up.shape)}: expected {(e, 2 * sg, kg)}")
+    if tuple(s_down.shape) != (e, kg, sg):
+        raise ValueError(f"s_down {tuple(s_down.shape)}: expected {(e, kg, sg)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)}: expected [{t}, k]")
+    return t, h, e, i
+
+
+def naive_moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down) -> torch.Tensor:
+    """Reference for moe_fp8: loops over tokens and their experts, float32. Returns [T, H] float32."""
+    t_rows, h, _, i = _check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
+    sg = s_gate_up.shape[1] // 2
+    y = torch.zeros(t_rows, h, dtype=torch.float32, device=x.device)
+    for t in range(t_rows):
+        u = x[t:t + 1]
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate = fp8_linear_dequant(u, w_gate_up[e, :i], s_gate_up[e, :sg]).to(torch.bfloat16)
+            up = fp8_linear_dequant(u, w_gate_up[e, i:], s_gate_up[e, sg:]).to(torch.bfloat16)
+            act = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+            y[t] += topk_weights[t, j].float() * fp8_linear_dequant(act, w_down[e], s_down[e])[0]
+    return y
+
+
+def router_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.5: softmax over E in F32, the k largest (lower index first on ties), renormalised, BF16.
+
+    logits [T, E] -> (ids int32 [T, k], weights bf16 [T, k]). A stable descending sort gives
+    the lower index first among equal probabilities, which torch.topk does not promise.
+    """
+    p = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.sort(p, dim=-1, descending=True, stable=True)
+    w, ids = w[:, :k], ids[:, :k]
+    return ids.to(torch.int32), (w / w.sum(dim=-1, keepdim=True)).to(torch.bfloat16)
+
+
+def align_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Group the n = T·k (token, slot) pairs by expert into blocks of `block_m` rows, with torch ops
+    only (no host sync). Pair p = t·k + j. Blocks are ordered by expert id, rows by pair index.
+
+    Returns (block_expert int32 [max_blocks] (−1 = unused block), block_rows int32
+    [max_blocks·block_m] (pair index, n = padding), max_blocks). Σ_e ⌈c_e/BM⌉ < n/BM + min(E, n)
+    bounds the number of blocks, so max_blocks is fixed by the shapes alone.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    max_blocks = math.ceil(n / block_m) + min(num_experts, n)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    nblk = (counts + block_m - 1) // block_m
+    blk_end = nblk.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_ids]
+    dest = (blk_end - nblk)[sorted_ids] * block_m + rank
+    block_rows = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    block_rows[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(blk_end, torch.arange(max_blocks, device=dev), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return block_expert, block_rows, max_blocks
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quant_tile(x):
+        """x [BM, 128] float32 (masked columns 0) -> (x_q as bf16 values, a [BM]) per §4.7.
+
+        div_rn: Triton's default float32 division is approximate; §4.7's rounding is defined by
+        IEEE division (torch's), and one ulp can move an e4m3 rounding decision.
+        """
+        amax = tl.max(tl.abs(x), axis=1)
+        a = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+        xq = tl.math.div_rn(x, a[:, None])
+        xq = tl.minimum(tl.maximum(xq, -448.0), 448.0)
+        return xq.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.bfloat16), a
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, xq_ptr, a_ptr, M, K, stride_xm, BM: tl.constexpr):
+        """Standalone §4.7 activation quantiser (tests check `_quant_tile` bit for bit with it)."""
+        pid_m, g = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = g * 128 + tl.arange(0, 128)
+        ok = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        xq, a = _quant_tile(x)
+        tl.store(xq_ptr + rows[:, None] * K + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
+        tl.store(a_ptr + rows * tl.cdiv(K, 128) + g, a, mask=rows < M)
+
+    @triton.jit
+    def _route_kernel(ids_ptr, nblk_ptr, block_expert_ptr, block_rows_ptr, n, max_blocks,
+                      NP: tl.constexpr, QC: tl.constexpr, BM: tl.constexpr, FILL: tl.constexpr):
+        """One program: the block table of align_blocks_torch for n <= NP pairs, in one launch.
+
+        For each pair p: before[p] = #{q < p: id_q = id_p}, total[p] = #{q: id_q = id_p}; the
+        first occurrence of an expert publishes its block count, and an expert's first block is
+        the sum of the block counts of all smaller expert ids present. O(n²) compares, fine for
+        a decode step (n <= 1024).
+        """
+        for f0 in range(0, max_blocks * BM, FILL):
+            offs = f0 + tl.arange(0, FILL)
+            tl.store(block_rows_ptr + offs, tl.full([FILL], 0, tl.int32) + n, mask=offs < max_blocks * BM)
+        for f0 in range(0, max_blocks, FILL):
+            offs = f0 + tl.arange(0, FILL)
+            tl.store(block_expert_ptr + offs, tl.full([FILL], -1, tl.int32), mask=offs < max_blocks)
+        p = tl.arange(0, NP)
+        p_ok = p < n
+        ids_p = tl.load(ids_ptr + p, mask=p_ok, other=-1).to(tl.int32)
+        before = tl.zeros([NP], dtype=tl.int32)
+        total = tl.zeros([NP], dtype=tl.int32)
+        for q0 in range(0, n, QC):
+            q = q0 + tl.arange(0, QC)
+            ids_q = tl.load(ids_ptr + q, mask=q < n, other=-2).to(tl.int32)
+            eq = ids_p[:, None] == ids_q[None, :]
+            total += tl.sum(eq.to(tl.int32), axis=1)
+            before += tl.sum((eq & (q[None, :] < p[:, None])).to(tl.int32), axis=1)
+        nblk = (total + BM - 1) // BM
+        tl.store(nblk_ptr + p, tl.where((before == 0) & p_ok, nblk, 0), mask=p_ok)
+        tl.debug_barrier()
+        start = tl.zeros([NP], dtype=tl.int32)
+        for q0 in range(0, n, QC):
+            q = q0 + tl.arange(0, QC)
+            ids_q = tl.load(ids_ptr + q, mask=q < n, other=-2).to(tl.int32)
+            nb_q = tl.load(nblk_ptr + q, mask=q < n, other=0)
+            start += tl.sum(tl.where(ids_q[None, :] < ids_p[:, None], nb_q[None, :], 0), axis=1)
+        blk = start + before // BM
+        r = before % BM
+        tl.debug_barrier()
+        tl.store(block_rows_ptr + blk * BM + r, p, mask=p_ok)
+        tl.store(block_expert_ptr + blk, ids_p, mask=p_ok & (r == 0))
+
+    @triton.jit
+    def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, block_expert_ptr, block_rows_ptr,
+                            n_pairs, top_k, H, I, SG,
+                            stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                            BM: tl.constexpr, BN: tl.constexpr):
+        """h[p, n] = bf16(silu(gate) · up) for the BM pairs of one block and BN intermediate columns."""
+        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert < 0:
+            return
+        rows = tl.load(block_rows_ptr + pid_b * BM + tl.arange(0, BM))
+        row_ok = rows < n_pairs
+        tokens = tl.where(row_ok, rows // top_k, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, 128)
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        w_up = w_gate + I * stride_wn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(H, 128)):
+            kk = kb * 128 + offs_k
+            k_ok = kk < H
+            x = tl.load(x_ptr + tokens[:, None] * stride_xt + kk[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xq, a = _quant_tile(x)
+            wm = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(tl.bfloat16)
+            wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(tl.bfloat16)
+            sg = tl.load(s_base + kb).to(tl.float32)
+            su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
+            acc_g += tl.dot(xq, tl.trans(wg)) * a[:, None] * sg
+            acc_u += tl.dot(xq, tl.trans(wu)) * a[:, None] * su
+        gate = acc_g.to(tl.bfloat16).to(tl.float32)
+        up = acc_u.to(tl.bfloat16).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :], act.to(tl.bfloat16),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, block_expert_ptr, block_rows_ptr,
+                         n_pairs, H, I,
+                         stride_we, stride_wn, stride_se, stride_sn,
+                         BM: tl.constexpr, BN: tl.constexpr):
+        """out[p, n] = w_p · fp8_linear(h[p], down_e)[n] in F32 for one block and BN hidden columns."""
+        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert < 0:
+            return
+        rows = tl.load(block_rows_ptr + pid_b * BM + tl.arange(0, BM))
+        row_ok = rows < n_pairs
+        rows64 = tl.where(row_ok, rows, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, 128)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(I, 128)):
+            kk = kb * 128 + offs_k
+            k_ok = kk < I
+            hx = tl.load(h_ptr + rows64[:, None] * I + kk[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            hq, a = _quant_tile(hx)
+            w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.bfloat16)
+            s = tl.load(s_base + kb).to(tl.float32)
+            acc += tl.dot(hq, tl.trans(w)) * a[:, None] * s
+        rw = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows64[:, None] * H + offs_n[None, :], acc * rw[:, None],
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _router_kernel(logits_ptr, ids_ptr, w_ptr, E, K, stride_t,
+                       KP: tl.constexpr, BE: tl.constexpr):
+        """One row per program: softmax over E (F32), k largest (lowest index on ties), renormalised."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BE)
+        ok = offs < E
+        logit = tl.load(logits_ptr + t * stride_t + offs, mask=ok, other=-float("inf")).to(tl.float32)
+        m = tl.max(logit, axis=0)
+        e = tl.where(ok, tl.exp(logit - m), 0.0)
+        p = e / tl.sum(e, axis=0)
+        slots = tl.arange(0, KP)
+        ids = tl.zeros([KP], dtype=tl.int32)
+        ws = tl.zeros([KP], dtype=tl.float32)
+        for j in range(0, K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BE), axis=0)
+            ids = tl.where(slots == j, idx, ids)
+            ws = tl.where(slots == j, best, ws)
+            p = tl.where(offs == idx, -1.0, p)
+        ws = ws / tl.sum(ws, axis=0)
+        tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
+        tl.store(w_ptr + t * K + slots, ws, mask=slots < K)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers and public API
+# --------------------------------------------------------------------------------------------
+
+# (BM, BN gate_up, BN down, num_warps, num_stages); bench/kernels.py sweeps these on the H200.
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=64, num_warps=4, num_stages=4)
+PREFILL_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=128, num_warps=8, num_stages=3)
+
+
+def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-kernel §4.7 quantiser run on its own: x [M, K] (CUDA) -> (x_q [M, K] fp8, a [M, ⌈K/128⌉])."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    a = torch.empty(m, math.ceil(k / GROUP), dtype=torch.float32, device=x.device)
+    _quant_rows_kernel[(triton.cdiv(m, 16), triton.cdiv(k, GROUP))](x, xq, a, m, k, x.stride(0), BM=16)
+    return xq, a
+
+
+def route_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """align_blocks_torch in one Triton launch (n = T·k <= DECODE_MAX_PAIRS); same tables."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    if n > DECODE_MAX_PAIRS:
+        raise ValueError(f"route_blocks handles at most {DECODE_MAX_PAIRS} pairs, got {n}")
+    max_blocks = math.ceil(n / block_m) + min(num_experts, n)
+    dev = flat.device
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    scratch = torch.empty(n, dtype=torch.int32, device=dev)
+    np_ = max(16, triton.next_power_of_2(n))
+    _route_kernel[(1,)](flat, scratch, block_expert, block_rows, n, max_blocks,
+                        NP=np_, QC=16, BM=block_m, FILL=1024, num_warps=8 if np_ >= 256 else 4)
+    return block_expert, block_rows, max_blocks
+
+
+def router_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_topk_reference in one launch on CUDA. logits [T, E] (rows may be strided)."""
+    if not use_triton(logits):
+        return router_topk_reference(logits, k)
+    if logits.stride(-1) != 1:
+        raise ValueError("router_topk needs unit stride along E")
+    t, e = logits.shape
+    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
+    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    _router_kernel[(t,)](logits, ids, w, e, k, logits.stride(0), KP=triton.next_power_of_2(k),
+                         BE=triton.next_power_of_2(e), num_warps=4)
+    return ids, w.to(torch.bfloat16)
+
+
+def _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
+               block_expert, block_rows, max_blocks, cfg) -> torch.Tensor:
+    """Run the two GEMM kernels over a block table; returns per-pair outputs [T, k, H] float32."""
+    t, h = x.shape
+    e, i2, _ = w_gate_up.shape
+    i, k = i2 // 2, topk_ids.shape[1]
+    n = t * k
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    act = torch.empty(n, i, dtype=torch.bfloat16, device=x.device)
+    bm, bn1, bn2 = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"]
+    if GROUP % bn1 or GROUP % bn2:
+        raise ValueError("BN must divide 128 so a program's columns share one scale block")
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(i, bn1))](
+        x, w_gate_up, s_gate_up, act, block_expert, block_rows, n, k, h, i, s_gate_up.shape[1] // 2,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
+        BM=bm, BN=bn1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1)
+    _moe_down_kernel[(max_blocks, triton.cdiv(h, bn2))](
+        act, w_down, s_down, out, weights, block_expert, block_rows, n, h, i,
+        w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
+        BM=bm, BN=bn2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out.view(t, k, h)
+
+
+def moe_fp8_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, *,
+                  grouped: bool | None = None, config: dict | None = None) -> torch.Tensor:
+    """CUDA only: the weighted per-pair expert outputs w_j·E_{e_j}(x_t), [T, k, H] float32, for a
+    caller that fuses the final sum (decode_graph.moe_combine). grouped=None picks the decode
+    path (one-launch router table) for T·k <= DECODE_MAX_PAIRS, the torch-sorted one above."""
+    _, _, e, _ = _check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
+    if grouped is None:
+        grouped = topk_ids.numel() > DECODE_MAX_PAIRS
+    cfg = config or (PREFILL_CONFIG if grouped else DECODE_CONFIG)
+    tables = (align_blocks_torch if grouped else route_blocks)(topk_ids, e, cfg["BM"])
+    return _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, *tables, cfg)
+
+
+def moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, *,
+            shared: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+            config: dict | None = None, grouped: bool | None = None) -> torch.Tensor:
+    """Routed experts for x [T, H] bf16 with top-k ids/weights [T, k]; returns [T, H] `out_dtype`.
+
+    `shared` ([T, H], optional) is added in F32 before the single rounding (the shared expert's
+    σ(gate)·E_s(u), §4.5). CUDA: decode path (one-launch router table, BM = 16) for T·k <=
+    DECODE_MAX_PAIRS, else the grouped prefill path (`grouped` forces either). CPU: naive_moe_fp8.
+    """
+    _check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
+    if use_triton(x, w_gate_up, w_down):
+        y = moe_fp8_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
+                          grouped=grouped, config=config).sum(1)
+    else:
+        y = naive_moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
+    if shared is not None:
+        y = y + shared.float()
+    return y.to(out_dtype)
+
+
+def moe_fp8_grouped(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, **kwargs) -> torch.Tensor:
+    """Prefill path: pairs sorted by expert with torch ops, padded to BM = 64 rows, grouped GEMM."""
+    return moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, grouped=True, **kwargs)

@@ -1,0 +1,290 @@
+"""Gated DeltaNet core on the GPU (MODEL.md §4.3), beside float32 references that run anywhere.
+
+Shape letters (fla's layout): B sequences, T rows, Hk key/query heads, Hv value heads (value head
+h uses key head h // (Hv/Hk), consecutive grouping), K key head dim, V value head dim, C conv
+channels (2·Hk·K + Hv·V), Kc conv taps. States are [B, Hv, K, V] float32.
+
+    causal_conv1d(x [B,T,C], w [C,Kc], state [B,C,Kc-1])   -> (silu(conv) [B,T,C], state')   torch, any device
+    causal_conv1d_update(x [B,C], w, state)                -> silu(conv) [B,C]; state updated in place (Triton)
+    gdn_gates(a, b, A_log, dt_bias)                        -> g (log decay), beta  (F32)
+    chunk_gated_delta_rule(q,k,v,g,beta, initial_state)    -> (o, S)   fla chunk kernel on CUDA, else reference
+    recurrent_gated_delta_rule(q,k,v,g,beta, initial_state)-> (o, S)   fla fused_recurrent on CUDA, else reference
+    gdn_decode_inplace(q,k,v,a,b,A_log,dt_bias, state)     -> o [B,Hv,V]: one row, gates fused, state in place
+    gated_rms_norm(o [..,V], z [..,V], w [V], eps)         -> RMSNorm(o)·w ⊙ silu(z), bf16
+    naive_recurrent_gated_delta_rule / naive_causal_conv1d / naive_gated_rms_norm: plain loops, float32
+
+q and k go in un-normalised: the l2 norm (eps 1e-6) and the d_k^-1/2 scale are applied inside
+(`use_qk_l2norm_in_kernel=True` for fla), as in Qwen3.5's transformers code.
+
+Why an own decode kernel beside fla's fused_recurrent: fla's launcher allocates a new final
+state and needs contiguous q/k/v/g/beta, so a decode step through it pays five copies plus a state
+copy back (2 MB per layer and sequence, twice). `gdn_decode_inplace` is fla's recurrence for one
+row, reading strided views of the projection output and updating the state where it lies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import HAS_TRITON, use_triton
+
+L2_EPS = 1e-6
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def _fla():
+    """fla's gated delta rule ops, or None (CPU machines, or fla not installed)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # ImportError, or fla failing to import without a GPU
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+# --------------------------------------------------------------------------------------------
+# short conv
+# --------------------------------------------------------------------------------------------
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + silu over time (§4.3 step 2), F32 math, taps summed in order.
+
+    x [B, T, C]; weight [C, Kc] (conv1d.weight squeezed); conv_state [B, C, Kc-1] = the last
+    Kc-1 pre-activation inputs (zeros at sequence start when None). Returns
+    (y [B, T, C] in x.dtype, new_state [B, C, Kc-1] in x.dtype).
+    """
+    b, t, c = x.shape
+    taps = weight.shape[1]
+    if conv_state is None:
+        conv_state = x.new_zeros(b, c, taps - 1)
+    window = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1).float()   # [B, Kc-1+T, C]
+    w = weight.float()
+    out = window[:, 0:t] * w[:, 0]
+    for j in range(1, taps):
+        out = out + window[:, j:j + t] * w[:, j]
+    new_state = window[:, -(taps - 1):].transpose(1, 2).to(x.dtype).contiguous()
+    return F.silu(out).to(x.dtype), new_state
+
+
+def naive_causal_conv1d(x, weight, conv_state=None):
+    """Reference for causal_conv1d: loops over rows, channels' taps, float32."""
+    b, t, c = x.shape
+    taps = weight.shape[1]
+    state = (torch.zeros(b, c, taps - 1, device=x.device) if conv_state is None else conv_state.float()).clone()
+    y = torch.empty(b, t, c, dtype=torch.float32, device=x.device)
+    for s in range(t):
+        window = torch.cat([state, x[:, s, :, None].float()], dim=2)           # [B, C, Kc]
+        acc = torch.zeros(b, c, device=x.device)
+        for j in range(taps):
+            acc = acc + window[:, :, j] * weight[:, j].float()
+        y[:, s] = acc * torch.sigmoid(acc)
+        state = window[:, :, 1:]
+    return y.to(x.dtype), state.to(x.dtype)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode row: x [B, C] (row stride free, unit channel stride), weight [C, Kc],
+    conv_state [B, C, Kc-1] contiguous, updated in place. Returns silu(conv) [B, C] in x.dtype."""
+    if not use_triton(x, conv_state):
+        y, new_state = causal_conv1d(x[:, None], weight, conv_state)
+        conv_state.copy_(new_state)
+        return y[:, 0] if out is None else out.copy_(y[:, 0])
+    b, c = x.shape
+    taps = weight.shape[1]
+    if out is None:
+        out = torch.empty(b, c, dtype=x.dtype, device=x.device)
+    block = 1024
+    _conv_update_kernel[(b, triton.cdiv(c, block))](
+        x, weight, conv_state, out, c, x.stride(0), out.stride(0), TAPS=taps, BLOCK=block, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# gates, references
+# --------------------------------------------------------------------------------------------
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """g = -exp(A_log)·softplus(a + dt_bias) (log decay, <= 0), beta = σ(b); both float32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = None,
+                                     initial_state: torch.Tensor | None = None,
+                                     dtype: torch.dtype = torch.float32):
+    """§4.3 steps 4-5 one row at a time, in `dtype` (float32 here, float64 for CPU checks).
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; initial_state [B, Hv, K, V].
+    Returns (o [B, T, Hv, V] `dtype`, S [B, Hv, K, V] `dtype`).
+    """
+    bsz, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk ** -0.5 if scale is None else scale
+    rep = hv // hk
+    q = q.to(dtype).repeat_interleave(rep, dim=2)
+    k = k.to(dtype).repeat_interleave(rep, dim=2)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * scale
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    state = (torch.zeros(bsz, hv, dk, dv, dtype=dtype, device=q.device) if initial_state is None
+             else initial_state.to(dtype).clone())
+    o = torch.empty(bsz, t, hv, dv, dtype=dtype, device=q.device)
+    for s in range(t):
+        state = state * g[:, s, :, None, None].exp()
+        kv = (state * k[:, s, :, :, None]).sum(2)                            # Sᵀk  [B, Hv, V]
+        delta = beta[:, s, :, None] * (v[:, s] - kv)
+        state = state + k[:, s, :, :, None] * delta[:, :, None, :]
+        o[:, s] = (state * q[:, s, :, :, None]).sum(2)
+    return o, state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
+    """Prefill: fla's chunk kernel on CUDA (native GVA, l2 norm in kernel), else the reference.
+    Same arguments and layout as naive_recurrent_gated_delta_rule; o comes back in v.dtype."""
+    ops = _fla() if q.is_cuda else None
+    if ops is None:
+        o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
+        return o.to(v.dtype), s
+    return ops[0](q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
+    """Decode (few rows): fla's fused_recurrent kernel on CUDA, else the reference."""
+    ops = _fla() if q.is_cuda else None
+    if ops is None:
+        o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
+        return o.to(v.dtype), s
+    return ops[1](q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+
+
+def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None = None,
+                       out: torch.Tensor | None = None, block_v: int = 16) -> torch.Tensor:
+    """One decode row per sequence with the gates fused and the state updated where it lies.
+
+    q, k [B, Hk, K] and v [B, Hv, V] (any batch stride, heads contiguous: views of the conv
+    output are fine); a, b [B, Hv] raw projections (any batch stride); A_log, dt_bias [Hv];
+    state [B, Hv, K, V] float32 contiguous. Returns o [B, Hv, V] in v.dtype.
+    """
+    bsz, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    scale = dk ** -0.5 if scale is None else scale
+    if not use_triton(q, state):
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        o, s = naive_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                                scale, state)
+        state.copy_(s)
+        return o[:, 0].to(v.dtype)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} needs contiguous heads (strides [*, {t.shape[2]}, 1]), got {t.stride()}")
+    if not state.is_contiguous() or state.dtype != torch.float32:
+        raise ValueError("state must be contiguous float32 [B, Hv, K, V]")
+    if out is None:
+        out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
+    _gdn_decode_kernel[(bsz * hv, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, out, scale,
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
+        HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=2)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# gated RMSNorm (§4.3 step 6)
+# --------------------------------------------------------------------------------------------
+
+def naive_gated_rms_norm(o, z, weight, eps: float = 1e-6):
+    """y = RMSNorm(o; weight) ⊙ silu(z) per head over the last dim, F32 math, bf16 result."""
+    o32, z32 = o.float(), z.float()
+    y = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(z32)).to(torch.bfloat16)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """naive_gated_rms_norm in one launch: o [B, Hv, V] (contiguous), z [B, Hv, V] (any batch
+    stride, contiguous heads), weight [V]. Returns [B, Hv, V] bf16."""
+    if not use_triton(o, z) or o.dim() != 3:
+        return naive_gated_rms_norm(o, z, weight, eps)
+    bsz, hv, dv = o.shape
+    if out is None:
+        out = torch.empty(bsz, hv, dv, dtype=torch.bfloat16, device=o.device)
+    _gated_norm_kernel[(bsz * hv,)](o, z, weight, out, eps, o.stride(0), z.stride(0), out.stride(0),
+                                    HV=hv, V=dv, BV=triton.next_power_of_2(dv), num_warps=1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _conv_update_kernel(x_ptr, w_ptr, state_ptr, out_ptr, C, stride_x, stride_o,
+                            TAPS: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = ch < C
+        x_new = tl.load(x_ptr + b * stride_x + ch, mask=ok, other=0.0)
+        s_base = state_ptr + (b * C + ch) * (TAPS - 1)
+        # taps in order 0..Kc-2 from the state, then the new input (same sum order as the reference)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TAPS - 1):
+            s_j = tl.load(s_base + j, mask=ok, other=0.0)
+            acc += s_j.to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=ok, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(s_base + j - 1, s_j, mask=ok)
+        acc += x_new.to(tl.float32) * tl.load(w_ptr + ch * TAPS + TAPS - 1, mask=ok, other=0.0).to(tl.float32)
+        tl.store(s_base + TAPS - 2, x_new.to(state_ptr.dtype.element_ty), mask=ok)
+        y = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, scale,
+                           stride_q, stride_k, stride_v, stride_a, stride_b,
+                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr):
+        """fla's fused_recurrent_gated_delta_rule_fwd_kernel for T = 1, gates fused, state in place."""
+        i_bh, i_v = tl.program_id(0), tl.program_id(1)
+        i_b, i_hv = i_bh // HV, i_bh % HV
+        i_h = i_hv // (HV // HK)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        mk, mv = o_k < K, o_v < V
+        bq = tl.load(q_ptr + i_b * stride_q + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
+        bk = tl.load(k_ptr + i_b * stride_k + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
+        bv = tl.load(v_ptr + i_b * stride_v + i_hv * V + o_v, mask=mv, other=0.0).to(tl.float32)
+        bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6) * scale
+        bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
+        x = tl.load(a_ptr + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
+        beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_b + i_hv).to(tl.float32))
+        p_h = h_ptr + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        mh = mk[:, None] & mv[None, :]
+        bh = tl.load(p_h, mask=mh, other=0.0) * tl.exp(g)
+        bv = beta * (bv - tl.sum(bh * bk[:, None], 0))
+        bh += bk[:, None] * bv[None, :]
+        bo = tl.sum(bh * bq[:, None], 0)
+        tl.store(o_ptr + (i_b * HV + i_hv) * V + o_v, bo.to(o_ptr.dtype.element_ty), mask=mv)
+        tl.store(p_h, bh, mask=mh)
+
+    @triton.jit
+    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, stride_o, stride_z, stride_out,
+                           HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+        row = tl.program_id(0)
+        i_b, i_h = row // HV, row % HV
+        offs = tl.arange(0, BV)
+        ok = offs < V
+        o = tl.load(o_ptr + i_b * stride_o + i_h * V + offs, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + i_b * stride_z + i_h * V + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * w * (z * tl.sigmoid(z))
+        tl.store(out_ptr + i_b * stride_out + i_h * V + offs, y.to(tl.bfloat16), mask=ok)
