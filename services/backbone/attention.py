@@ -1,0 +1,148 @@
+"""Gated full attention with a KV cache (MODEL.md §4.4).
+
+Shape letters: R rows, n_q query heads, n_kv KV heads (GQA: query head h uses KV head
+h // (n_q/n_kv)), d head dim, r rotary dims, L keys visible to a row (its position + 1).
+
+    split_query_gate(qg [R, n_q·2d], n_q, d) -> q [R, n_q, d], gate [R, n_q·d]   (per head: d query, d gate)
+    attend_row(q [n_q, d], keys, values [n_kv, L, d], scale)  -> [n_q, d]   one query row, F32 softmax
+    attend_rows(q [n, n_q, d], keys, values [n_kv, L, d], start, scale) -> [n, n_q, d]   batched, masked
+    naive_attention(q [T, n_q, d], k, v [T, n_kv, d], scale)  -> [T, n_q, d]   float64 causal reference
+
+The exact (CPU) path attends one query row at a time over exactly its L keys, so the shapes a row
+sees (and with them the reduction order) depend only on its position, never on how many rows
+arrived in the same call; the batched form is for the GPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.common.config import TextConfig
+
+from .layers import Linear, RowBatch, Weight, per_row, rms_norm_plus
+from .rope import apply_rope
+
+
+# --------------------------------------------------------------------------------------------
+# math
+# --------------------------------------------------------------------------------------------
+
+def split_query_gate(qg: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj output [R, n_q·2d] -> query [R, n_q, d] and output gate [R, n_q·d]."""
+    per_head = qg.reshape(qg.shape[0], num_heads, 2 * head_dim)
+    return per_head[..., :head_dim], per_head[..., head_dim:].reshape(qg.shape[0], -1)
+
+
+def attend_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q·Kᵀ·scale) V for one query row over all given keys, in F32.
+
+    q [n_q, d], keys/values [n_kv, L, d]. Products and sums are plain elementwise ops and
+    reductions on fresh tensors whose shapes depend only on L.
+    """
+    n_kv, _, d = keys.shape
+    group = q.shape[0] // n_kv
+    qg = q.float().reshape(n_kv, group, 1, d)
+    scores = (qg * keys.float()[:, None]).sum(-1) * scale                  # [n_kv, group, L]
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * values.float()[:, None]).sum(-2)              # [n_kv, group, d]
+    return out.reshape(n_kv * group, d).to(q.dtype)
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                scale: float) -> torch.Tensor:
+    """Causal attention of n query rows at positions start..start+n−1 over keys [n_kv, L, d]."""
+    n, n_q, d = q.shape
+    n_kv, length, _ = keys.shape
+    group = n_q // n_kv
+    qg = q.float().reshape(n, n_kv, group, d).permute(1, 2, 0, 3)           # [n_kv, group, n, d]
+    scores = qg @ keys.float().transpose(-1, -2)[:, None] * scale           # [n_kv, group, n, L]
+    pos = torch.arange(start, start + n, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > pos, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ values.float()[:, None]           # [n_kv, group, n, d]
+    return out.permute(2, 0, 1, 3).reshape(n, n_q, d).to(q.dtype)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention in float64 with loops over rows and heads. q [T, n_q, d], k/v [T, n_kv, d]."""
+    length, n_q, d = q.shape
+    group = n_q // k.shape[1]
+    out = torch.zeros(length, n_q, d, dtype=torch.float64)
+    for t in range(length):
+        for h in range(n_q):
+            keys, vals = k[:t + 1, h // group].double(), v[:t + 1, h // group].double()
+            out[t, h] = torch.softmax(keys @ q[t, h].double() * scale, dim=0) @ vals
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# cache and module
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Post-norm, post-RoPE keys and values of one attention layer: k, v [S, n_kv, max_context, d].
+    Rows at or past a slot's length are never read, so opening a slot need not clear them."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: TextConfig, slots: int, max_context: int, dtype, device) -> "KVCache":
+        shape = (slots, cfg.num_key_value_heads, max_context, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def reset(self, slot: int) -> None:
+        pass
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+
+class GatedAttention(nn.Module):
+    """`self_attn` of a full-attention layer; parameter names are the checkpoint's."""
+
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.eps, self.scale = cfg.rms_norm_eps, d ** -0.5
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = Linear(h, 2 * self.num_heads * d, **kw)
+        self.k_proj = Linear(h, self.num_kv_heads * d, **kw)
+        self.v_proj = Linear(h, self.num_kv_heads * d, **kw)
+        self.o_proj = Linear(self.num_heads * d, h, **kw)
+        self.q_norm = Weight(d, **kw)
+        self.k_norm = Weight(d, **kw)
+
+    def _project(self, u, cos, sin):
+        """u [R, H] -> q [R, n_q, d], gate [R, n_q·d], k, v [R, n_kv, d] (q, k normed and rotated)."""
+        q, gate = split_query_gate(self.q_proj(u), self.num_heads, self.head_dim)
+        k = self.k_proj(u).reshape(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(u).reshape(-1, self.num_kv_heads, self.head_dim)
+        q = apply_rope(rms_norm_plus(q, self.q_norm.weight, self.eps), cos, sin)
+        k = apply_rope(rms_norm_plus(k, self.k_norm.weight, self.eps), cos, sin)
+        return q, gate, k, v
+
+    def _output(self, o, gate):
+        """o [R, n_q, d], gate [R, n_q·d] -> o_proj(o ⊙ σ(gate)) [R, H]."""
+        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+
+    def forward(self, u: torch.Tensor, batch: RowBatch, cache: KVCache, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """u [R, H] normed layer input, cos/sin [R, r/2] of each row's position -> [R, H]."""
+        q, gate, k, v = per_row(self._project, u, cos, sin, exact=batch.exact)
+        outs = []
+        for seg in batch.segments:
+            end = seg.start + seg.count
+            cache.k[seg.slot, :, seg.start:end] = k[seg.rows].transpose(0, 1)
+            cache.v[seg.slot, :, seg.start:end] = v[seg.rows].transpose(0, 1)
+            keys, values = cache.k[seg.slot, :, :end], cache.v[seg.slot, :, :end]
+            if batch.exact:
+                outs += [attend_row(q[seg.offset + t], keys[:, :seg.start + t + 1],
+                                    values[:, :seg.start + t + 1], self.scale)[None]
+                         for t in range(seg.count)]
+            else:
+                outs.append(attend_rows(q[seg.rows], keys, values, seg.start, self.scale))
+        return per_row(self._output, torch.cat(outs), gate, exact=batch.exact)

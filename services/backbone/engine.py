@@ -1,0 +1,152 @@
+"""Sessions and batched steps over one Backbone (issue #4).
+
+A session is a cache slot: `open()` hands out a free slot with zeroed state, `step(work)` appends
+rows to any number of sessions in one forward and returns their final-norm hidden rows, and
+`release(slot)` frees the slot. All cache memory is allocated once in __init__ (the pool), so a
+running server never allocates per session. Calls are synchronous and serialised by a lock (the
+server calls from a worker thread).
+
+On the CPU exact path a session's hidden rows are bit-identical however its prompt was split
+into steps and whatever other sessions share the step (tests/test_backbone_engine.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .layers import Segment
+from .model import Backbone
+
+
+class CapacityError(RuntimeError):
+    """No free session slot."""
+
+
+class ContextFullError(RuntimeError):
+    """A session's rows plus the rows of this step would exceed max_context."""
+
+
+class BackboneEngine:
+    def __init__(self, model: Backbone, *, max_sessions: int, max_context: int):
+        if max_sessions < 1 or max_context < 1:
+            raise ValueError("max_sessions and max_context must be positive")
+        self.model = model
+        self.max_sessions, self.max_context = max_sessions, max_context
+        self.hidden_size = model.config.hidden_size
+        self.hidden_dtype = model.dtype
+        self.num_codebooks = model.audio.num_codebooks if model.audio is not None else 0
+        self.caches = model.allocate_caches(max_sessions, max_context)
+        self._lengths = [0] * max_sessions
+        self._open = [False] * max_sessions
+        self._lock = threading.Lock()
+
+    # ---- sessions --------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self._open.count(False)
+
+    @property
+    def open_sessions(self) -> int:
+        return self._open.count(True)
+
+    def open(self) -> int:
+        """The lowest free slot, its state zeroed and length 0. CapacityError when none is free."""
+        with self._lock:
+            for slot, used in enumerate(self._open):
+                if not used:
+                    self.caches.reset(slot)
+                    self._open[slot], self._lengths[slot] = True, 0
+                    return slot
+            raise CapacityError(f"all {self.max_sessions} backbone sessions are in use")
+
+    def release(self, slot: int) -> None:
+        """Free a slot; releasing a free (or already released) slot does nothing."""
+        with self._lock:
+            if 0 <= slot < self.max_sessions:
+                self._open[slot], self._lengths[slot] = False, 0
+
+    def length(self, slot: int) -> int:
+        """Rows held by an open slot."""
+        self._check_slot(slot)
+        return self._lengths[slot]
+
+    # ---- steps -----------------------------------------------------------------------------
+    def step(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """One batched forward. work: (slot, token_ids int64 [n], frames int64 [n, N] or None).
+
+        frames[i] all −1 marks a text row (token_ids[i] in [0, V)); otherwise frames[i] is an
+        audio row's frame (c_0 in [0, Q_s), c_k in [0, Q_r)) and token_ids[i] must equal
+        semantic_start_token_id + c_0. frames=None means all rows are text. Returns hidden
+        [n, H] (hidden_dtype) per entry, in order. Every entry is checked before any cache is
+        touched: ValueError (bad slot, shapes, ids or codes, a slot twice), ContextFullError.
+        """
+        with self._lock:
+            if not work:
+                return []
+            token_parts, frame_parts, segments, offset = [], [], [], 0
+            seen = set()
+            for index, (slot, token_ids, frames) in enumerate(work):
+                self._check_slot(slot)
+                if slot in seen:
+                    raise ValueError(f"work[{index}]: slot {slot} appears twice in one step")
+                seen.add(slot)
+                token_ids, frames = self._check_rows(index, token_ids, frames)
+                n = token_ids.shape[0]
+                if self._lengths[slot] + n > self.max_context:
+                    raise ContextFullError(f"slot {slot}: {self._lengths[slot]} rows + {n} new rows exceed "
+                                           f"max_context {self.max_context}")
+                token_parts.append(token_ids)
+                frame_parts.append(frames)
+                segments.append(Segment(slot, self._lengths[slot], n, offset))
+                offset += n
+            device = self.model.device
+            token_ids = torch.cat(token_parts).to(device)
+            frames = torch.cat(frame_parts).to(device) if self.num_codebooks else None
+            hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
+            for seg in segments:
+                self._lengths[seg.slot] += seg.count
+            return [hidden[seg.rows].clone() for seg in segments]
+
+    def _check_slot(self, slot: int) -> None:
+        if not (isinstance(slot, int) and 0 <= slot < self.max_sessions and self._open[slot]):
+            raise ValueError(f"slot {slot!r} is not an open session")
+
+    def _check_rows(self, index: int, token_ids: torch.Tensor, frames: torch.Tensor | None):
+        where = f"work[{index}]"
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
+            raise ValueError(f"{where}: token_ids must be an int64 tensor [n]")
+        n, vocab = token_ids.shape[0], self.model.config.vocab_size
+        if n < 1:
+            raise ValueError(f"{where}: needs at least one row")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
+            raise ValueError(f"{where}: token ids must lie in [0, {vocab})")
+        width = self.num_codebooks
+        if frames is None:
+            return token_ids.cpu(), torch.full((n, width), -1, dtype=torch.int64)
+        if not isinstance(frames, torch.Tensor) or frames.dtype != torch.int64 or tuple(frames.shape) != (n, width):
+            raise ValueError(f"{where}: frames must be an int64 tensor [{n}, {width}]")
+        token_ids, frames = token_ids.cpu(), frames.cpu()
+        text = (frames == -1).all(dim=1)
+        audio = ~text
+        if audio.any():
+            spec = self.model.audio
+            codes = frames[audio]
+            residual = codes[:, 1:]
+            if (codes[:, 0] < 0).any() or (codes[:, 0] >= spec.semantic_codebook_size).any():
+                raise ValueError(f"{where}: semantic codes must lie in [0, {spec.semantic_codebook_size})")
+            if (residual < 0).any() or (residual >= spec.residual_codebook_size).any():
+                raise ValueError(f"{where}: residual codes must lie in [0, {spec.residual_codebook_size}) "
+                                 "(a row is text only when all its codes are -1)")
+            if not torch.equal(token_ids[audio], spec.semantic_start_token_id + codes[:, 0]):
+                raise ValueError(f"{where}: an audio row's token id must be semantic_start_token_id + c_0")
+        return token_ids, frames
+
+    # ---- accounting ------------------------------------------------------------------------
+    def memory_bytes(self) -> dict:
+        """{"weights": bytes of parameters, "cache": bytes of the preallocated cache pool, "total"}."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
+        cache = self.caches.nbytes()
+        return {"weights": weights, "cache": cache, "total": weights + cache}

@@ -1,0 +1,123 @@
+"""Building blocks shared by the backbone parts: norms, the linear layer, and row-exact dispatch.
+
+    rms_norm_plus(x [.., D], w [D], eps)  -> x̂ ⊙ (1 + w)    Qwen3.5 unit-offset norm (MODEL.md §0)
+    rms_norm(x [.., D], w [D], eps)       -> x̂ ⊙ w          plain gain (the GDN gated norm)
+    Linear                                   y = x Wᵀ with W stored F32/BF16 or block-FP8 + scale_inv
+    per_row(fn, *tensors, exact=)            apply a row-wise function so each row's bits never
+                                             depend on how many rows were batched with it
+
+Why `per_row` exists: on CPU, torch's GEMM results for a row change with the number of rows M
+(MKL picks different kernels and blockings), and its vectorised elementwise kernels compute the
+tail of a tensor with a scalar fallback whose sigmoid/softplus/silu differ from the SIMD ones in
+the last bit. Prompt-split and batch invariance (issue #4) need a row's arithmetic fixed, so on
+the exact path every row-wise function runs on one fresh, contiguous [1, ..] row: same shapes,
+same kernels, same bits, however the rows arrived. The fast path (GPU) calls `fn` once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.fp8 import dequantize_block_fp8
+
+
+def rms_norm_plus(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm⁺: x̂ ⊙ (1 + w), statistics and product in F32, result in x's dtype. x [.., D], w [D]."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain-gain RMSNorm: x̂ ⊙ w (x̂ in F32, rounded to x's dtype before the gain, as transformers)."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * normed
+
+
+def per_row(fn: Callable, *tensors: torch.Tensor, exact: bool):
+    """fn(*tensors) for row-wise `fn` (row i of each output depends only on row i of each input).
+
+    exact=True runs fn on each row alone ([1, ..] clones, so shapes and alignment are always the
+    same) and concatenates; fn may return a tensor or a tuple of tensors.
+    """
+    if not exact:
+        return fn(*tensors)
+    rows = tensors[0].shape[0]
+    outs = [fn(*(t[i:i + 1].clone() for t in tensors)) for i in range(rows)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+class Linear(nn.Module):
+    """y = x · Wᵀ, no bias. W [out, in] is stored in the compute dtype, or as block-FP8.
+
+    FP8 storage keeps `weight` float8_e4m3fn and `weight_scale_inv` [⌈out/b0⌉, ⌈in/b1⌉] as loaded
+    (never requantised). On CPU the weight is dequantised per call and multiplied in the compute
+    dtype; the §4.7 FP8 GEMM with dynamic activation quantisation is the GPU path's job.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = dtype
+        self.block_size: tuple[int, int] = (128, 128)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale_inv", None)   # set when the weight is stored FP8
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == torch.float8_e4m3fn
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] in the compute dtype (dequantised when stored FP8)."""
+        if self.is_fp8:
+            return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block_size,
+                                        self.compute_dtype)
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight())
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.weight.dtype}"
+
+
+class Weight(nn.Module):
+    """A module holding only `.weight` (norm gains, the conv kernel), so parameter names equal
+    checkpoint names (`input_layernorm.weight`, `conv1d.weight`) without an nn.Conv1d or norm class."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's rows inside a batched step: rows [offset, offset+count) of the batch are
+    positions [start, start+count) of the session held in cache slot `slot`."""
+    slot: int
+    start: int
+    count: int
+    offset: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.count)
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """What every layer needs to know about a step: its segments, each row's absolute position
+    (int64 [R]) and whether row-wise work runs on the exact per-row path (see `per_row`)."""
+    segments: tuple[Segment, ...]
+    positions: torch.Tensor
+    exact: bool
