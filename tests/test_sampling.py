@@ -130,7 +130,7 @@ def test_draw_is_batch_invariant():
 def test_splitmix_and_keys_match_python_integers():
     rng = random.Random(0)
     values = [rng.getrandbits(64) for _ in range(500)] + [0, 1, 2**63 - 1, 2**63, 2**64 - 1]
-    tensor = torch.tensor([S._as_int64(v) for v in values])
+    tensor = torch.tensor([S.as_int64(v) for v in values])
     got = [v & (2**64 - 1) for v in S.splitmix64(tensor).tolist()]
     assert got == [S.naive_splitmix64(v) for v in values]
     for seed, take, frame, draw_index in [(0, 0, 0, 0), (2**64 - 1, 3, 2047, 9), (12345, 1, 7, 0)]:

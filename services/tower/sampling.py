@@ -35,15 +35,15 @@ from torch import Tensor
 _MASK64 = (1 << 64) - 1
 
 
-def _as_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """The int64 with the same 64 bits as the unsigned (or any) Python integer `value`."""
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_GOLDEN = _as_int64(0x9E3779B97F4A7C15)
-_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = _as_int64(0x94D049BB133111EB)
+_GOLDEN = as_int64(0x9E3779B97F4A7C15)
+_MIX1 = as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = as_int64(0x94D049BB133111EB)
 
 
 def _shr(x: Tensor, bits: int) -> Tensor:
@@ -65,7 +65,7 @@ def noise_key(seed, take_index, frame_index, draw_index) -> Tensor:
     Each argument is a Python int or an int64 tensor. `seed` may be a full uint64 Python int.
     """
     def as_tensor(v):
-        return v.to(torch.int64) if isinstance(v, Tensor) else torch.tensor(_as_int64(int(v)))
+        return v.to(torch.int64) if isinstance(v, Tensor) else torch.tensor(as_int64(int(v)))
 
     h = splitmix64(as_tensor(seed))
     for v in (take_index, frame_index, draw_index):

@@ -1,0 +1,276 @@
+"""The tower engine: session slots over a preallocated cache pool, and one call per Step message.
+
+`TowerEngine.step` is API.md §3.5's StepRequest in tensor form: release first, then validate
+every entry (a bad entry becomes a row error and is left out, the others go on), then ONE batched
+`forward_rows` over the rows of all valid entries together (continuous batching: the trunk and
+every residual layer run once per step over all rows, the draws run batched over all draw rows),
+then the bookkeeping. Row errors use gRPC status names; the server maps them.
+
+Sessions are keyed by (owner, session_id): the owner is the Step stream, so two backbone
+workers never see each other's sessions and a closed stream frees exactly its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from services.common.config import DramaConfig
+from services.tower import sampling
+from services.tower.model import RowBatch, TowerModel, forward_rows
+
+
+@dataclass
+class StepEntry:
+    """One `rows` entry of a StepRequest (API.md §3.5); the sampling fields matter only with draw."""
+    session_id: str
+    first_row: int
+    n_rows: int
+    draw: bool = False
+    take_index: int = 0
+    frame_index: int = 0
+    seed: int = 0
+    temperature: float = 0.8
+    top_p: float = 0.9
+    top_k: int = 0
+    repetition_penalty: float = 1.0   # 0 (proto3's unset value) also means off
+
+
+@dataclass
+class RowError:
+    row_index: int
+    code: str          # a grpc.StatusCode name: INVALID_ARGUMENT, NOT_FOUND, ...
+    message: str
+
+
+@dataclass
+class StepResult:
+    codes: Tensor                     # int64 [len(entries), N] on CPU; -1 without a draw / stopped
+    stop: list[bool]
+    row_errors: list[RowError] = field(default_factory=list)
+    tower_us: int = 0
+
+
+@dataclass
+class _Session:
+    slot: int
+    rows: int = 0
+
+
+class _EntryError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class TowerEngine:
+    def __init__(self, model: TowerModel, cfg: DramaConfig, *, max_sessions: int, max_context: int):
+        self.model = model
+        self.cfg = cfg
+        self.max_sessions = max_sessions
+        self.max_context = max_context
+        self.device = model.codebook_embeddings.weight.device
+        self.hidden_dtype = model.codebook_embeddings.weight.dtype
+        model.setup_caches(max_sessions, max_context)
+        self._sessions: dict[tuple[Hashable, str], _Session] = {}
+        self._free = list(range(max_sessions))   # lowest slot first
+        self._code_limits = torch.tensor([cfg.semantic_codebook_size]
+                                         + [cfg.residual_codebook_size] * (cfg.num_codebooks - 1))
+        # The last ras_window semantic codes drawn in each slot's take, right-aligned, -1 = empty.
+        self._ras_history = torch.full((max_sessions, cfg.sampling.ras_window), -1, dtype=torch.int64,
+                                       device=self.device)
+
+    # ---------------------------------------------------------------- pool
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def rows_held(self, session_id: str, owner: Hashable = None) -> int | None:
+        session = self._sessions.get((owner, session_id))
+        return None if session is None else session.rows
+
+    def release(self, session_ids: Sequence[str], owner: Hashable = None) -> None:
+        """Free these sessions' slots; unknown ids are ignored (release is idempotent)."""
+        for session_id in session_ids:
+            session = self._sessions.pop((owner, session_id), None)
+            if session is not None:
+                self._free.append(session.slot)
+                self._free.sort()
+
+    def release_owner(self, owner: Hashable) -> None:
+        """Free every session of one Step stream (the stream closed)."""
+        self.release([sid for o, sid in list(self._sessions) if o == owner], owner)
+
+    def _create(self, key) -> _Session:
+        if not self._free:
+            raise _EntryError("RESOURCE_EXHAUSTED", f"tower cache pool full ({self.max_sessions} sessions)")
+        session = _Session(slot=self._free.pop(0))
+        self._ras_history[session.slot] = -1
+        self._sessions[key] = session
+        return session
+
+    # ---------------------------------------------------------------- step
+    def step(self, entries: Sequence[StepEntry], hidden: Tensor, targets: Tensor,
+             release: Sequence[str] = (), owner: Hashable = None) -> StepResult:
+        """Process one StepRequest.
+
+        hidden [sum n_rows, D] (any float dtype, any device); targets int [sum n_rows, N], -1 =
+        none. Returns codes for every entry, stop flags and the failed entries' errors.
+        """
+        started = time.perf_counter()
+        n = self.cfg.num_codebooks
+        num_entries = len(entries)
+        codes = torch.full((num_entries, n), -1, dtype=torch.int64)
+        stop = [False] * num_entries
+        self.release(release, owner)
+
+        total_rows = sum(max(e.n_rows, 0) for e in entries)
+        if hidden.shape != (total_rows, self.model.hidden_size) or targets.shape != (total_rows, n):
+            message = (f"hidden {tuple(hidden.shape)} / targets {tuple(targets.shape)} do not match "
+                       f"[{total_rows}, {self.model.hidden_size}] / [{total_rows}, {n}]")
+            errors = [RowError(i, "INVALID_ARGUMENT", message) for i in range(num_entries)]
+            return StepResult(codes, stop, errors, _elapsed_us(started))
+
+        targets = targets.to(torch.int64)
+        errors: list[RowError] = []
+        accepted: list[tuple[int, StepEntry, _Session, int]] = []   # (entry index, entry, session, row offset)
+        seen: set[str] = set()
+        offset = 0
+        for index, entry in enumerate(entries):
+            try:
+                if entry.session_id in seen:
+                    raise _EntryError("INVALID_ARGUMENT", f"session {entry.session_id!r} has two entries in one step")
+                seen.add(entry.session_id)
+                self._check_entry(entry, targets[offset:offset + entry.n_rows])
+                session = self._admit(entry, owner)
+                accepted.append((index, entry, session, offset))
+            except _EntryError as exc:
+                errors.append(RowError(index, exc.code, str(exc)))
+            offset += max(entry.n_rows, 0)
+
+        if accepted:
+            drawn, stopped = self._run(accepted, hidden, targets)
+            for (index, entry, session, _), frame, is_stopped in zip(
+                    [a for a in accepted if a[1].draw], drawn, stopped):
+                codes[index] = frame
+                stop[index] = is_stopped
+            for _, entry, session, _ in accepted:
+                session.rows += entry.n_rows
+        return StepResult(codes, stop, errors, _elapsed_us(started))
+
+    def _check_entry(self, entry: StepEntry, entry_targets: Tensor) -> None:
+        if entry.n_rows <= 0:
+            raise _EntryError("INVALID_ARGUMENT", f"n_rows must be positive, got {entry.n_rows}")
+        if entry.first_row < 0:
+            raise _EntryError("INVALID_ARGUMENT", f"first_row must be >= 0, got {entry.first_row}")
+        if entry.first_row + entry.n_rows > self.max_context:
+            raise _EntryError("OUT_OF_RANGE", f"rows up to {entry.first_row + entry.n_rows} exceed the "
+                                              f"tower's max_context_tokens {self.max_context}")
+        known = entry_targets >= 0
+        if (known.any(dim=1) & ~known.all(dim=1)).any():
+            raise _EntryError("INVALID_ARGUMENT", "a target frame mixes -1 and codes")
+        if (entry_targets >= self._code_limits).any():
+            raise _EntryError("INVALID_ARGUMENT", "a target code is out of its codebook's range")
+        if entry.draw:
+            if known[-1].any():
+                raise _EntryError("INVALID_ARGUMENT", "the draw row's target must be -1")
+            if not (math.isfinite(entry.temperature) and math.isfinite(entry.top_p)):
+                raise _EntryError("INVALID_ARGUMENT", "temperature and top_p must be finite")
+            penalty = entry.repetition_penalty
+            if not math.isfinite(penalty) or penalty < 0:
+                raise _EntryError("INVALID_ARGUMENT", f"repetition_penalty must be > 0 (0 = off), got {penalty}")
+
+    def _admit(self, entry: StepEntry, owner) -> _Session:
+        key = (owner, entry.session_id)
+        if entry.first_row == 0:
+            self.release([entry.session_id], owner)   # a new timeline replaces any old one
+            return self._create(key)
+        session = self._sessions.get(key)
+        if session is None:
+            raise _EntryError("NOT_FOUND", f"the tower holds no session {entry.session_id!r}")
+        if entry.first_row != session.rows:
+            raise _EntryError("INVALID_ARGUMENT", f"first_row {entry.first_row} but the tower holds "
+                                                  f"{session.rows} rows of {entry.session_id!r}")
+        return session
+
+    @torch.inference_mode()
+    def _run(self, accepted, hidden: Tensor, targets: Tensor) -> tuple[Tensor, list[bool]]:
+        """The batched computation over every accepted entry; returns the draw entries' frames."""
+        row_index, draw_rows, segments = [], [], []
+        for _, entry, session, offset in accepted:
+            if entry.draw:
+                draw_rows.append(len(row_index) + entry.n_rows - 1)
+            row_index.extend(range(offset, offset + entry.n_rows))
+            segments.append((session.slot, entry.first_row, entry.n_rows))
+        device = self.device
+        index = torch.tensor(row_index, dtype=torch.int64)
+        batch_hidden = hidden[index].to(device=device, dtype=self.hidden_dtype)
+        batch_targets = targets[index].to(device)
+        rows = RowBatch.from_segments(segments, device)
+        draws = [(entry, session) for _, entry, session, _ in accepted if entry.draw]
+        if not draws:
+            forward_rows(self.model, batch_hidden, batch_targets, rows)
+            return torch.empty(0, self.cfg.num_codebooks, dtype=torch.int64), []
+
+        draw_index = torch.tensor(draw_rows, dtype=torch.int64, device=device)
+        slots = torch.tensor([s.slot for _, s in draws], dtype=torch.int64, device=device)
+        sample = self._sampler([e for e, _ in draws], slots)
+        codes, stopped = forward_rows(self.model, batch_hidden, batch_targets, rows, draw_index, sample)
+
+        # The semantic code enters its take's RAS window unless it was EOS.
+        history = self._ras_history[slots]
+        advanced = torch.cat([history[:, 1:], codes[draw_index, :1]], dim=1)
+        self._ras_history[slots] = torch.where(stopped[:, None], history, advanced)
+        return codes[draw_index].cpu(), stopped.cpu().tolist()
+
+    def _sampler(self, entries: list[StepEntry], slots: Tensor):
+        """The draw callback for forward_rows: per-row parameters, RAS switch, noise keys."""
+        defaults = self.cfg.sampling
+        device = self.device
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        history = self._ras_history[slots]
+        ras = sampling.ras_active(history, recent=defaults.ras_recent)
+        temperature = torch.where(ras, defaults.ras_temperature, column([e.temperature for e in entries], torch.float32))
+        top_p = torch.where(ras, defaults.ras_top_p, column([e.top_p for e in entries], torch.float32))
+        top_k = torch.where(ras, defaults.ras_top_k, column([e.top_k for e in entries], torch.int64))
+        penalty = column([e.repetition_penalty or 1.0 for e in entries], torch.float32)
+        seeds = column([sampling.as_int64(e.seed) for e in entries], torch.int64)
+        takes = column([e.take_index for e in entries], torch.int64)
+        frames = column([e.frame_index for e in entries], torch.int64)
+        num_semantic = self.cfg.semantic_codebook_size
+
+        def sample(draw_index: int, logits: Tensor) -> Tensor:
+            if draw_index == 0:   # the penalty touches semantic codes only, never EOS (§6.2)
+                logits = torch.cat([sampling.apply_repetition_penalty(logits[:, :num_semantic], history, penalty),
+                                    logits[:, num_semantic:]], dim=1)
+            keys = sampling.noise_key(seeds, takes, frames, draw_index)
+            return sampling.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, keys=keys)
+
+        return sample
+
+    # ---------------------------------------------------------------- warm-up
+    def warm_up(self) -> None:
+        """One prefill row and one draw through every path, then the pool is as before."""
+        owner = object()
+        d, n = self.model.hidden_size, self.cfg.num_codebooks
+        hidden = torch.zeros(2, d)
+        targets = torch.full((2, n), -1, dtype=torch.int64)
+        entry = StepEntry("warm-up", first_row=0, n_rows=2, draw=True, seed=0)
+        self.step([entry], hidden, targets, owner=owner)
+        self.release_owner(owner)
+
+
+def _elapsed_us(started: float) -> int:
+    return int((time.perf_counter() - started) * 1e6)

@@ -1,0 +1,378 @@
+"""The tower: Drama 3's codebook-MTP audio decoder (MODEL.md §5), top to bottom.
+
+A step of the tower takes backbone hidden rows `b_t` [T, D] of any number of sessions and their
+target frames [T, N] (-1 = none), and runs
+
+    u_t = shared layers (b_t)                                   the trunk, every row
+    c_0 ~ semantic_head(b_t)                                    draw rows only (§4.8)
+    for j = 0 .. N-2:                                           every row
+        h_j = residual_layers[j](fuse(embed_j(c_j), h_{j-1}))   with h_{-1} = u_t
+        c_{j+1} ~ head_j(norm(h_j))                             draw rows only
+
+where a teacher-forced row's `c_j` is its target frame and a draw row's is drawn just before. Every
+layer keeps a KV cache over the whole timeline in a preallocated pool of session slots; each row
+writes its key/value at (slot, position) and then attends over positions 0..p of its slot, so rows
+of one session processed together in one call (a prefill piece) see each other causally, and
+rows of different sessions never meet.
+
+Batch invariance (CPU float32): with `batch_invariant=True` every op computes each row with
+arithmetic that does not depend on the other rows of the call: linears are batched matrix-vector
+products (`torch.bmm` with one row per batch item; a plain GEMM changes its summation order with
+the row count) and attention runs one row at a time over exactly its own `p + 1` positions. That
+is what makes prefill split invariance and batch invariance bit-exact. On GPU the fast path
+(GEMMs, SDPA) is used instead.
+
+Shape letters: T rows in the call, D hidden size, N codebooks, H query heads, K KV heads,
+d head dim, L cache length (max_context), S session slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.common.config import DramaConfig
+
+# draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
+Sampler = Callable[[int, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Where each row of a call lives: segments of consecutive positions of one cache slot.
+
+    `segments` is `(slot, first_position, n_rows)` per segment, in row order; rows of one slot
+    appear in at most one segment per call.
+    """
+    segments: tuple[tuple[int, int, int], ...]
+    slots: Tensor       # int64 [T]
+    positions: Tensor   # int64 [T]
+
+    @classmethod
+    def from_segments(cls, segments, device=None) -> "RowBatch":
+        segments = tuple((int(s), int(p), int(n)) for s, p, n in segments)
+        slots = [s for s, _, n in segments for _ in range(n)]
+        positions = [p + i for _, p, n in segments for i in range(n)]
+        return cls(segments, torch.tensor(slots, dtype=torch.int64, device=device),
+                   torch.tensor(positions, dtype=torch.int64, device=device))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, _, n in self.segments)
+
+
+# --------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------
+
+class TowerModel(nn.Module):
+    """Parameter names equal the checkpoint names without the `audio_decoder.` prefix (§2.3);
+    `semantic_head.weight` is filled from the LM-head rows of §4.8 unless the checkpoint has it."""
+
+    def __init__(self, cfg: DramaConfig, *, batch_invariant: bool = True):
+        super().__init__()
+        tower = cfg.tower
+        self.num_codebooks = cfg.num_codebooks
+        self.codebook_vocab_size = cfg.codebook_vocab_size
+        self.semantic_codebook_size = cfg.semantic_codebook_size
+        self.residual_codebook_size = cfg.residual_codebook_size
+        self.hidden_size = tower.hidden_size
+        self.rms_norm_eps = tower.rms_norm_eps
+        self.batch_invariant = batch_invariant
+
+        self.codebook_embeddings = nn.Embedding(cfg.num_codebooks * cfg.codebook_vocab_size, tower.hidden_size)
+        self.shared_layers = nn.ModuleList(
+            TowerLayer(tower, batch_invariant) for _ in range(tower.num_shared_layers))
+        self.residual_layers = nn.ModuleList(
+            ResidualLayer(tower, batch_invariant, cfg.residual_codebook_size)
+            for _ in range(tower.num_residual_layers))
+        self.semantic_head = RowLinear(tower.hidden_size, cfg.semantic_codebook_size + 1, batch_invariant)
+
+    def setup_caches(self, max_sessions: int, max_context: int) -> None:
+        """Allocate every layer's KV pool: [S, K, L, d] keys and values in the weights' dtype.
+
+        `torch.empty`, not zeros: a position is always written before it is read, and untouched
+        pages of a large CPU pool are then never committed.
+        """
+        weight = self.codebook_embeddings.weight
+        for layer in self.layers():
+            layer.self_attn.setup_cache(max_sessions, max_context, weight.dtype, weight.device)
+
+    def layers(self) -> list["TowerLayer"]:
+        return [*self.shared_layers, *self.residual_layers]
+
+    # The three parts of a step; `forward_rows` below strings them together.
+
+    def trunk(self, hidden: Tensor, rows: RowBatch) -> Tensor:
+        """u [T, D] from the backbone hidden rows b [T, D] (§5.3 step 1)."""
+        x = hidden
+        for layer in self.shared_layers:
+            x = layer(x, rows)
+        return x
+
+    def semantic_logits(self, hidden: Tensor) -> Tensor:
+        """s [R, Q_s + 1] float32 from backbone hidden rows (§4.8); index Q_s is EOS."""
+        return self.semantic_head(hidden).float()
+
+    def embed_codes(self, codebook: int, codes: Tensor) -> Tensor:
+        """[T, D] embeddings of codebook `codebook`'s values `codes` [T]; exact zeros where -1."""
+        known = codes >= 0
+        index = codebook * self.codebook_vocab_size + codes.clamp(min=0)
+        embedded = self.codebook_embeddings(index)
+        return torch.where(known[:, None], embedded, torch.zeros_like(embedded))
+
+
+def forward_rows(model: TowerModel, hidden: Tensor, targets: Tensor, rows: RowBatch,
+                 draw_rows: Tensor | None = None, sample: Sampler | None = None) -> tuple[Tensor, Tensor]:
+    """Run the tower on T rows: teacher-forced rows and draw rows together (§5.3, §5.4).
+
+    hidden [T, D] backbone rows; targets int64 [T, N], -1 = none (the target row of a draw row
+    is -1); rows: their slots and positions; draw_rows int64 [R] indices into T; sample: the
+    engine's draws (`Sampler`), called for draw index 0 (semantic, M = Q_s + 1) then 1..N-1.
+
+    Returns (codes [T, N], stopped bool [R]): the targets with each draw row's drawn frame filled
+    in (-1 for a stopped row). Every layer writes every row into its cache, so the invariant
+    "after row t every layer holds t + 1 entries" always holds. A row whose semantic draw is EOS
+    runs the residual layers with no target: that is exactly the pass §5.4 asks for before a
+    stopped timeline continues, done at once so no row is ever left pending.
+    """
+    codes = targets.clone()
+    num_draws = 0 if draw_rows is None else draw_rows.numel()
+    stopped = torch.zeros(num_draws, dtype=torch.bool, device=hidden.device)
+    h = model.trunk(hidden, rows)
+    if num_draws:
+        semantic = sample(0, model.semantic_logits(hidden[draw_rows]))
+        stopped = semantic == model.semantic_codebook_size
+        codes[draw_rows, 0] = torch.where(stopped, torch.full_like(semantic, -1), semantic)
+    for j, layer in enumerate(model.residual_layers):
+        h = layer(fuse(layer, model.embed_codes(j, codes[:, j]), h), rows)
+        if num_draws:
+            drawn = sample(j + 1, layer.codebook_logits(h[draw_rows]))
+            codes[draw_rows, j + 1] = torch.where(stopped, torch.full_like(drawn, -1), drawn)
+    return codes, stopped
+
+
+def fuse(layer: "ResidualLayer", embedding: Tensor, hidden: Tensor) -> Tensor:
+    """The MTP-style fusion of §5.3 [ours]: fc(concat(norm(e), norm(h_prev))) -> [T, D].
+
+    Kept alone on purpose (MODEL.md §12.1): a real checkpoint may wire this differently.
+    A zero embedding (no target) stays exactly zero through its norm.
+    """
+    return layer.fc(torch.cat([layer.pre_fc_norm_embedding(embedding),
+                               layer.pre_fc_norm_hidden(hidden)], dim=-1))
+
+
+# --------------------------------------------------------------------------------------------
+# layers
+# --------------------------------------------------------------------------------------------
+
+class TowerLayer(nn.Module):
+    """A Qwen3.5 gated-attention layer with a dense SwiGLU MLP (§5.2), pre-norm residual."""
+
+    def __init__(self, cfg, batch_invariant: bool):
+        super().__init__()
+        self.input_layernorm = RMSNormPlus(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GatedAttention(cfg, batch_invariant)
+        self.post_attention_layernorm = RMSNormPlus(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, batch_invariant)
+
+    def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rows)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ResidualLayer(TowerLayer):
+    """Residual layer j: the fusion's norms and projection, the layer, the head for codebook j+1."""
+
+    def __init__(self, cfg, batch_invariant: bool, head_size: int):
+        super().__init__(cfg, batch_invariant)
+        d = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNormPlus(d, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNormPlus(d, cfg.rms_norm_eps)
+        self.fc = RowLinear(2 * d, d, batch_invariant)
+        self.norm = RMSNormPlus(d, cfg.rms_norm_eps)
+        self.head = RowLinear(d, head_size, batch_invariant)
+
+    def codebook_logits(self, h: Tensor) -> Tensor:
+        """l [R, Q_r] float32 for codebook j+1 from this layer's output h [R, D]."""
+        return self.head(self.norm(h)).float()
+
+
+class GatedAttention(nn.Module):
+    """§4.4 with the tower's sizes: q/gate projection, q/k RMSNorm+, partial NeoX RoPE, GQA,
+    causal attention over the row's own cache slot, sigmoid output gate."""
+
+    def __init__(self, cfg, batch_invariant: bool):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.rope_theta = cfg.rope_theta
+        self.batch_invariant = batch_invariant
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = RowLinear(d, 2 * self.num_heads * hd, batch_invariant)
+        self.k_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant)
+        self.v_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant)
+        self.o_proj = RowLinear(self.num_heads * hd, d, batch_invariant)
+        self.q_norm = RMSNormPlus(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNormPlus(hd, cfg.rms_norm_eps)
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    def setup_cache(self, max_sessions: int, max_context: int, dtype, device) -> None:
+        shape = (max_sessions, self.num_kv_heads, max_context, self.head_dim)
+        self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
+        t = x.shape[0]
+        q_and_gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        q, gate = q_and_gate.split(self.head_dim, dim=-1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = rotary_tables(rows.positions, self.rotary_dim, self.rope_theta)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+
+        # Write first, then attend: rows of one segment then see each other causally.
+        self.k_cache[rows.slots, :, rows.positions] = k
+        self.v_cache[rows.slots, :, rows.positions] = v
+        attend = attend_rowwise if self.batch_invariant else attend_segments
+        o = attend(q, self.k_cache, self.v_cache, rows)                     # [T, H, d]
+        o = o * torch.sigmoid(gate.float()).to(o.dtype)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, batch_invariant: bool):
+        super().__init__()
+        self.gate_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
+        self.up_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, batch_invariant)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNormPlus(nn.Module):
+    """RMSNorm+ (§0): x_hat * (1 + w), statistics and scaling in float32, zero-centred weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm_plus(x, self.weight, self.eps)
+
+
+class RowLinear(nn.Linear):
+    """A bias-free linear whose batch-invariant mode computes every row as its own
+    matrix-vector product (bmm with one row per batch item), so a row's result never depends on
+    how many rows share the call. MKL's GEMM picks its kernel by row count, which changes the
+    summation order; measured on torch 2.13 CPU: row counts 1, 2, 3, 5, 7, 9 all differ."""
+
+    def __init__(self, in_features: int, out_features: int, batch_invariant: bool):
+        super().__init__(in_features, out_features, bias=False)
+        self.batch_invariant = batch_invariant
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.batch_invariant:
+            return F.linear(x, self.weight)
+        rows = x.shape[0]
+        weight_t = self.weight.t()
+        return torch.bmm(x[:, None, :], weight_t.expand(rows, *weight_t.shape)).squeeze(1)
+
+
+# --------------------------------------------------------------------------------------------
+# math
+# --------------------------------------------------------------------------------------------
+
+def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * (mean(x^2) + eps)^(-1/2) * (1 + weight), over the last dim, in float32."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def rotary_tables(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, r/2] float32 for the NeoX pairs (i, i + r/2) at the given row positions."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device) / rotary_dim
+    inv_freq = (theta ** -exponents).to(torch.float32)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Partial NeoX RoPE on the first r dims of each head of x [T, heads, d]; the rest pass."""
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return rotated.to(x.dtype)
+
+
+def attend_rowwise(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) -> Tensor:
+    """Causal GQA attention one row at a time, each over exactly positions 0..p of its slot.
+
+    q [T, H, d]; caches [S, K, L, d]; returns [T, H, d]. Elementwise products and sums only, so
+    a row's arithmetic depends on nothing but its own position (the batch-invariant path).
+    """
+    t, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    scale = head_dim ** -0.5
+    out = torch.empty_like(q)
+    row = 0
+    for slot, first, count in rows.segments:
+        for position in range(first, first + count):
+            keys = k_cache[slot, :, :position + 1]                                   # [K, P, d]
+            values = v_cache[slot, :, :position + 1]
+            query = q[row].view(num_kv, group, 1, head_dim)                         # [K, G, 1, d]
+            scores = (query * keys[:, None]).sum(dim=-1).float() * scale           # [K, G, P]
+            # exp / sum by hand: torch.softmax splits even tiny rows over threads (a barrier
+            # per call), which costs milliseconds per row on a busy 2-core machine.
+            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            weights = (weights / weights.sum(dim=-1, keepdim=True)).to(values.dtype)
+            out[row] = (weights[..., None] * values[:, None]).sum(dim=-2).reshape(num_heads, head_dim)
+            row += 1
+    return out
+
+
+def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) -> Tensor:
+    """The fast path: one fused SDPA call per multi-row segment, and one batched call for all
+    single-row segments (decode rows), padded to their longest history and masked."""
+    t, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    decode = []
+    row = 0
+    for slot, first, count in rows.segments:
+        if count == 1:
+            decode.append((row, slot, first))
+        else:
+            length = first + count
+            mask = (torch.arange(length, device=q.device)[None, :]
+                    <= torch.arange(first, length, device=q.device)[:, None])
+            o = F.scaled_dot_product_attention(
+                q[row:row + count].transpose(0, 1)[None], k_cache[slot, :, :length][None],
+                v_cache[slot, :, :length][None], attn_mask=mask, enable_gqa=True)
+            out[row:row + count] = o[0].transpose(0, 1)
+        row += count
+    if decode:
+        index = torch.tensor([r for r, _, _ in decode], device=q.device)
+        slots = torch.tensor([s for _, s, _ in decode], device=q.device)
+        positions = torch.tensor([p for _, _, p in decode], device=q.device)
+        length = max(p for _, _, p in decode) + 1
+        keys = k_cache[slots, :, :length]                                            # [R, K, P, d]
+        values = v_cache[slots, :, :length]
+        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]   # [R, P]
+        o = F.scaled_dot_product_attention(q[index][:, :, None], keys, values,
+                                           attn_mask=mask[:, None, None, :], enable_gqa=True)
+        out[index] = o[:, :, 0]
+    return out

@@ -1,0 +1,115 @@
+"""Tower weights: the name map, the strict loader, and random weights for tests and benchmarks.
+
+Module parameter names equal the checkpoint names minus the `audio_decoder.` prefix (MODEL.md
+§2.3), so the map is one prefix, plus the semantic head (§4.8), which comes from one of
+
+    audio_decoder.semantic_head.weight                    [Q_s + 1, H], if the checkpoint has it
+    lm_head.weight rows start..end, then row im_end       (embed_tokens when tied)
+
+and of the LM-head tensor only those `Q_s + 1` rows are read (§2.5 rule 6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.common.config import DramaConfig, load_config
+from services.tower.model import RMSNormPlus, RowLinear, TowerModel
+
+PREFIX = "audio_decoder."
+SEMANTIC_HEAD = PREFIX + "semantic_head.weight"
+
+
+def checkpoint_name(parameter_name: str) -> str:
+    return PREFIX + parameter_name
+
+
+def semantic_head_source(cfg: DramaConfig, tensor_names) -> tuple[str, list[int] | None]:
+    """(tensor name, rows to read or None for all) of the semantic head for this checkpoint."""
+    if SEMANTIC_HEAD in tensor_names:
+        return SEMANTIC_HEAD, None
+    prefixes = ("model.language_model.", "model.")
+    if cfg.text.tie_word_embeddings:
+        candidates = [p + "embed_tokens.weight" for p in prefixes]
+    else:
+        candidates = ["lm_head.weight"]
+    found = [name for name in candidates if name in tensor_names]
+    if not found:
+        raise KeyError(f"semantic head: none of {candidates} or {SEMANTIC_HEAD} in the checkpoint")
+    rows = list(range(cfg.semantic_start_token_id, cfg.semantic_end_token_id + 1)) + [cfg.im_end_token_id]
+    return found[0], rows
+
+
+def read_rows(reader, name: str, rows: list[int] | None) -> torch.Tensor:
+    """Rows of a 2-D checkpoint tensor without reading the rest when the reader can slice.
+
+    The semantic rows are one contiguous range plus the im_end row, so at most two slices.
+    """
+    if rows is None:
+        return reader.get(name)
+    get_slice = getattr(reader, "get_slice", None)
+    if get_slice is None:
+        return reader.get(name)[rows]
+    tensor_slice = get_slice(name)
+    first, last = rows[0], rows[-2]
+    return torch.cat([tensor_slice[first:last + 1], tensor_slice[rows[-1]:rows[-1] + 1]])
+
+
+def load_tower(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None, batch_invariant: bool | None = None) -> TowerModel:
+    """The tower of a checkpoint, checked strictly (every problem listed in one error).
+
+    dtype defaults to float32 on CPU (the reference path) and bfloat16 elsewhere;
+    batch_invariant defaults to True on CPU.
+    """
+    from services.common.checkpoint import check_tensors, open_safetensors
+    from services.common.inventory import tower_inventory
+
+    device = torch.device(device)
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if batch_invariant is None:
+        batch_invariant = device.type == "cpu"
+    cfg = load_config(checkpoint_dir)
+    reader = open_safetensors(checkpoint_dir)
+    check_tensors(reader, tower_inventory(cfg))
+
+    # Built on meta, filled with assign=True: nothing is allocated twice and `__init__`'s
+    # placeholder values never exist.
+    with torch.device("meta"):
+        model = TowerModel(cfg, batch_invariant=batch_invariant)
+    state = {}
+    for name, _ in model.named_parameters():
+        if name == "semantic_head.weight":
+            source, rows = semantic_head_source(cfg, set(reader.keys()))
+            tensor = read_rows(reader, source, rows)
+        else:
+            tensor = reader.get(checkpoint_name(name))
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def random_tower(cfg: DramaConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0, batch_invariant: bool | None = None) -> TowerModel:
+    """A tower with random weights made on `device`, in the spirit of MODEL.md §10.2: norm
+    weights N(0, 0.3^2) (zero-centred, so a missing `1 +` shows), embeddings N(0, 1), every
+    other matrix N(0, 1/fan_in)."""
+    device = torch.device(device)
+    if batch_invariant is None:
+        batch_invariant = device.type == "cpu"
+    with torch.device("meta"):
+        model = TowerModel(cfg, batch_invariant=batch_invariant)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNormPlus):
+                module.weight.normal_(0.0, 0.3, generator=generator)
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, 1.0, generator=generator)
+            elif isinstance(module, RowLinear):
+                module.weight.normal_(0.0, module.in_features ** -0.5, generator=generator)
+    return model.eval()

@@ -1,0 +1,347 @@
+"""The tower model and engine (MODEL.md §5, API.md §3.5) on the tiny geometry, CPU float32.
+
+Random weights (services.tower.weights.random_tower) on the tiny config, so these tests need no
+checkpoint; the loader is tested against the tiny checkpoint at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from services.common.config import DramaConfig
+from services.tower import sampling
+from services.tower.engine import StepEntry, TowerEngine
+from services.tower.model import RowBatch, forward_rows
+from services.tower.naive import naive_timeline
+from services.tower.weights import random_tower
+
+
+def _tiny_dict() -> dict:
+    return json.loads(resources.files("services.common").joinpath("presets/tiny.json").read_text())
+
+
+def _micro_dict() -> dict:
+    """MODEL.md §10.2's micro variant: 3 codebooks, so nothing may hard-code 10."""
+    raw = _tiny_dict()
+    raw["num_codebooks"] = 3
+    raw["audio_decoder_config"]["num_residual_layers"] = 2
+    raw["codec_config"]["quantizer"]["n_codebooks"] = 2
+    return raw
+
+
+TINY = DramaConfig.from_dict(_tiny_dict())
+MICRO = DramaConfig.from_dict(_micro_dict())
+
+
+def _prompt(cfg: DramaConfig, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random hidden rows and targets: rows 3..rows-3 are teacher-forced audio, the rest none."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, cfg.tower.hidden_size, generator=g)
+    targets = torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64)
+    for t in range(3, rows - 2):
+        targets[t, 0] = torch.randint(0, cfg.semantic_codebook_size, (), generator=g)
+        targets[t, 1:] = torch.randint(0, cfg.residual_codebook_size, (cfg.num_codebooks - 1,), generator=g)
+    return hidden, targets
+
+
+def _layer_caches(engine: TowerEngine, slot: int, rows: int) -> list[torch.Tensor]:
+    return [torch.stack([layer.self_attn.k_cache[slot, :, :rows], layer.self_attn.v_cache[slot, :, :rows]])
+            for layer in engine.model.layers()]
+
+
+# ------------------------------------------------------------------------------------------
+# model against the from-scratch reference
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [TINY, MICRO], ids=["tiny", "micro"])
+def test_frame_steps_equal_from_scratch_timeline(cfg):
+    """Prefill + per-frame steps (with draws, and one EOS mid-way that the timeline continues
+    past) give the logits of a cache-free float64 recomputation of the whole timeline."""
+    model = random_tower(cfg, seed=1)
+    model.setup_caches(2, 64)
+    prompt_rows, frames = 9, 6
+    hidden, targets = _prompt(cfg, prompt_rows + frames)
+    targets = targets[:prompt_rows]
+    targets[-1] = -1                                          # the prompt's last row draws
+    recorded: list[tuple[int, int, torch.Tensor, int]] = []   # (row, draw index, logits, code)
+    eos_row = prompt_rows + 2
+    slot = 1
+
+    def sampler_for(row):
+        def sample(draw_index, logits):
+            keys = sampling.noise_key(11, 0, row, draw_index).expand(logits.shape[0])
+            code = sampling.draw(logits, temperature=0.9, top_p=0.95, top_k=0, keys=keys)
+            if draw_index == 0 and row == eos_row:
+                code = torch.full_like(code, cfg.semantic_codebook_size)
+            recorded.append((row, draw_index, logits[0].clone(), int(code[0])))
+            return code
+        return sample
+
+    timeline = torch.full((prompt_rows + frames, cfg.num_codebooks), -1, dtype=torch.int64)
+    timeline[:prompt_rows - 1] = targets[:prompt_rows - 1]
+    with torch.inference_mode():
+        forward_rows(model, hidden[:prompt_rows - 1], targets[:-1],
+                     RowBatch.from_segments([(slot, 0, prompt_rows - 1)]))
+        for row in range(prompt_rows - 1, prompt_rows + frames):
+            codes, stopped = forward_rows(model, hidden[row:row + 1], torch.full_like(timeline[:1], -1),
+                                          RowBatch.from_segments([(slot, row, 1)]),
+                                          torch.tensor([0]), sampler_for(row))
+            assert bool(stopped[0]) == (row == eos_row)
+            timeline[row] = codes[0]
+        reference = naive_timeline(model, hidden, timeline)
+
+    assert timeline[eos_row].eq(-1).all()
+    for row, draw_index, logits, code in recorded:
+        expected = (reference["semantic_logits"][row] if draw_index == 0
+                    else reference["codebook_logits"][draw_index - 1][row])
+        error = (logits.double() - expected).abs().max().item()
+        assert error < 1e-4 * max(1.0, expected.abs().max().item()), (row, draw_index, error)
+        if not (draw_index == 0 and row == eos_row):
+            keys = sampling.noise_key(11, 0, row, draw_index)[None]
+            again = sampling.draw(expected[None].float(), temperature=0.9, top_p=0.95, top_k=0, keys=keys)
+            assert int(again) == code, (row, draw_index)
+    assert len(recorded) == (frames + 1) * cfg.num_codebooks
+
+
+# ------------------------------------------------------------------------------------------
+# engine: invariances
+# ------------------------------------------------------------------------------------------
+
+def _engine(cfg=TINY, sessions: int = 4, context: int = 64, seed: int = 3) -> TowerEngine:
+    return TowerEngine(random_tower(cfg, seed=seed), cfg, max_sessions=sessions, max_context=context)
+
+
+def _entry(session_id, first_row, n_rows, draw=False, frame_index=0, **kw):
+    params = dict(seed=42, take_index=0, temperature=0.8, top_p=0.9, top_k=0)
+    return StepEntry(session_id, first_row, n_rows, draw=draw, frame_index=frame_index, **{**params, **kw})
+
+
+def _run_session(engine, hidden, targets, pieces, frames, companions=0, session="a"):
+    """Prefill in `pieces`, drawing on the last; then `frames` frame steps. Companion sessions
+    (own prompts, own draws) share every step when `companions` > 0. Returns the frames."""
+    prompt_rows = len(targets)
+    out, start = [], 0
+    companion_rows = {}
+    for number, size in enumerate(pieces):
+        last = start + size == prompt_rows
+        entries = [_entry(session, start, size, draw=last)]
+        hid, tgt = [hidden[start:start + size]], [targets[start:start + size]]
+        if last:
+            tgt[0] = tgt[0].clone()
+            tgt[0][-1] = -1
+        for c in range(companions):
+            name = f"companion{c}"
+            held = companion_rows.get(name, 0)
+            n = 3 + c if held == 0 else 1
+            entries.append(_entry(name, held, n, draw=True, seed=c, frame_index=held))
+            g = torch.Generator().manual_seed(100 * c + held)
+            hid.append(torch.randn(n, hidden.shape[1], generator=g))
+            tgt.append(torch.full((n, targets.shape[1]), -1, dtype=torch.int64))
+            companion_rows[name] = held + n
+        # Put the session of interest in the middle of the batch when there are companions.
+        order = list(range(len(entries)))
+        if companions:
+            order = order[1:2] + order[:1] + order[2:]
+        result = engine.step([entries[i] for i in order], torch.cat([hid[i] for i in order]),
+                             torch.cat([tgt[i] for i in order]))
+        assert not result.row_errors, result.row_errors
+        start += size
+    out.append(result.codes[order.index(0)].tolist())
+    for f in range(1, frames + 1):
+        row = prompt_rows + f - 1
+        result = engine.step([_entry(session, row, 1, draw=True, frame_index=f)], hidden[row:row + 1],
+                             torch.full((1, targets.shape[1]), -1, dtype=torch.int64))
+        assert not result.row_errors, result.row_errors
+        out.append(result.codes[0].tolist())
+    return out
+
+
+def test_prefill_split_invariance():
+    """Any split of the prompt into pieces gives bit-identical caches and the same frames."""
+    hidden, targets = _prompt(TINY, 30)
+    prompt = targets[:24]
+    results = []
+    for pieces in ([24], [10, 14], [1, 7, 15, 1], [23, 1]):
+        engine = _engine()
+        frames = _run_session(engine, hidden, prompt, pieces, frames=4)
+        results.append((frames, _layer_caches(engine, 0, 24 + 4)))
+    for frames, caches in results[1:]:
+        assert frames == results[0][0]
+        for layer, (got, want) in enumerate(zip(caches, results[0][1])):
+            assert torch.equal(got, want), f"layer {layer} cache differs"
+
+
+def test_batch_invariance():
+    """A session's frames and caches are identical alone and batched with other sessions."""
+    hidden, targets = _prompt(TINY, 30, seed=5)
+    prompt = targets[:20]
+    alone = _engine()
+    frames_alone = _run_session(alone, hidden, prompt, [20], frames=5)
+    together = _engine()
+    frames_together = _run_session(together, hidden, prompt, [8, 12], frames=5, companions=3)
+    assert frames_alone == frames_together
+    slot_together = together._sessions[(None, "a")].slot
+    assert slot_together != 0
+    for got, want in zip(_layer_caches(together, slot_together, 25), _layer_caches(alone, 0, 25)):
+        assert torch.equal(got, want)
+
+
+def test_same_seed_same_frames_different_seed_differs():
+    hidden, targets = _prompt(TINY, 20, seed=2)
+    first = _run_session(_engine(), hidden, targets[:12], [12], frames=3)
+    assert _run_session(_engine(), hidden, targets[:12], [12], frames=3) == first
+    other = _engine()
+    other_frames = []
+    result = other.step([_entry("a", 0, 12, draw=True, seed=43)], hidden[:12],
+                        torch.cat([targets[:11], torch.full((1, 10), -1)]))
+    other_frames.append(result.codes[0].tolist())
+    assert other_frames[0] != first[0]
+
+
+# ------------------------------------------------------------------------------------------
+# engine: sessions, errors, pool
+# ------------------------------------------------------------------------------------------
+
+def _no_targets(rows, cfg=TINY):
+    return torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64)
+
+
+def test_unknown_session_is_a_row_error_and_others_go_on():
+    engine = _engine()
+    hidden = torch.randn(5, 64)
+    result = engine.step([_entry("ghost", 4, 2), _entry("b", 0, 3, draw=True)], hidden, _no_targets(5))
+    assert [(e.row_index, e.code) for e in result.row_errors] == [(0, "NOT_FOUND")]
+    assert result.codes[0].eq(-1).all()
+    assert result.stop[1] or result.codes[1].ge(0).all()
+    assert engine.rows_held("b") == 3 and engine.rows_held("ghost") is None
+
+
+def test_first_row_mismatch_is_invalid_argument_and_leaves_the_session():
+    engine = _engine()
+    engine.step([_entry("a", 0, 4)], torch.randn(4, 64), _no_targets(4))
+    result = engine.step([_entry("a", 3, 1, draw=True)], torch.randn(1, 64), _no_targets(1))
+    assert [(e.row_index, e.code) for e in result.row_errors] == [(0, "INVALID_ARGUMENT")]
+    assert engine.rows_held("a") == 4
+    result = engine.step([_entry("a", 4, 1, draw=True)], torch.randn(1, 64), _no_targets(1))
+    assert not result.row_errors and engine.rows_held("a") == 5
+
+
+@pytest.mark.parametrize("problem", ["draw_target", "mixed_target", "code_range", "duplicate",
+                                     "context", "penalty", "zero_rows"])
+def test_malformed_entries_are_invalid(problem):
+    engine = _engine(context=16)
+    entries = [_entry("a", 0, 3, draw=True)]
+    targets = _no_targets(3)
+    if problem == "draw_target":
+        targets[2] = 0
+    elif problem == "mixed_target":
+        targets[0, 0] = 1
+    elif problem == "code_range":
+        targets[0] = 0
+        targets[0, 1] = TINY.residual_codebook_size
+    elif problem == "duplicate":
+        entries = [_entry("a", 0, 1), _entry("a", 1, 2, draw=True)]
+    elif problem == "context":
+        engine.step([_entry("c", 0, 1)], torch.randn(1, 64), _no_targets(1))
+        entries = [_entry("c", 1, 16)]
+        targets = _no_targets(16)
+    elif problem == "penalty":
+        entries = [_entry("a", 0, 3, draw=True, repetition_penalty=-1.0)]
+    elif problem == "zero_rows":
+        entries = [_entry("a", 0, 0, draw=True), _entry("b", 0, 3)]
+    result = engine.step(entries, torch.randn(len(targets), 64), targets)
+    codes = {e.code for e in result.row_errors}
+    assert codes == ({"OUT_OF_RANGE"} if problem == "context" else {"INVALID_ARGUMENT"}), result.row_errors
+
+
+def test_mismatched_payload_fails_every_entry():
+    engine = _engine()
+    result = engine.step([_entry("a", 0, 3), _entry("b", 0, 2)], torch.randn(4, 64), _no_targets(4))
+    assert [e.row_index for e in result.row_errors] == [0, 1]
+    assert engine.open_sessions == 0
+
+
+def test_pool_full_then_release_frees_slots():
+    engine = _engine(sessions=2)
+    hidden = torch.randn(3, 64)
+    result = engine.step([_entry(s, 0, 1) for s in "abc"], hidden, _no_targets(3))
+    assert [(e.row_index, e.code) for e in result.row_errors] == [(2, "RESOURCE_EXHAUSTED")]
+    assert engine.free_slots == 0 and engine.open_sessions == 2
+    # Release is applied before rows: "c" gets "a"'s slot in the same message.
+    result = engine.step([_entry("c", 0, 1)], hidden[:1], _no_targets(1), release=["a", "zzz"])
+    assert not result.row_errors and engine.open_sessions == 2
+    engine.release(["b", "c"])
+    assert engine.free_slots == 2 and engine.open_sessions == 0
+
+
+def test_owners_are_separate_and_closing_one_frees_its_sessions():
+    engine = _engine()
+    engine.step([_entry("a", 0, 2)], torch.randn(2, 64), _no_targets(2), owner="stream1")
+    engine.step([_entry("a", 0, 3)], torch.randn(3, 64), _no_targets(3), owner="stream2")
+    assert engine.rows_held("a", "stream1") == 2 and engine.rows_held("a", "stream2") == 3
+    engine.release_owner("stream1")
+    assert engine.rows_held("a", "stream1") is None and engine.open_sessions == 1
+
+
+def test_first_row_zero_restarts_the_timeline():
+    engine = _engine()
+    engine.step([_entry("a", 0, 5)], torch.randn(5, 64), _no_targets(5))
+    result = engine.step([_entry("a", 0, 2)], torch.randn(2, 64), _no_targets(2))
+    assert not result.row_errors and engine.rows_held("a") == 2 and engine.free_slots == 3
+
+
+def test_warm_up_leaves_the_pool_empty():
+    engine = _engine()
+    engine.warm_up()
+    assert engine.open_sessions == 0 and engine.free_slots == 4
+
+
+# ------------------------------------------------------------------------------------------
+# engine: RAS and the repetition penalty
+# ------------------------------------------------------------------------------------------
+
+def _biased_engine(code: int, margin: float) -> TowerEngine:
+    """A tower whose semantic logits for hidden rows e_0 are `margin` at `code`, 1 at the other
+    semantic codes and 0 at EOS (unless `code` is EOS)."""
+    engine = _engine()
+    with torch.no_grad():
+        head = engine.model.semantic_head.weight
+        head.zero_()
+        head[:TINY.semantic_codebook_size, 0] = 1.0
+        head[code, 0] = margin
+    return engine
+
+
+def _semantic_codes(engine, frames, **params):
+    hidden = torch.zeros(1, 64)
+    hidden[0, 0] = 1.0
+    codes = []
+    for f in range(frames):
+        result = engine.step([_entry("a", f, 1, draw=True, frame_index=f, **params)], hidden, _no_targets(1))
+        codes.append(-1 if result.stop[0] else int(result.codes[0, 0]))
+    return codes
+
+
+def test_ras_switches_a_greedy_loop_to_ras_parameters():
+    """Greedy picks code 7 every frame until the last 4 codes repeat; from then on RAS
+    (temperature 1.5, top-p 0.95, top-k 30) samples, which leaves code 7 most of the time."""
+    codes = _semantic_codes(_biased_engine(7, 3.0), 12, temperature=0.0)
+    assert codes[:2] == [7, 7]
+    assert sum(c != 7 for c in codes[2:]) >= 5, codes
+
+
+def test_repetition_penalty_steers_greedy_away_from_recent_codes():
+    codes = _semantic_codes(_biased_engine(7, 3.0), 2, temperature=0.0, repetition_penalty=100.0)
+    assert codes[0] == 7 and codes[1] != 7
+
+
+def test_eos_stops_and_does_not_enter_ras_history():
+    engine = _biased_engine(TINY.semantic_codebook_size, 50.0)     # EOS dominates
+    codes = _semantic_codes(engine, 3, temperature=0.0)
+    assert codes == [-1, -1, -1]
+    assert engine._ras_history.eq(-1).all()
