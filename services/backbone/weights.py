@@ -1,0 +1,156 @@
+"""Loading the backbone from a checkpoint directory (MODEL.md §2.3, §2.5).
+
+    load_backbone(path, device="cpu", dtype=torch.float32, *, lm_head=True) -> Backbone
+
+Accepted, unchanged: our speech checkpoints (prefix `model.language_model.`, the tower's
+`audio_decoder.codebook_embeddings.weight` read for audio rows) and plain HF Qwen3.5-MoE text
+checkpoints written by transformers' `save_pretrained` (prefix `model.`, flat config.json, no
+audio rows). Routed experts may be per-expert (BF16/F32, or block-FP8 with `weight_scale_inv`)
+or fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); any linear may be
+block-FP8. Non-FP8 float tensors may be stored BF16 or F32 (a float32 `save_pretrained` writes
+F32) and are cast to the compute dtype; FP8 weights and their scales stay as stored.
+
+Order (§2.5 rule 1): check every tensor name, shape and dtype against the inventory and raise one
+WeightError naming each problem with its shard file; then build the model on the meta device,
+fill every parameter from the name map below, and refuse a model with anything left unfilled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.common.checkpoint import (
+    WeightError,
+    check_tensors,
+    detect_backbone_layout,
+    open_safetensors,
+    stage_expectations,
+)
+from services.common.config import is_flat_text_config, load_config, load_text_config
+from services.common.inventory import TOWER_PREFIX, TensorSpec, backbone_inventory, tower_inventory
+
+from .model import AudioSpec, Backbone
+
+CODEBOOK_EMBEDDINGS = f"{TOWER_PREFIX}codebook_embeddings.weight"
+
+# Checkpoint name (after the backbone prefix) -> how it lands in the module tree.
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^(layers\.\d+\.mlp\.experts)\.down_proj$")
+
+
+def _widen(specs: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
+    """Let every BF16 tensor also be F32: we upcast anyway, and transformers writes F32 models as F32."""
+    out = {}
+    for name, spec in specs.items():
+        if torch.bfloat16 in spec.dtypes and torch.float32 not in spec.dtypes:
+            spec = TensorSpec(spec.shape, spec.dtypes + (torch.float32,))
+        out[name] = spec
+    return out
+
+
+def _expectations(path: Path, ckpt):
+    """(expected, other stage's names, AudioSpec or None, FP8 block size) for this directory."""
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if is_flat_text_config(raw):
+        text = load_text_config(path)
+        expected = backbone_inventory(text, **detect_backbone_layout(ckpt))
+        return _widen(expected), set(), None, (128, 128)
+    cfg = load_config(path)
+    expected, _, other = stage_expectations(ckpt, cfg, "backbone")
+    # The backbone reads the tower's codebook table too (§2.5 rule 6), so it checks it as its own.
+    expected = {**expected, CODEBOOK_EMBEDDINGS: tower_inventory(cfg)[CODEBOOK_EMBEDDINGS]}
+    other = set(other) - {CODEBOOK_EMBEDDINGS}
+    audio = AudioSpec(cfg.semantic_start_token_id, cfg.num_codebooks, cfg.codebook_vocab_size,
+                      cfg.semantic_codebook_size, cfg.residual_codebook_size)
+    block = tuple(cfg.quantization_config.weight_block_size) if cfg.quantization_config else (128, 128)
+    return _widen(expected), other, audio, block
+
+
+def _assign(model: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
+    """Replace the parameter or buffer at `dotted` (e.g. layers.0.mlp.gate.weight) by `tensor`."""
+    module_path, _, attr = dotted.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        raise KeyError(dotted)
+
+
+def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                  *, lm_head: bool = True) -> Backbone:
+    """The backbone of checkpoint directory `path`, on `device`, computing in `dtype`.
+
+    lm_head=False skips the [V, H] LM head (the service never computes logits; §2.5 rule 6); it
+    is still checked. Raises ConfigError for config problems and one WeightError for all tensor
+    problems.
+    """
+    path, device = Path(path), torch.device(device)
+    ckpt = open_safetensors(path)
+    expected, other, audio, block = _expectations(path, ckpt)
+    check_tensors(ckpt, expected, other_stage_names=other, block_size=block)
+    prefix = detect_backbone_layout(ckpt)["prefix"]
+    text = load_text_config(path)
+
+    # Build on meta (no memory, no init), then put real tensors in; nothing is computed on meta.
+    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head,
+                     exact=device.type == "cpu")
+    for module in model.modules():
+        if hasattr(module, "block_size"):
+            module.block_size = block
+
+    def load(name: str, keep_fp8: bool = True) -> torch.Tensor:
+        t = ckpt.get(name)
+        if t.dtype == torch.float8_e4m3fn and keep_fp8:
+            return t.to(device)
+        return t.to(device=device, dtype=torch.float32 if name.endswith("_scale_inv") else dtype)
+
+    stacked: dict[str, torch.Tensor] = {}   # experts: one [E, ...] tensor filled expert by expert
+
+    def put_expert(target: str, e: int, tensor: torch.Tensor) -> None:
+        if target not in stacked:
+            stacked[target] = torch.empty((text.num_experts,) + tuple(tensor.shape), dtype=tensor.dtype,
+                                          device=device)
+        stacked[target][e] = tensor
+
+    for name in ckpt.names():
+        if name not in expected and not (name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in expected):
+            continue   # another stage's tensor, or ignored on purpose (checked above)
+        if name == "lm_head.weight":
+            if lm_head:
+                _assign(model, name, load(name))
+            continue
+        if name == CODEBOOK_EMBEDDINGS:
+            _assign(model, "codebook_embeddings.weight", load(name))
+            continue
+        local = name.removeprefix(prefix)
+        if m := _PER_EXPERT.match(local):
+            base, e, proj, kind = m.groups()
+            target = f"{base}.{proj}" if kind == "weight" else f"{base}.{proj}_scale_inv"
+            put_expert(target, int(e), load(name))
+        elif m := _FUSED_GATE_UP.match(local):
+            gate, up = load(name).chunk(2, dim=1)          # rows 0..I−1 gate, I..2I−1 up (§2.5 rule 3)
+            _assign(model, f"{m.group(1)}.gate_proj", gate.contiguous())
+            _assign(model, f"{m.group(1)}.up_proj", up.contiguous())
+        elif m := _FUSED_DOWN.match(local):
+            _assign(model, f"{m.group(1)}.down_proj", load(name))
+        elif local.endswith("mlp.gate.weight") or local.endswith(("A_log", "dt_bias")):
+            _assign(model, local, ckpt.get(name).to(device=device, dtype=torch.float32))   # used in F32
+        else:
+            _assign(model, local, load(name))
+    for target, tensor in stacked.items():
+        _assign(model, target, tensor)
+    if lm_head and model.lm_head is not None and text.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+    unfilled = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if unfilled:
+        raise WeightError([f"not filled from the checkpoint: {n}" for n in unfilled], f"checkpoint {path}")
+    return model.eval()
