@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A config.json problem; the message names the section and key."""
 
 
+def _object(raw, section: str) -> dict:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def _build(cls, raw: dict, section: str, *, extra_allowed: dict[str, Any] | None = None):
     """Instantiate dataclass `cls` from `raw`, refusing unknown keys.
 
@@ -50,12 +56,6 @@ def _build(cls, raw: dict, section: str, *, extra_allowed: dict[str, Any] | None
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{section}.{exc}") from None
-
-
-def _object(raw, section: str) -> dict:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def _require(cond: bool, key: str, message: str) -> None:

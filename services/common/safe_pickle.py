@@ -104,8 +104,8 @@ def _refuse_opcode(name: str):
 
 class _AllowListUnpickler(pickle._Unpickler):  # noqa: SLF001 - the pure-Python one is the point
     dispatch = dict(pickle._Unpickler.dispatch)
-    for _op in ("INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4"):
-        dispatch[getattr(pickle, _op)[0]] = _refuse_opcode(_op)
+    dispatch.update({getattr(pickle, op)[0]: _refuse_opcode(op)
+                     for op in ("INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4")})
 
     def __init__(self, file, *, source: str, storages: "_StorageReader"):
         super().__init__(file)
