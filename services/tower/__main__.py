@@ -1,0 +1,57 @@
+"""`python -m services.tower --checkpoint DIR [--port 50052] [--host H] [--device cpu|cuda]`.
+
+Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_HOST, DRAMA_DEVICE; the cache pool reads
+DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each), the same variables
+the backbone sizes its pool with (API.md §3.5), and DRAMA_GRACE_S (30) bounds the SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.common.grpcutil import env_default, serve_until_signalled
+from services.tower.server import serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.tower", description="Drama 3 tower stage (gRPC)")
+    parser.add_argument("--checkpoint", default=env_default("DRAMA_CHECKPOINT"),
+                        help="checkpoint directory (DRAMA_CHECKPOINT)")
+    parser.add_argument("--host", default=env_default("DRAMA_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=50052)
+    parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
+    args = parser.parse_args(argv)
+    if not args.checkpoint:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    args.max_sessions = env_default("DRAMA_MAX_ROWS", 64, int)
+    args.max_context = env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int)
+    args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
+    return args
+
+
+async def run(args: argparse.Namespace) -> None:
+    server, _, health, servicer = await serve(
+        args.checkpoint, host=args.host, port=args.port, device=args.device,
+        max_sessions=args.max_sessions, max_context=args.max_context)
+    await serve_until_signalled(server, health, grace_s=args.grace_s)
+    servicer.worker.shutdown(wait=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        from services.common.telemetry import setup_telemetry
+        setup_telemetry("drama-tower")
+        asyncio.run(run(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The Tower gRPC service (API.md §3.5): GetInfo and the Step bidi stream, thin over the engine.
+
+Each StepRequest becomes one `TowerEngine.step` call on the single tower worker thread (the
+event loop only moves bytes); its StepResponse goes back in request order. A stream keeps at
+most `max_inflight_steps` requests in progress: the reader stops reading (and HTTP/2 flow
+control pushes back on the backbone) while that many are queued. Tower state is keyed by the
+stream, and a closed stream frees all of it.
+
+Rules a client codes against (API.md §3.5, with our reading where it is silent):
+- an entry's rows all run every layer with their given targets (-1 = none), except that a draw
+  entry's last row is the draw row: its target must be -1 and its frame is drawn here;
+- so the last prefill piece of a timeline is the entry that draws the first frame;
+- `first_row == 0` starts a new timeline for that session id (replacing any old one);
+- `repetition_penalty` 0 (unset) means 1.0, off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from drama.tower.v1 import tower_pb2, tower_pb2_grpc
+from services.common import grpcutil
+from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
+from services.tower.engine import RowError, StepEntry, StepResult, TowerEngine
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "drama.tower.v1.Tower"
+
+
+# --------------------------------------------------------------------------------------------
+# protobuf <-> engine
+# --------------------------------------------------------------------------------------------
+
+def entries_from_request(request: tower_pb2.StepRequest) -> list[StepEntry]:
+    return [StepEntry(session_id=r.session_id, first_row=r.first_row, n_rows=r.n_rows, draw=r.draw,
+                      take_index=r.take_index, frame_index=r.frame_index, seed=r.seed,
+                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                      repetition_penalty=r.repetition_penalty)
+            for r in request.rows]
+
+
+def response_from_result(step_id: int, result: StepResult) -> tower_pb2.StepResponse:
+    return tower_pb2.StepResponse(
+        step_id=step_id, codes=tensor_to_bytes(result.codes.to(torch.int16)), stop=result.stop,
+        row_errors=[tower_pb2.RowError(row_index=e.row_index, code=grpc.StatusCode[e.code].value[0],
+                                       message=e.message) for e in result.row_errors],
+        tower_us=result.tower_us)
+
+
+def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: str,
+             owner) -> tower_pb2.StepResponse:
+    """Decode, step, encode: runs on the worker thread."""
+    entries = entries_from_request(request)
+    rows = sum(max(e.n_rows, 0) for e in entries)
+    codebooks = engine.cfg.num_codebooks
+    try:
+        hidden = tensor_from_bytes(request.hidden, hidden_dtype, (rows, engine.model.hidden_size))
+        targets = tensor_from_bytes(request.targets, "int16", (rows, codebooks))
+    except ValueError as exc:
+        engine.release(request.release, owner)
+        result = StepResult(torch.full((len(entries), codebooks), -1, dtype=torch.int64), [False] * len(entries),
+                            [RowError(i, "INVALID_ARGUMENT", f"payload: {exc}") for i in range(len(entries))])
+        return response_from_result(request.step_id, result)
+    result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+    return response_from_result(request.step_id, result)
+
+
+# --------------------------------------------------------------------------------------------
+# the servicer
+# --------------------------------------------------------------------------------------------
+
+class TowerServicer(tower_pb2_grpc.TowerServicer):
+    """The engine is attached once loaded and warmed; until then calls answer UNAVAILABLE."""
+
+    def __init__(self, *, max_inflight_steps: int = 2, build: str = ""):
+        self.engine: TowerEngine | None = None
+        self.hidden_dtype = ""
+        self.max_inflight_steps = max_inflight_steps
+        self.build = build
+        # One worker: the engine and its caches are touched by this thread only, in FIFO order.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tower-step")
+
+    def attach(self, engine: TowerEngine, hidden_dtype: str) -> None:
+        self.engine, self.hidden_dtype = engine, hidden_dtype
+
+    async def _require_engine(self, context) -> TowerEngine:
+        if self.engine is None:
+            await grpcutil.abort(context, grpc.StatusCode.UNAVAILABLE, "tower is loading",
+                                 drama_code="not_ready")
+        return self.engine
+
+    async def GetInfo(self, request: tower_pb2.GetInfoRequest, context) -> tower_pb2.TowerInfo:
+        engine = await self._require_engine(context)
+        return tower_pb2.TowerInfo(
+            hidden_dim=engine.model.hidden_size, hidden_dtype=self.hidden_dtype,
+            codebooks=engine.cfg.num_codebooks, max_rows=engine.max_sessions,
+            max_context_tokens=engine.max_context, max_inflight_steps=self.max_inflight_steps,
+            open_sessions=engine.open_sessions, free_slots=engine.free_slots, build=self.build)
+
+    async def Step(self, request_iterator, context):
+        engine = await self._require_engine(context)
+        loop = asyncio.get_running_loop()
+        owner = object()          # this stream's sessions
+        in_flight: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(self.max_inflight_steps)
+        done = object()
+
+        async def read_requests():
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    in_flight.put_nowait(loop.run_in_executor(self.worker, run_step, engine, request,
+                                                              self.hidden_dtype, owner))
+            finally:
+                in_flight.put_nowait(done)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (future := await in_flight.get()) is not done:
+                response = await future
+                slots.release()
+                yield response
+            await reader          # re-raises a failed read
+        finally:
+            reader.cancel()
+            # Queued on the same FIFO worker, so it runs after this stream's last step.
+            self.worker.submit(engine.release_owner, owner)
+
+
+# --------------------------------------------------------------------------------------------
+# serve()
+# --------------------------------------------------------------------------------------------
+
+async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, device: str = "cpu",
+                max_sessions: int = 64, max_context: int = 8192, max_inflight_steps: int = 2,
+                ready: asyncio.Event | None = None, model=None, cfg=None):
+    """Start listening (NOT_SERVING), load and warm the tower, then SERVING.
+
+    Returns (server, port, health, servicer). `model`/`cfg` skip loading from `checkpoint`
+    (tests with random weights).
+    """
+    servicer = TowerServicer(max_inflight_steps=max_inflight_steps)
+    server, bound, health = await grpcutil.start_server(
+        add_servicers=[lambda s: tower_pb2_grpc.add_TowerServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME], host=host, port=port, max_message_mb=16)
+    loop = asyncio.get_running_loop()
+
+    def load() -> TowerEngine:
+        from services.common.config import load_config
+        from services.tower.weights import load_tower
+
+        nonlocal model, cfg
+        if model is None:
+            model = load_tower(checkpoint, device=device)
+            cfg = load_config(checkpoint)
+        engine = TowerEngine(model, cfg, max_sessions=max_sessions, max_context=max_context)
+        engine.warm_up()
+        return engine
+
+    engine = await loop.run_in_executor(servicer.worker, load)
+    hidden_dtype = DTYPE_NAMES[engine.hidden_dtype]
+    servicer.attach(engine, hidden_dtype)
+    await grpcutil.set_serving(health, True)
+    log.info("tower serving on %s:%d (%s, %d sessions x %d rows)", host, bound, device, max_sessions, max_context)
+    if ready is not None:
+        ready.set()
+    return server, bound, health, servicer

@@ -1,0 +1,204 @@
+"""The Tower gRPC service over a real localhost port (API.md §3.5), tiny random weights, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from drama.tower.v1 import tower_pb2, tower_pb2_grpc
+from services.common import grpcutil
+from services.common.tensors import tensor_from_bytes, tensor_to_bytes
+from services.tower.engine import StepEntry, TowerEngine
+from services.tower.server import TowerServicer, serve
+from services.tower.weights import random_tower
+from test_tower_model import TINY, _prompt
+
+N = TINY.num_codebooks
+SESSIONS, CONTEXT = 4, 64
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def tower():
+    server, port, health, servicer = await serve(None, port=0, max_sessions=SESSIONS, max_context=CONTEXT,
+                                                 model=random_tower(TINY, seed=7), cfg=TINY)
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", traced=False)
+    yield tower_pb2_grpc.TowerStub(channel), port
+    await channel.close()
+    await server.stop(None)
+    servicer.worker.shutdown(wait=True)
+
+
+def _row(session_id, first_row, n_rows, draw=False, frame_index=0, seed=42):
+    return tower_pb2.RowEntry(session_id=session_id, first_row=first_row, n_rows=n_rows, draw=draw,
+                              take_index=0, frame_index=frame_index, seed=seed, temperature=0.8,
+                              top_p=0.9, top_k=0, repetition_penalty=1.0)
+
+
+def _request(step_id, rows, hidden, targets, release=()):
+    return tower_pb2.StepRequest(step_id=step_id, rows=rows, hidden=tensor_to_bytes(hidden.float()),
+                                 targets=tensor_to_bytes(targets.to(torch.int16)), release=list(release))
+
+
+def _codes(response, entries):
+    return tensor_from_bytes(response.codes, "int16", (entries, N)).to(torch.int64)
+
+
+def _session_plan(session_id, hidden, targets, pieces, frames):
+    """The requests of one timeline: prefill pieces (the last draws), then frame steps."""
+    plan, start = [], 0
+    for size in pieces:
+        draw = start + size == len(targets)
+        tgt = targets[start:start + size].clone()
+        if draw:
+            tgt[-1] = -1
+        plan.append(([_row(session_id, start, size, draw=draw)], hidden[start:start + size], tgt))
+        start += size
+    for f in range(1, frames + 1):
+        row = start + f - 1
+        plan.append(([_row(session_id, row, 1, draw=True, frame_index=f)], hidden[row:row + 1],
+                     torch.full((1, N), -1, dtype=torch.int64)))
+    return plan
+
+
+def _expected_frames(plan):
+    """The same steps straight on an engine with the same weights."""
+    engine = TowerEngine(random_tower(TINY, seed=7), TINY, max_sessions=SESSIONS, max_context=CONTEXT)
+    out = []
+    for rows, hidden, targets in plan:
+        entries = [StepEntry(r.session_id, r.first_row, r.n_rows, r.draw, r.take_index, r.frame_index,
+                             r.seed, r.temperature, r.top_p, r.top_k, r.repetition_penalty) for r in rows]
+        result = engine.step(entries, hidden, targets)
+        if rows[-1].draw:
+            out.append(result.codes[-1].tolist())
+    return out
+
+
+async def test_health_and_info(tower):
+    stub, port = tower
+    assert await grpcutil.check_health(f"127.0.0.1:{port}", service="drama.tower.v1.Tower") == "SERVING"
+    info = await stub.GetInfo(tower_pb2.GetInfoRequest())
+    assert (info.hidden_dim, info.hidden_dtype, info.codebooks) == (64, "float32", N)
+    assert (info.max_rows, info.max_context_tokens, info.max_inflight_steps) == (SESSIONS, CONTEXT, 2)
+    assert info.free_slots == SESSIONS and info.open_sessions == 0
+
+
+async def test_prefill_and_draws_match_the_engine(tower):
+    stub, _ = tower
+    hidden, targets = _prompt(TINY, 24, seed=9)
+    plan = _session_plan("s", hidden, targets[:18], [10, 8], frames=5)
+    call = stub.Step()
+    frames = []
+    for step_id, (rows, h, t) in enumerate(plan, start=1):
+        await call.write(_request(step_id, rows, h, t))
+        response = await call.read()
+        assert response.step_id == step_id and not response.row_errors
+        assert len(response.stop) == 1 and response.tower_us > 0
+        if rows[-1].draw:
+            frames.append(_codes(response, 1)[0].tolist())
+        else:
+            assert _codes(response, 1).eq(-1).all()
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert frames == _expected_frames(plan)
+
+
+async def test_pipelined_requests_answer_in_order(tower):
+    """Two sessions' plans interleaved with two requests in flight at all times (and a burst of
+    three, which the server takes as its limit allows)."""
+    stub, _ = tower
+    hidden, targets = _prompt(TINY, 20, seed=3)
+    plan_a = _session_plan("a", hidden, targets[:12], [12], frames=4)
+    plan_b = _session_plan("b", hidden.flip(0), targets[:8], [5, 3], frames=5)
+    requests = [p for pair in zip(plan_a, plan_b) for p in pair] + plan_b[len(plan_a):]
+    call = stub.Step()
+    for step_id, (rows, h, t) in enumerate(requests[:3], start=1):
+        await call.write(_request(step_id, rows, h, t))
+    got = {"a": [], "b": []}
+    next_id = 4
+    for step_id in range(1, len(requests) + 1):
+        response = await call.read()
+        assert response.step_id == step_id and not response.row_errors
+        rows = requests[step_id - 1][0]
+        if rows[-1].draw:
+            got[rows[-1].session_id].append(_codes(response, 1)[0].tolist())
+        if next_id <= len(requests):
+            rows, h, t = requests[next_id - 1]
+            await call.write(_request(next_id, rows, h, t))
+            next_id += 1
+    await call.done_writing()
+    assert got["a"] == _expected_frames(plan_a)
+    assert got["b"] == _expected_frames(plan_b)
+
+
+async def test_row_errors_and_payload_errors(tower):
+    stub, _ = tower
+    call = stub.Step()
+    hidden = torch.randn(4, 64)
+    rows = [_row("ghost", 7, 1), _row("new", 0, 3, draw=True)]
+    await call.write(_request(1, rows, hidden, torch.full((4, N), -1)))
+    response = await call.read()
+    assert [(e.row_index, e.code) for e in response.row_errors] == [(0, grpc.StatusCode.NOT_FOUND.value[0])]
+    codes = _codes(response, 2)
+    assert codes[0].eq(-1).all() and (response.stop[1] or codes[1].ge(0).all())
+
+    bad = _request(2, [_row("new", 3, 1, draw=True)], hidden[:1], torch.full((1, N), -1))
+    bad.hidden = bad.hidden[:-4]
+    await call.write(bad)
+    response = await call.read()
+    assert [(e.row_index, e.code) for e in response.row_errors] == [(0, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+
+    mismatch = _request(3, [_row("new", 2, 1, draw=True)], hidden[:1], torch.full((1, N), -1))
+    await call.write(mismatch)
+    response = await call.read()
+    assert [(e.row_index, e.code) for e in response.row_errors] == [(0, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    await call.done_writing()
+
+
+async def _open_sessions(stub) -> int:
+    return (await stub.GetInfo(tower_pb2.GetInfoRequest())).open_sessions
+
+
+async def test_closed_stream_frees_its_sessions(tower):
+    stub, _ = tower
+    other = stub.Step()
+    await other.write(_request(1, [_row("keep", 0, 2)], torch.randn(2, 64), torch.full((2, N), -1)))
+    await other.read()
+    call = stub.Step()
+    await call.write(_request(1, [_row("x", 0, 2), _row("y", 0, 1)], torch.randn(3, 64), torch.full((3, N), -1)))
+    await call.read()
+    assert await _open_sessions(stub) == 3
+    call.cancel()
+    for _ in range(100):
+        if await _open_sessions(stub) == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert await _open_sessions(stub) == 1          # only the other stream's session is left
+    await other.done_writing()
+    assert await other.read() == grpc.aio.EOF
+    for _ in range(100):
+        if await _open_sessions(stub) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await _open_sessions(stub) == 0
+
+
+async def test_not_serving_until_an_engine_is_attached():
+    servicer = TowerServicer()
+    server, port, health = await grpcutil.start_server(
+        add_servicers=[lambda s: tower_pb2_grpc.add_TowerServicer_to_server(servicer, s)],
+        service_names=["drama.tower.v1.Tower"], port=0)
+    try:
+        assert await grpcutil.check_health(f"127.0.0.1:{port}") == "NOT_SERVING"
+        channel = grpcutil.create_channel(f"127.0.0.1:{port}", traced=False)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await tower_pb2_grpc.TowerStub(channel).GetInfo(tower_pb2.GetInfoRequest())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert grpcutil.error_details(info.value)[0] == "not_ready"
+        await channel.close()
+    finally:
+        await server.stop(None)
+        servicer.worker.shutdown()
