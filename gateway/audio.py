@@ -1,4 +1,5 @@
-"""Audio out: PCM16 from the codec (44.1 kHz mono) -> gain -> streaming resampler -> container.
+"""Audio out: PCM16 from the codec (44.1 kHz mono) -> time-stretch (speed) -> gain -> streaming
+resampler -> container.
 
     pipeline = AudioPipeline("mp3", 24000, streamed=True)
     body = pipeline.push(pcm_int16) ... + pipeline.finish()
@@ -76,6 +77,78 @@ class StreamingResampler:
         if self.passthrough:
             return x
         return self._stream.resample_chunk(np.ascontiguousarray(x, dtype=np.float32), last=last)
+
+
+class TimeStretcher:
+    """Pitch-preserving time-stretch by WSOLA (waveform-similarity overlap-add), streaming.
+
+    Output frame k (window W, hop Hs = W/2, periodic Hann so the windows sum to 1) is cut from the
+    input near k * Hs * speed, shifted by up to `tolerance` samples to the offset whose waveform
+    best continues the previous frame (cross-correlation), so pitch is kept while the duration
+    becomes len / speed. Pure numpy float64: the same input gives the same output in any split.
+    """
+
+    def __init__(self, speed: float, window: int = 1024, tolerance: int = 256):
+        self.speed = float(speed)
+        self.W, self.Hs, self.tol = window, window // 2, tolerance
+        n = np.arange(window)
+        self.window = 0.5 - 0.5 * np.cos(2 * np.pi * n / window)     # periodic Hann
+        # Hs zeros in front make the first real sample sit under a full overlap (dropped again below).
+        self._buf = np.zeros(self.Hs)
+        self._buf_start = 0          # input index of _buf[0] (input counts the padding)
+        self._acc = np.zeros(window)
+        self._k = 0                  # next output frame
+        self._prev = 0               # input start of the previous frame
+        self._input_len = self.Hs
+        self._emitted = 0            # output samples produced (padding included)
+        self._to_skip = self.Hs
+
+    def _input(self, start: int, length: int) -> np.ndarray:
+        """Input samples [start, start + length), zeros outside what was given."""
+        out = np.zeros(length)
+        lo, hi = max(start, self._buf_start), min(start + length, self._buf_start + len(self._buf))
+        if hi > lo:
+            out[lo - start:hi - start] = self._buf[lo - self._buf_start:hi - self._buf_start]
+        return out
+
+    def push(self, x: np.ndarray, last: bool = False) -> np.ndarray:
+        self._buf = np.concatenate([self._buf, np.asarray(x, dtype=np.float64)])
+        self._input_len += len(x)
+        W, Hs, tol = self.W, self.Hs, self.tol
+        target_len = self.Hs + round((self._input_len - self.Hs) / self.speed)
+        out = []
+        while True:
+            nominal = round(self._k * Hs * self.speed)
+            need = max(nominal + tol + W, self._prev + Hs + W)
+            if not last and need > self._input_len:
+                break
+            if last and self._k * Hs >= target_len:
+                break
+            if self._k == 0:
+                start = 0
+            else:
+                natural = self._input(self._prev + Hs, W)
+                low = max(0, nominal - tol)
+                region = self._input(low, nominal + tol + W - low)
+                scores = np.correlate(region, natural, mode="valid")
+                start = low + int(np.argmax(scores))
+            self._acc += self.window * self._input(start, W)
+            out.append(self._acc[:Hs].copy())
+            self._acc = np.concatenate([self._acc[Hs:], np.zeros(Hs)])
+            self._prev = start
+            self._k += 1
+            keep_from = min(round(self._k * Hs * self.speed) - tol, self._prev + Hs)
+            if keep_from > self._buf_start:
+                self._buf = self._buf[keep_from - self._buf_start:]
+                self._buf_start = keep_from
+        y = np.concatenate(out) if out else np.zeros(0)
+        if last:
+            y = np.concatenate([y, self._acc[:max(0, target_len - self._emitted - len(y))]])
+            y = y[:max(0, target_len - self._emitted)]
+        self._emitted += len(y)
+        skip = min(self._to_skip, len(y))
+        self._to_skip -= skip
+        return y[skip:].astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,11 +416,12 @@ class AudioPipeline:
     """PCM16 at `source_rate` in, container bytes out. `streamed` only changes the WAV header."""
 
     def __init__(self, fmt: str, sample_rate: int, *, streamed: bool, source_rate: int = CODEC_RATE,
-                 volume_db: float = 0.0, mp3_bitrate: int | None = None, opus_bitrate: int | None = None,
+                 volume_db: float = 0.0, speed: float = 1.0, mp3_bitrate: int | None = None, opus_bitrate: int | None = None,
                  serial: int = 0):
         self.format, self.sample_rate = fmt, sample_rate
         self.gain = float(10.0 ** (volume_db / 20.0))
         self.resampler = StreamingResampler(source_rate, sample_rate)
+        self.stretcher = TimeStretcher(speed) if speed != 1.0 else None
         self.samples_out = 0
         if fmt == "pcm":
             self.encoder = PcmEncoder(sample_rate, streamed)
@@ -365,9 +439,13 @@ class AudioPipeline:
             raise ValueError(f"unknown format {fmt!r}")
 
     def _convert(self, pcm: np.ndarray, last: bool) -> np.ndarray:
-        if self.resampler.passthrough and self.gain == 1.0:
+        if self.resampler.passthrough and self.gain == 1.0 and self.stretcher is None:
             return pcm.astype(np.int16)
-        x = pcm16_to_float(pcm) * self.gain if self.gain != 1.0 else pcm16_to_float(pcm)
+        x = pcm16_to_float(pcm)
+        if self.stretcher is not None:
+            x = self.stretcher.push(x, last=last)
+        if self.gain != 1.0:
+            x = x * np.float32(self.gain)
         return float_to_pcm16(self.resampler.push(x, last=last))
 
     def push(self, pcm: np.ndarray) -> bytes:

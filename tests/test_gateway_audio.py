@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from gateway.audio import (AudioPipeline, StreamingResampler, adts_header, encode_all, float_to_pcm16,
+from gateway.audio import (AudioPipeline, StreamingResampler, TimeStretcher, adts_header, encode_all, float_to_pcm16,
                            ogg_crc, pcm16_to_float)
 
 RATE = 44100
@@ -147,3 +147,26 @@ def test_volume_gain_scales_samples():
     loud = np.frombuffer(encode_all(pcm, "pcm", RATE, volume_db=6.0), "<i2")
     ratio = np.abs(loud.astype(float)).max() / np.abs(pcm.astype(float)).max()
     assert 1.95 < ratio < 2.05
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.8, 1.5, 4.0])
+def test_time_stretch_keeps_pitch_and_scales_duration(speed):
+    t = np.arange(RATE) / RATE
+    x = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    out = TimeStretcher(speed).push(x, last=True)
+    assert len(out) == round(len(x) / speed)
+    core = out[2048:-2048]
+    spectrum = np.abs(np.fft.rfft(core * np.hanning(len(core))))
+    assert abs(np.argmax(spectrum) * RATE / len(core) - 220) < 3          # same pitch
+    assert abs(np.abs(core).max() - 0.3) < 0.01                           # no gain change
+
+
+def test_time_stretch_is_split_invariant():
+    x = pcm16_to_float(tone(1.0))
+    one = TimeStretcher(1.3).push(x, last=True)
+    stretcher, parts, i = TimeStretcher(1.3), [], 0
+    for n in SPLITS:
+        parts.append(stretcher.push(x[i:i + n]))
+        i += n
+    parts.append(stretcher.push(np.zeros(0, np.float32), last=True))
+    assert np.array_equal(np.concatenate(parts), one)

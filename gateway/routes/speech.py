@@ -41,12 +41,6 @@ async def synthesize(request: Request, state: GatewayState, speech: SpeechReques
     """Prepare, get admitted, then hand the session to the response (headers follow `started`)."""
     if state.orchestrator is None or state.shutting_down:
         raise ApiError(503, "not_ready", "The gateway is not ready: no checkpoint or stages configured.")
-    if speech.audio.speed != 1.0:
-        # TODO(issue #6): pitch-preserving time-stretch per text chunk. Refused rather than ignored.
-        param = "speed" if speech.route == "openai" else "prosody.speed"
-        raise ApiError(400, "invalid_value",
-                       f"Invalid '{param}': only 1.0 is supported by this build (time-stretch is not implemented yet).",
-                       param)
     route = request.url.path
     metrics = state.metrics
     job = await state.orchestrator.prepare(speech, request_id(request))
@@ -59,7 +53,7 @@ async def synthesize(request: Request, state: GatewayState, speech: SpeechReques
         raise
     audio = speech.audio
     pipeline = AudioPipeline(audio.format, audio.sample_rate, streamed=audio.mode != "buffered",
-                             volume_db=audio.volume_db, mp3_bitrate=audio.mp3_bitrate,
+                             volume_db=audio.volume_db, speed=audio.speed, mp3_bitrate=audio.mp3_bitrate,
                              opus_bitrate=audio.opus_bitrate, serial=job.seed)
     headers = {
         "X-Sample-Rate": str(audio.sample_rate), "X-Channels": "1", "X-Seed": str(job.seed),
