@@ -236,3 +236,62 @@ def test_index_entry_absent_from_its_shard_is_named(tmp_path, tiny_checkpoint):
 def test_no_weights_at_all(tmp_path):
     with pytest.raises(WeightError, match="neither model.safetensors.index.json nor model.safetensors"):
         open_safetensors(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# inventories against the shapes MODEL.md spells out
+# --------------------------------------------------------------------------------------------
+
+def test_backbone_and_tower_inventory_match_section_10_1(tiny_config):
+    """The 'derived tiny shapes' paragraph of MODEL.md §10.1, name by name."""
+    b, t = backbone_inventory(tiny_config), tower_inventory(tiny_config)
+    shapes = {n: s.shape for n, s in {**b, **t}.items()}
+    a, g = f"{P}layers.3.self_attn.", f"{P}layers.0.linear_attn."
+    e = f"{P}layers.1.mlp.experts.7."
+    assert shapes[f"{a}q_proj.weight"] == (128, 64) and shapes[f"{a}k_proj.weight"] == (32, 64)
+    assert shapes[f"{a}o_proj.weight"] == (64, 64) and shapes[f"{a}q_norm.weight"] == (16,)
+    assert shapes[f"{g}in_proj_qkv.weight"] == (128, 64) and shapes[f"{g}in_proj_z.weight"] == (64, 64)
+    assert shapes[f"{g}in_proj_b.weight"] == (4, 64) and shapes[f"{g}conv1d.weight"] == (128, 1, 4)
+    assert shapes[f"{g}out_proj.weight"] == (64, 64) and shapes[f"{g}norm.weight"] == (16,)
+    assert shapes[f"{e}gate_proj.weight"] == (160, 64) and shapes[f"{e}gate_proj.weight_scale_inv"] == (2, 1)
+    assert shapes[f"{e}down_proj.weight"] == (64, 160) and shapes[f"{e}down_proj.weight_scale_inv"] == (1, 2)
+    assert shapes[f"{P}layers.1.mlp.shared_expert.up_proj.weight"] == (96, 64)
+    assert shapes[f"{P}layers.1.mlp.shared_expert.down_proj.weight"] == (64, 96)
+    assert shapes[f"{P}embed_tokens.weight"] == shapes["lm_head.weight"] == (352, 64)
+    assert shapes["audio_decoder.codebook_embeddings.weight"] == (640, 64)
+    assert shapes["audio_decoder.residual_layers.8.fc.weight"] == (64, 128)
+    assert shapes["audio_decoder.residual_layers.8.head.weight"] == (32, 64)
+    assert f"{a}A_log" not in shapes and f"{g}q_proj.weight" not in shapes   # mixer by layer type
+    assert b[f"{g}A_log"].dtypes == (torch.float32, torch.bfloat16)
+
+
+def test_codec_inventory_spot_checks(tiny_config):
+    """§2.4 key spellings with the tiny widths (encoder 4..64, decoder 32..2, C = 64)."""
+    from services.common.inventory import codec_inventory
+
+    real = {n: s.shape for n, s in codec_inventory(tiny_config).items()}
+    wn = ".parametrizations.weight.original"
+    assert real[f"encoder.block.0.conv{wn}1"] == (4, 1, 7) and real[f"encoder.block.0.conv{wn}0"] == (4, 1, 1)
+    assert real[f"encoder.block.2.block.1.block.1.conv{wn}1"] == (8, 8, 7)
+    assert real["encoder.block.2.block.1.block.2.alpha"] == (1, 8, 1)
+    assert real[f"encoder.block.2.block.4.conv{wn}1"] == (16, 8, 8)          # k = 2 * stride 4
+    assert real["encoder.block.4.block.5.layers.0.attention.wqkv.weight"] == (192, 64)
+    assert real["encoder.block.4.block.5.norm.weight"] == (64,)
+    assert not any(n.startswith("encoder.block.3.block.5.") for n in real)    # no transformer there
+    assert real["encoder.block.5.alpha"] == (1, 64, 1) and real[f"encoder.block.6.conv{wn}1"] == (64, 64, 3)
+    assert real["quantizer.semantic_quantizer.quantizers.0.in_proj.weight_v"] == (8, 64, 1)
+    assert real["quantizer.quantizer.quantizers.8.out_proj.weight_g"] == (64, 1, 1)
+    assert real["quantizer.quantizer.quantizers.8.codebook.weight"] == (32, 8)
+    assert real["quantizer.post_module.layers.1.attention.wqkv.weight"] == (192, 64)
+    assert real["quantizer.pre_module.layers.1.feed_forward.w2.weight"] == (64, 96)
+    assert real["quantizer.downsample.1.0.conv.weight"] == (64, 64, 2)
+    assert real["quantizer.upsample.0.1.dwconv.conv.weight"] == (64, 1, 7)
+    assert real["quantizer.upsample.0.1.pwconv1.weight"] == (256, 64)
+    assert real[f"decoder.model.0.conv{wn}1"] == (32, 64, 7)
+    assert real[f"decoder.model.1.block.1.conv{wn}1"] == (32, 16, 16)         # transposed: [in, out, 2r]
+    assert real[f"decoder.model.1.block.1.conv{wn}0"] == (32, 1, 1)           # g over V's dim 0
+    assert real["decoder.model.1.block.1.conv.bias"] == (16,)                 # output channels
+    assert real[f"decoder.model.4.block.4.block.3.conv{wn}1"] == (2, 2, 1)
+    assert real["decoder.model.5.alpha"] == (1, 2, 1) and real[f"decoder.model.6.conv{wn}1"] == (1, 2, 7)
+    folded = codec_inventory(tiny_config, style="folded")
+    assert folded["decoder.model.6.conv.weight"].shape == (1, 2, 7) and len(folded) == len(real) - 80
