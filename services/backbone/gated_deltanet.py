@@ -295,6 +295,8 @@ class GatedDeltaNet(nn.Module):
 
         Each chunk is computed at full size from the cached state at its start, its earlier rows
         (k̂, g and their solved [U | W] rows from the cache) and the new rows; later rows are zero.
+        Everything handed to the GEMMs is a fresh tensor: CPU GEMM bits can depend on alignment,
+        and a slot's offset in the pool must not matter.
         """
         s, outs = seg.slot, []
         done, pos = 0, seg.start
@@ -310,7 +312,7 @@ class GatedDeltaNet(nn.Module):
             heads = lambda x: x.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)  # noqa: E731
             o, state_end, solved = gdn_chunk(
                 *(x.movedim(0, 1).contiguous() for x in (heads(qc), heads(kc), vc, gc, bc)),
-                cache.state[s], known=cache.solved[s, :fill].movedim(0, 1), rows=end)
+                cache.state[s].clone(), known=cache.solved[s, :fill].movedim(0, 1), rows=end)
             outs.append(o.movedim(1, 0)[fill:end])
             if end == CHUNK:
                 cache.state[s] = state_end

@@ -106,11 +106,13 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
         if hasattr(module, "block_size"):
             module.block_size = block
 
-    def load(name: str, keep_fp8: bool = True) -> torch.Tensor:
+    def load(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
+        """A fresh copy (never a view of the memory-mapped shard): CPU GEMM results depend on the
+        weight's alignment, and a copy is always allocated 64-byte aligned."""
         t = ckpt.get(name)
-        if t.dtype == torch.float8_e4m3fn and keep_fp8:
-            return t.to(device)
-        return t.to(device=device, dtype=torch.float32 if name.endswith("_scale_inv") else dtype)
+        if t.dtype != torch.float8_e4m3fn:
+            t = t.to(torch.float32 if name.endswith("_scale_inv") else dtype)
+        return t.to(device=device, copy=True)
 
     stacked: dict[str, torch.Tensor] = {}   # experts: one [E, ...] tensor filled expert by expert
 
@@ -142,7 +144,7 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
         elif m := _FUSED_DOWN.match(local):
             _assign(model, f"{m.group(1)}.down_proj", load(name))
         elif local.endswith("mlp.gate.weight") or local.endswith(("A_log", "dt_bias")):
-            _assign(model, local, ckpt.get(name).to(device=device, dtype=torch.float32))   # used in F32
+            _assign(model, local, load(name, torch.float32))   # router and decay parameters run in F32
         else:
             _assign(model, local, load(name))
     for target, tensor in stacked.items():
