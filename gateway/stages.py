@@ -32,7 +32,9 @@ class Stages:
                                                     timeout=timeout)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except grpc.aio.AioRpcError as exc:
-            return "UNKNOWN" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+            # Answered but without a status for "" (no health service): UNKNOWN; no answer: UNREACHABLE.
+            unreachable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return "UNREACHABLE" if unreachable else "UNKNOWN"
 
     async def _tower(self, timeout: float) -> str:
         try:
