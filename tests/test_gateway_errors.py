@@ -21,9 +21,11 @@ class FailingBackbone(backbone_pb2_grpc.BackboneServicer):
     def __init__(self):
         self.script: list[tuple[grpc.StatusCode, str | None, str | None]] = []
         self.calls = 0
+        self.metadata: dict[str, str] = {}
 
     def Generate(self, request, context):
         self.calls += 1
+        self.metadata = dict(context.invocation_metadata())
         code, drama_code, param = self.script.pop(0)
         metadata = []
         if drama_code:
@@ -112,3 +114,29 @@ def test_ready_reports_tower_from_backbone_info(client):
     body = client.get("/ready").json()
     assert body["status"] == "not_ready" and body["stages"]["tower"] == "NOT_SERVING"
     assert body["stages"]["backbone"] == "UNKNOWN"          # this stand-in serves no health service
+
+
+def test_spans_and_traceparent(client, backbone):
+    """SERVER span -> `text_to_speech drama-3` (INTERNAL) -> backbone.Generate client span, whose
+    context reaches the backbone as `traceparent` (API.md §3.6)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.common.telemetry import setup_telemetry
+
+    exporter = InMemorySpanExporter()
+    setup_telemetry("drama-gateway", span_processor=SimpleSpanProcessor(exporter))
+    response, _ = speak(client, backbone, (S.INVALID_ARGUMENT, "invalid_value", "text"))
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    internal = spans["text_to_speech drama-3"]
+    server = next(s for s in spans.values() if s.kind.name == "SERVER" and "/v1/audio/speech" in s.name)
+    generate = next(s for s in spans.values() if s.kind.name == "CLIENT" and "Generate" in s.name)
+    assert internal.parent.span_id == server.context.span_id
+    assert generate.parent.span_id == internal.context.span_id
+    assert internal.status.status_code.name == "ERROR"
+    assert internal.attributes["gen_ai.operation.name"] == "text_to_speech"
+    assert internal.attributes["gen_ai.request.model"] == "drama-3" and internal.attributes["drama.voice.id"] == "alloy"
+    assert "drama.text" not in internal.attributes                     # content only with DRAMA_TRACE_CONTENT=1
+    trace_id = format(internal.context.trace_id, "032x")
+    assert response.headers["x-trace-id"] == trace_id
+    assert backbone.metadata["traceparent"].split("-")[1] == trace_id
