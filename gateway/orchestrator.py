@@ -396,7 +396,7 @@ class SpeechSession:
         self._tasks: list[asyncio.Task] = []
         self._out: asyncio.Queue = asyncio.Queue()
         self._decode_queue: asyncio.Queue | None = None
-        self._decode_sent: list[codec_pb2.DecodeRequest] = []
+        self._decode_sent: list[codec_pb2.DecodeRequest] | None = []
         self._frames: list[np.ndarray] = []        # [n, N] int16 blocks of every chunk
         self._frames_total = 0
         self._finish_reasons: list[str] = []
@@ -470,7 +470,8 @@ class SpeechSession:
                                                        metadata=self._metadata())
 
     def _send_decode(self, message: codec_pb2.DecodeRequest) -> None:
-        self._decode_sent.append(message)
+        if self._decode_sent is not None:        # kept for a replay until the codec answers
+            self._decode_sent.append(message)
         self._decode_queue.put_nowait(message)
 
     # ---- the two pumps ---------------------------------------------------------------------
@@ -521,7 +522,8 @@ class SpeechSession:
                 async for reply in self._dec_call:
                     kind = reply.WhichOneof("msg")
                     if kind == "pcm":
-                        received = True
+                        if not received:
+                            received, self._decode_sent = True, None    # no retry from here on
                         self._out.put_nowait(("pcm", np.frombuffer(reply.pcm.samples, dtype="<i2")))
                     elif kind == "done":
                         self._out.put_nowait(("done", reply.done.total_samples))
@@ -617,6 +619,9 @@ class SpeechSession:
                 self.span.set_attribute("drama.rtf", rtf / result.audio_duration_s)
             if self._first_byte_at is not None:
                 metrics.underrun.observe(max(0.0, self._underrun_s))
+            log.info("session %s (request %s) done: take %s, %.2f s audio, usage %s, finish %s",
+                     job.session_id, job.request_id, result.take_id, result.audio_duration_s,
+                     result.usage(), result.finish_reason)
             self.span.set_attributes({
                 "gen_ai.usage.input_tokens": result.text_tokens + result.audio_tokens,
                 "gen_ai.usage.output_tokens": result.output_tokens,
@@ -625,4 +630,6 @@ class SpeechSession:
                 "drama.take_id": result.take_id})
         if error is None and self.result is None:
             error = asyncio.CancelledError("client went away")
+        if isinstance(error, asyncio.CancelledError):
+            log.info("session %s (request %s): 499 client went away", job.session_id, job.request_id)
         _end_span(self.span, error)

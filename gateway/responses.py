@@ -58,7 +58,7 @@ class SpeechResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         body = asyncio.create_task(self._body(scope, send))
-        watcher = asyncio.create_task(_wait_disconnect(receive))
+        watcher = asyncio.create_task(wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if body not in done:
@@ -126,6 +126,7 @@ class SpeechResponse(Response):
         session, pipeline = self.session, self.pipeline
         audio = self._audio().__aiter__()
         first = True
+        step = None
         try:
             while True:
                 step = asyncio.ensure_future(audio.__anext__())
@@ -159,9 +160,13 @@ class SpeechResponse(Response):
             error_event = {"type": "speech.audio.error", "error": exc.body()["error"]}
             await send({"type": "http.response.body", "body": _sse("speech.audio.error", error_event),
                         "more_body": False})
+        finally:
+            if step is not None and not step.done():
+                step.cancel()
 
 
-async def _wait_disconnect(receive) -> None:
+async def wait_disconnect(receive) -> None:
+    """Returns when the client disconnects (the request body was already read)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+import asyncio
+
+from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.audio import AAC_AVAILABLE, AudioPipeline, content_type
 from gateway.dependencies import GatewayState, get_state, request_id, require_api_key
 from gateway.errors import ApiError
-from gateway.responses import SpeechResponse
+from gateway.responses import SpeechResponse, wait_disconnect
 from gateway.validation import (SPEECH_BODY_LIMIT, TTS_BODY_LIMIT, SpeechRequest, check_query, parse_json,
                                 parse_msgpack, parse_openai_speech, parse_tts, read_body, require_media_type)
 
@@ -37,6 +39,24 @@ async def tts(request: Request, state: GatewayState = Depends(get_state)):
     return await synthesize(request, state, speech)
 
 
+async def _start_unless_disconnected(request: Request, session) -> bool:
+    """Wait for admission (`started`), but give up at once if the client goes away meanwhile
+    (the admission queue may hold the request for DRAMA_QUEUE_TIMEOUT_S)."""
+    starter = asyncio.create_task(session.start())
+    watcher = asyncio.create_task(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({starter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if starter.done():
+        starter.result()
+        return True
+    starter.cancel()
+    await asyncio.gather(starter, return_exceptions=True)
+    await session.aclose(asyncio.CancelledError("client disconnected before admission"))
+    return False
+
+
 async def synthesize(request: Request, state: GatewayState, speech: SpeechRequest) -> SpeechResponse:
     """Prepare, get admitted, then hand the session to the response (headers follow `started`)."""
     if state.orchestrator is None or state.shutting_down:
@@ -47,10 +67,13 @@ async def synthesize(request: Request, state: GatewayState, speech: SpeechReques
     session = state.orchestrator.session(job)
     metrics.in_flight.inc(route=route)
     try:
-        await session.start()
+        admitted = await _start_unless_disconnected(request, session)
     except BaseException:
         metrics.in_flight.dec(route=route)
         raise
+    if not admitted:
+        metrics.in_flight.dec(route=route)
+        return Response(status_code=499)         # nobody is listening; logged as 499
     audio = speech.audio
     pipeline = AudioPipeline(audio.format, audio.sample_rate, streamed=audio.mode != "buffered",
                              volume_db=audio.volume_db, speed=audio.speed, mp3_bitrate=audio.mp3_bitrate,
