@@ -60,7 +60,7 @@ def _checkpoint_make(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
-    from services.common.inspect import format_report, inspect_checkpoint
+    from services.common.checkpoint_report import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(args.directory)
     print(format_report(report), file=sys.stdout if report.ok else sys.stderr)

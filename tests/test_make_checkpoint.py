@@ -18,7 +18,7 @@ from services.cli import main as cli_main
 from services.common.checkpoint import open_safetensors
 from services.common.config import DramaConfig, load_config
 from services.common.fp8 import dequantize_block_fp8
-from services.common.inspect import inspect_checkpoint
+from services.common.checkpoint_report import inspect_checkpoint
 from services.common.inventory import codec_inventory, codec_weight_norm_convs
 from services.common.make_checkpoint import make_checkpoint, plan_shards, preset_raw
 from services.common.safe_pickle import load_torch_state_dict

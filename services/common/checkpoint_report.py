@@ -1,5 +1,8 @@
 """`dramaturg checkpoint inspect`: validate a whole checkpoint directory and summarise it per stage.
 
+(Not called inspect.py: a module of that name would shadow the standard library's `inspect` for
+anything run from this directory.)
+
     report = inspect_checkpoint(checkpoint_dir)
     report.problems   # every config, token-id and tensor problem (empty when the checkpoint is clean)
     report.warnings   # reported but not fatal: unknown codec.pth keys (§2.5 rule 7)
