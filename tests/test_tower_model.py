@@ -345,3 +345,63 @@ def test_eos_stops_and_does_not_enter_ras_history():
     codes = _semantic_codes(engine, 3, temperature=0.0)
     assert codes == [-1, -1, -1]
     assert engine._ras_history.eq(-1).all()
+
+
+# ------------------------------------------------------------------------------------------
+# loading the tiny checkpoint
+# ------------------------------------------------------------------------------------------
+
+def test_loads_tiny_checkpoint_with_semantic_rows_of_the_lm_head(tiny_checkpoint, tiny_config):
+    from services.common.checkpoint import open_safetensors
+    from services.tower.weights import load_tower
+
+    model = load_tower(tiny_checkpoint)
+    cfg = tiny_config
+    lm_head = open_safetensors(tiny_checkpoint).get("lm_head.weight").float()
+    expected = torch.cat([lm_head[cfg.semantic_start_token_id:cfg.semantic_end_token_id + 1],
+                          lm_head[cfg.im_end_token_id:cfg.im_end_token_id + 1]])
+    assert torch.equal(model.semantic_head.weight, expected)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    engine = TowerEngine(model, cfg, max_sessions=2, max_context=16)
+    result = engine.step([_entry("a", 0, 4, draw=True)], torch.randn(4, cfg.tower.hidden_size), _no_targets(4, cfg))
+    assert not result.row_errors
+
+
+def _rewrite_single_file(src, dst, *, add=None, drop=()):
+    """Copy a checkpoint into one model.safetensors with tensors added or dropped."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from services.common.checkpoint import open_safetensors
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    ckpt = open_safetensors(src)
+    tensors = {name: ckpt.get(name).clone() for name in ckpt.names() if name not in drop}
+    tensors.update(add or {})
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_checkpoint_semantic_head_tensor_wins(tiny_checkpoint, tiny_config, tmp_path):
+    from services.tower.weights import load_tower
+
+    head = torch.randn(tiny_config.semantic_codebook_size + 1, 64).to(torch.bfloat16)
+    ckpt = _rewrite_single_file(tiny_checkpoint, tmp_path / "ckpt", add={"audio_decoder.semantic_head.weight": head})
+    assert torch.equal(load_tower(ckpt).semantic_head.weight, head.float())
+
+
+def test_loader_lists_every_problem(tiny_checkpoint, tmp_path):
+    from services.common.checkpoint import WeightError
+    from services.tower.weights import load_tower
+
+    ckpt = _rewrite_single_file(
+        tiny_checkpoint, tmp_path / "ckpt", drop={"audio_decoder.residual_layers.3.fc.weight"},
+        add={"audio_decoder.bogus.weight": torch.zeros(2), "audio_decoder.shared_layers.0.mlp.up_proj.weight":
+             torch.zeros(3, 64, dtype=torch.bfloat16)})
+    with pytest.raises(WeightError) as info:
+        load_tower(ckpt)
+    message = str(info.value)
+    for name in ("residual_layers.3.fc.weight", "audio_decoder.bogus.weight", "shared_layers.0.mlp.up_proj.weight"):
+        assert name in message

@@ -202,3 +202,34 @@ async def test_not_serving_until_an_engine_is_attached():
     finally:
         await server.stop(None)
         servicer.worker.shutdown()
+
+
+async def test_entry_point_serves_the_tiny_checkpoint_and_stops_on_sigterm(tiny_checkpoint):
+    """`python -m services.tower` loads a checkpoint, reports SERVING, answers, exits 0 on SIGTERM."""
+    import os
+    import re
+    import signal
+    import sys
+
+    env = {**os.environ, "DRAMA_MAX_ROWS": "3", "DRAMA_MAX_CONTEXT_TOKENS": "128", "DRAMA_GRACE_S": "5"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.tower", "--checkpoint", str(tiny_checkpoint), "--port", "0",
+        env=env, stderr=asyncio.subprocess.PIPE)
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(process.stderr.readline(), 60)).decode()
+            assert line, "the tower exited before serving"
+            match = re.search(r"serving on [\d.]+:(\d+)", line)
+            port = int(match.group(1)) if match else None
+        assert await grpcutil.check_health(f"127.0.0.1:{port}") == "SERVING"
+        channel = grpcutil.create_channel(f"127.0.0.1:{port}", traced=False)
+        info = await tower_pb2_grpc.TowerStub(channel).GetInfo(tower_pb2.GetInfoRequest())
+        assert (info.max_rows, info.max_context_tokens, info.hidden_dtype) == (3, 128, "float32")
+        await channel.close()
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -14,12 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
+from services.common.checkpoint import check_stage, open_safetensors
 from services.common.config import DramaConfig, load_config
+from services.common.fp8 import dequantize_block_fp8
+from services.common.inventory import TOWER_PREFIX
 from services.tower.model import RMSNormPlus, RowLinear, TowerModel
 
-PREFIX = "audio_decoder."
+PREFIX = TOWER_PREFIX
 SEMANTIC_HEAD = PREFIX + "semantic_head.weight"
 
 
@@ -43,50 +47,56 @@ def semantic_head_source(cfg: DramaConfig, tensor_names) -> tuple[str, list[int]
     return found[0], rows
 
 
-def read_rows(reader, name: str, rows: list[int] | None) -> torch.Tensor:
-    """Rows of a 2-D checkpoint tensor without reading the rest when the reader can slice.
+def read_rows(ckpt, name: str, rows: list[int] | None) -> torch.Tensor:
+    """Rows of a 2-D checkpoint tensor, reading only those rows from its shard.
 
-    The semantic rows are one contiguous range plus the im_end row, so at most two slices.
+    The semantic rows are one contiguous range plus the im_end row: two slices. (The whole LM
+    head of the real model is about 1 GB; the tower needs 16 MB of it.)
     """
     if rows is None:
-        return reader.get(name)
-    get_slice = getattr(reader, "get_slice", None)
-    if get_slice is None:
-        return reader.get(name)[rows]
-    tensor_slice = get_slice(name)
-    first, last = rows[0], rows[-2]
-    return torch.cat([tensor_slice[first:last + 1], tensor_slice[rows[-1]:rows[-1] + 1]])
+        return ckpt.get(name)
+    with safe_open(str(Path(ckpt.directory) / ckpt.file_of(name)), framework="pt") as shard:
+        piece = shard.get_slice(name)
+        first, last, extra = rows[0], rows[-2], rows[-1]
+        return torch.cat([piece[first:last + 1], piece[extra:extra + 1]])
+
+
+def read_weight(ckpt, name: str, block_size: tuple[int, int]) -> torch.Tensor:
+    """A tower tensor in a float dtype: an FP8 linear weight (allowed by MODEL.md §2.5 rule 4,
+    which the strict check has already validated with its scale) is dequantised once."""
+    tensor = ckpt.get(name)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return dequantize_block_fp8(tensor, ckpt.get(name + "_scale_inv"), block_size)
+    return tensor
 
 
 def load_tower(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, batch_invariant: bool | None = None) -> TowerModel:
-    """The tower of a checkpoint, checked strictly (every problem listed in one error).
+    """The tower of a checkpoint, checked strictly (every problem listed in one WeightError).
 
     dtype defaults to float32 on CPU (the reference path) and bfloat16 elsewhere;
     batch_invariant defaults to True on CPU.
     """
-    from services.common.checkpoint import check_tensors, open_safetensors
-    from services.common.inventory import tower_inventory
-
     device = torch.device(device)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if batch_invariant is None:
         batch_invariant = device.type == "cpu"
     cfg = load_config(checkpoint_dir)
-    reader = open_safetensors(checkpoint_dir)
-    check_tensors(reader, tower_inventory(cfg))
+    ckpt = open_safetensors(checkpoint_dir)
+    check_stage(ckpt, cfg, "tower")
+    block_size = tuple(cfg.quantization_config.weight_block_size) if cfg.quantization_config else (128, 128)
 
-    # Built on meta, filled with assign=True: nothing is allocated twice and `__init__`'s
-    # placeholder values never exist.
+    # Built on meta, filled with assign=True: nothing is allocated twice, and `__init__`'s
+    # placeholder values never exist (they would be meaningless anyway).
     with torch.device("meta"):
         model = TowerModel(cfg, batch_invariant=batch_invariant)
     state = {}
     for name, _ in model.named_parameters():
         if name == "semantic_head.weight":
-            source, rows = semantic_head_source(cfg, set(reader.keys()))
-            tensor = read_rows(reader, source, rows)
+            source, rows = semantic_head_source(cfg, set(ckpt.names()))
+            tensor = read_rows(ckpt, source, rows)
         else:
-            tensor = reader.get(checkpoint_name(name))
+            tensor = read_weight(ckpt, checkpoint_name(name), block_size)
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
