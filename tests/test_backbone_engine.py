@@ -1,0 +1,186 @@
+"""BackboneEngine invariants on the tiny checkpoint (issue #4), CPU float32.
+
+Bit-identity is the point of these tests: a session's hidden rows must not depend on how its
+prompt was cut into steps, on which other sessions shared the steps, or on which slot it got.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.backbone.engine import BackboneEngine, CapacityError, ContextFullError
+from services.backbone.weights import load_backbone
+
+ROWS = 300
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The exact CPU path is many tiny ops; OpenMP wake-ups dominate them on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_backbone(tiny_checkpoint, lm_head=True)
+
+
+@pytest.fixture()
+def engine(model):
+    return BackboneEngine(model, max_sessions=4, max_context=512)
+
+
+def make_prompt(model, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mix of text rows and runs of audio rows: token_ids [rows], frames [rows, N] (−1 for text)."""
+    spec = model.audio
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.semantic_start_token_id, (rows,), generator=gen)
+    frames = torch.full((rows, spec.num_codebooks), -1, dtype=torch.int64)
+    audio = (torch.arange(rows) // 9) % 3 != 0          # runs of 18 audio rows after 9 text rows
+    codes = torch.randint(0, spec.residual_codebook_size, (rows, spec.num_codebooks), generator=gen)
+    codes[:, 0] = torch.randint(0, spec.semantic_codebook_size, (rows,), generator=gen)
+    frames[audio] = codes[audio]
+    tokens[audio] = spec.semantic_start_token_id + codes[audio, 0]
+    return tokens, frames
+
+
+def pieces(total: int, size: int) -> list[int]:
+    return [size] * (total // size) + ([total % size] if total % size else [])
+
+
+def run_session(engine, tokens, frames, sizes) -> torch.Tensor:
+    slot = engine.open()
+    out, start = [], 0
+    for n in sizes:
+        (hidden,) = engine.step([(slot, tokens[start:start + n], frames[start:start + n])])
+        assert hidden.shape == (n, engine.hidden_size) and hidden.dtype == engine.hidden_dtype
+        out.append(hidden)
+        start += n
+    engine.release(slot)
+    return torch.cat(out)
+
+
+def test_prompt_split_gives_bit_identical_rows(model, engine):
+    """300 text+audio rows appended in pieces of 1, 7, 64, 128, irregular, or all at once."""
+    tokens, frames = make_prompt(model, ROWS, seed=0)
+    reference = run_session(engine, tokens, frames, [ROWS])
+    splits = {size: pieces(ROWS, size) for size in (1, 7, 64, 128)}
+    splits["irregular"] = [5, 60, 1, 70, 2, 63, 64, 35]
+    for name, sizes in splits.items():
+        assert sum(sizes) == ROWS
+        got = run_session(engine, tokens, frames, sizes)
+        assert torch.equal(got, reference), f"split {name}: max diff {float((got - reference).abs().max()):.3e}"
+
+
+def test_decode_row_equals_prefill_row(model, engine):
+    """The row after a 130-row prefill, appended alone, equals row 130 of a 131-row prefill."""
+    tokens, frames = make_prompt(model, 131, seed=1)
+    full = run_session(engine, tokens, frames, [131])
+    decoded = run_session(engine, tokens, frames, [130, 1])
+    assert torch.equal(decoded[130], full[130])
+
+
+def test_rows_do_not_depend_on_batch_neighbours_or_slot(model, engine):
+    """A session's rows are bit-identical alone (slot 0) and beside two others (slot 2), whose
+    pieces have other sizes in the same steps."""
+    tokens, frames = make_prompt(model, 200, seed=2)
+    alone = run_session(engine, tokens, frames, [64, 70, 1, 1, 64])
+    others = [make_prompt(model, 200, seed=s) for s in (3, 4)]
+    slot_b, slot_c, slot_a = engine.open(), engine.open(), engine.open()
+    assert slot_a == 2
+    got, start_a, start_o = [], 0, 0
+    for n_a, n_o in [(64, 5), (70, 128), (1, 1), (1, 60), (64, 1)]:
+        outs = engine.step([(slot_b, others[0][0][start_o:start_o + n_o], others[0][1][start_o:start_o + n_o]),
+                            (slot_a, tokens[start_a:start_a + n_a], frames[start_a:start_a + n_a]),
+                            (slot_c, others[1][0][start_o:start_o + n_o], others[1][1][start_o:start_o + n_o])])
+        got.append(outs[1])
+        start_a, start_o = start_a + n_a, start_o + n_o
+    assert torch.equal(torch.cat(got), alone)
+
+
+def test_engine_rows_equal_forward_tokens_hidden(model, engine):
+    """forward_tokens (the parity entry point) and the engine share one path: same final-norm rows."""
+    tokens = torch.randint(0, 280, (70,), generator=torch.Generator().manual_seed(5))
+    hidden, logits = model.forward_tokens(tokens)
+    assert logits.shape == (70, model.config.vocab_size)
+    assert torch.equal(run_session(engine, tokens, torch.full((70, 10), -1), [33, 37]), hidden)
+    slot = engine.open()                                # frames=None means all rows are text
+    assert torch.equal(torch.cat(engine.step([(slot, tokens, None)])), hidden)
+
+
+def test_pool_never_leaks(engine):
+    start = engine.free_slots
+    assert start == engine.max_sessions and engine.open_sessions == 0
+    for round_ in range(25):
+        slots = [engine.open() for _ in range(1 + round_ % engine.max_sessions)]
+        for slot in slots:
+            engine.step([(slot, torch.tensor([1, 2, 3]), None)])
+        for slot in slots:
+            engine.release(slot)
+            engine.release(slot)                        # idempotent
+    assert engine.free_slots == start and engine.open_sessions == 0
+
+
+def test_capacity_error_when_full_and_slot_reusable_at_once(engine):
+    slots = [engine.open() for _ in range(engine.max_sessions)]
+    with pytest.raises(CapacityError):
+        engine.open()
+    engine.release(slots[1])
+    assert engine.open() == slots[1] and engine.length(slots[1]) == 0
+
+
+def test_reopened_slot_starts_from_zero_state(model, engine):
+    """A slot that held another session gives the same rows as a never-used one."""
+    tokens, frames = make_prompt(model, 90, seed=6)
+    fresh = run_session(engine, tokens, frames, [90])
+    slot = engine.open()
+    engine.step([(slot, *make_prompt(model, 77, seed=7))])
+    engine.release(slot)
+    assert torch.equal(run_session(engine, tokens, frames, [90]), fresh)
+
+
+def test_bad_work_is_refused_before_any_cache_changes(model, engine):
+    """Every check runs before the forward: after refused steps, the session continues as if
+    they never happened."""
+    tokens, frames = make_prompt(model, 40, seed=8)
+    expected = run_session(engine, tokens, frames, [20, 20])
+    small = BackboneEngine(model, max_sessions=2, max_context=30)
+    slot, other = small.open(), small.open()
+    (first,) = small.step([(slot, tokens[:20], frames[:20])])
+    spec = model.audio
+    audio_row = int((frames[20:30, 0] >= 0).nonzero()[0]) + 20
+    bad_frames = frames[20:30].clone()
+    bad_frames[audio_row - 20, 3] = spec.residual_codebook_size          # residual code out of range
+    bad_tokens = tokens[20:30].clone()
+    bad_tokens[audio_row - 20] += 1                                        # not semantic_start + c_0
+    half_text = frames[20:30].clone()
+    half_text[audio_row - 20, 1:] = -1                                     # neither text nor audio
+    refused = [
+        ([(slot, tokens[20:40], frames[20:40])], ContextFullError),         # 20 + 20 > 30
+        ([(other, tokens[:5], frames[:5]), (slot, tokens[20:40], frames[20:40])], ContextFullError),
+        ([(slot, tokens[20:30], bad_frames)], ValueError),
+        ([(slot, bad_tokens, frames[20:30])], ValueError),
+        ([(slot, tokens[20:30], half_text)], ValueError),
+        ([(slot, torch.tensor([model.config.vocab_size]), None)], ValueError),       # id outside V
+        ([(slot, tokens[20:30].int(), frames[20:30])], ValueError),
+        ([(slot, tokens[20:22], frames[20:22]), (slot, tokens[22:24], frames[22:24])], ValueError),
+        ([(3, tokens[20:22], frames[20:22])], ValueError),
+        ([(slot, tokens[20:20], frames[20:20])], ValueError),
+    ]
+    for work, error in refused:
+        with pytest.raises(error):
+            small.step(work)
+        assert small.length(slot) == 20 and small.length(other) == 0
+    (second,) = small.step([(slot, tokens[20:30], frames[20:30])])
+    assert torch.equal(torch.cat([first, second]), expected[:30])
+
+
+def test_memory_bytes_reports_weights_and_cache_pool(engine):
+    mem = engine.memory_bytes()
+    assert mem["weights"] > 0 and mem["cache"] > 0 and mem["total"] == mem["weights"] + mem["cache"]
+    bigger = BackboneEngine(engine.model, max_sessions=8, max_context=512)
+    assert bigger.memory_bytes()["cache"] == 2 * mem["cache"]
