@@ -67,31 +67,37 @@ def is_cjk(char: str) -> bool:
             or 0xF900 <= code <= 0xFAFF or 0xFF00 <= code <= 0xFFEF or 0x20000 <= code <= 0x2FA1F)
 
 
-def match_direction(text: str, pos: int) -> int | None:
-    """End offset of the balanced `[...]` that starts at `pos`, or None if it does not close on its
-    line or a special tag would fall inside it (the special tag is the stronger atom)."""
-    depth = 0
-    i = pos
-    while i < len(text):
-        char = text[i]
+def direction_ends(text: str) -> dict[int, int]:
+    """For each `[` that opens a bracketed direction, the offset just past its matching `]`.
+
+    Brackets match like parentheses, but only on one line and never across a special tag (the
+    special tag is the stronger atom): a newline or a special tag leaves every open `[` unmatched.
+    One pass, so a hostile text of 32k `[` costs no more than any other.
+    """
+    ends: dict[int, int] = {}
+    open_stack: list[int] = []
+    pos = 0
+    while pos < len(text):
+        char = text[pos]
         if char == "\n":
-            return None
-        if char == "<" and SPECIAL_TAG.match(text, i):
-            return None
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+            open_stack.clear()
+        elif char == "<" and (tag := SPECIAL_TAG.match(text, pos)):
+            open_stack.clear()
+            pos = tag.end()
+            continue
+        elif char == "[":
+            open_stack.append(pos)
+        elif char == "]" and open_stack:
+            ends[open_stack.pop()] = pos + 1
+        pos += 1
+    return ends
 
 
 def atomize(text: str) -> list[Atom]:
     """Split `text` into atoms; their texts concatenate back to `text` exactly."""
     atoms: list[Atom] = []
     word_start = None  # start of the word being collected
+    directions = direction_ends(text)
 
     def flush_word(end: int) -> None:
         nonlocal word_start
@@ -110,8 +116,8 @@ def atomize(text: str) -> list[Atom]:
             elif m := WORD_TAG.match(text, pos):
                 atom = Atom(m.group(), "close" if m.group(1) else "open", pos, name=m.group(2))
         elif char == "[":
-            if (end := match_direction(text, pos)) is not None:
-                atom = Atom(text[pos:end], "direction", pos)
+            if pos in directions:
+                atom = Atom(text[pos:directions[pos]], "direction", pos)
         elif char.isspace():
             m = WHITESPACE.match(text, pos)
             atom = Atom(m.group(), "space", pos)
@@ -169,17 +175,29 @@ def boundary_ranks(atoms: list[Atom]) -> list[int]:
         else:
             rank = RANK_OTHER
         ranks[k] = rank
+    # Boundaries open_index+1 .. close_index of each pair are inside it; count the pairs covering
+    # each boundary with a difference array (pairs can nest thousands deep in hostile text).
+    covering = [0] * (len(atoms) + 2)
     for open_index, close_index in word_tag_pairs(atoms):
-        for k in range(open_index + 1, close_index + 1):
-            ranks[k] = min(ranks[k], RANK_SPEAKER) - INSIDE_WORD_TAG_PENALTY
+        covering[open_index + 1] += 1
+        covering[close_index + 1] -= 1
+    depth = 0
+    for k in range(1, len(atoms) + 1):
+        depth += covering[k]
+        if depth > 0:
+            ranks[k] -= INSIDE_WORD_TAG_PENALTY
     return ranks
 
 
-def _speaker_in_force(atoms: list[Atom], start: int, default: str | None) -> str | None:
-    for atom in reversed(atoms[:start]):
+def speakers_in_force(atoms: list[Atom], default: str | None) -> list[str | None]:
+    """in_force[k] = the speaker tag in force just before atom k (`default` before the first)."""
+    in_force, current = [], default
+    for atom in atoms:
+        in_force.append(current)
         if atom.kind == "speaker":
-            return atom.text
-    return default
+            current = atom.text
+    in_force.append(current)
+    return in_force
 
 
 def split_text(text: str, chunk_size: int) -> list[str]:
@@ -193,13 +211,14 @@ def split_text(text: str, chunk_size: int) -> list[str]:
     atoms = atomize(text)
     ranks = boundary_ranks(atoms)
     default_speaker = "<|speaker:0|>" if any(a.kind == "speaker" for a in atoms) else None
+    in_force = speakers_in_force(atoms, default_speaker)
 
     def prefix_for(start: int) -> str:
         """The speaker tag a chunk starting at atom `start` needs in front, or ''."""
         first = next((a for a in atoms[start:] if a.kind != "space"), None)
         if first is None or first.kind == "speaker":
             return ""
-        return _speaker_in_force(atoms, start, default_speaker) or ""
+        return in_force[start] or ""
 
     pieces: list[tuple[int, int]] = []  # atom ranges [start, end)
     start = 0

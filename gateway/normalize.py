@@ -43,11 +43,13 @@ SPACED_UNITS = frozenset({"m", "g", "s", "h"})
 
 _UNIT_ALT = "|".join(re.escape(u) for u in sorted(UNITS, key=len, reverse=True) if u not in SPACED_UNITS)
 _SPACED_ALT = "|".join(sorted(SPACED_UNITS))
-NUMBER = r"[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+"
+# At most 15 digits: longer runs are read digit by digit (and never reach int(), which refuses
+# strings past 4300 digits).
+NUMBER = r"(?:[0-9]{1,3}(?:,[0-9]{3}){1,4}|[0-9]{1,15})(?![0-9])"
 ISO_DATE = re.compile(r"\b([0-9]{4})-([0-9]{2})-([0-9]{2})\b")
 TIME = re.compile(r"\b([0-9]{1,2}):([0-9]{2})\b(?:\s?([AaPp])\.?[Mm]\b)?")
 CURRENCY = re.compile(r"([$€£])(" + NUMBER + r")(?:\.([0-9]{2}))?\b")
-ORDINAL = re.compile(r"\b([0-9]+)(st|nd|rd|th)\b")
+ORDINAL = re.compile(r"\b([0-9]{1,15})(st|nd|rd|th)\b")
 WITH_UNIT = re.compile(r"(?<![\w.])(-?)(" + NUMBER + r")(?:\.([0-9]+))?(?:\s?(" + _UNIT_ALT + r")|\s("
                        + _SPACED_ALT + r"))(?!\w)")
 DECADE = re.compile(r"\b([0-9]{1,3}0)s\b")

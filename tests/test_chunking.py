@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -106,6 +107,16 @@ def test_chunk_of_speaker_tags_only_is_dropped():
     assert split_text(f"{S1}{S0}Hi.", 13) == [f"{S0}Hi."]
 
 
+@pytest.mark.parametrize("text", ["[" * 32768, "[a" * 16384, "<w>" * 10000 + "</w>" * 1000,
+                                  "<|" * 16384, "1" * 32768, "1," * 16384])
+def test_hostile_inputs_of_the_maximum_length_stay_fast(text):
+    """32768 code points is the /v1/tts limit; nothing may go quadratic (or past int()'s limit)."""
+    started = time.monotonic()
+    assert split_text(text, 128)
+    assert normalize_text(text)
+    assert time.monotonic() - started < 5
+
+
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError):
         split_text("x", 0)
@@ -139,8 +150,12 @@ def locate(text: str, chunks: list[str]) -> list[tuple[int, int, bool]]:
         if tag := SPEAKER.match(chunk):
             options.append((chunk[tag.end():], True))
         for body, prepended in options:
+            # The first occurrence with only whitespace and speaker tags before it (an earlier
+            # one may sit inside a tag: "0" in "<|speaker:0|>").
             pos = text.find(body, cursor)
-            if pos >= 0 and not SPEAKER.sub("", text[cursor:pos]).strip():
+            while pos >= 0 and SPEAKER.sub("", text[cursor:pos]).strip():
+                pos = text.find(body, pos + 1)
+            if pos >= 0:
                 spans.append((pos, pos + len(body), prepended))
                 cursor = pos + len(body)
                 break
