@@ -215,7 +215,7 @@ def split_text(text: str, chunk_size: int) -> list[str]:
 
     def prefix_for(start: int) -> str:
         """The speaker tag a chunk starting at atom `start` needs in front, or ''."""
-        first = next((a for a in atoms[start:] if a.kind != "space"), None)
+        first = next((atoms[k] for k in range(start, len(atoms)) if atoms[k].kind != "space"), None)
         if first is None or first.kind == "speaker":
             return ""
         return in_force[start] or ""

@@ -250,6 +250,7 @@ class Stack:
         for readiness; on failure everything started is stopped and StackError raised."""
         env = dict(os.environ)
         env.setdefault("DRAMA_GRACE_S", CHILD_GRACE_S)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # log tails must be current when a child dies
         ports = free_ports(4)
         if self.port == 0:
             self.port = ports[3]
