@@ -316,14 +316,23 @@ PIECES = st.one_of(
 )
 
 
+FORBIDDEN_IDS = set(range(256, 268)) | set(range(284, 352))  # specials other than speaker tags
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(PIECES, max_size=20), chunk_length=st.integers(32, 80))
-def test_build_never_crashes_and_ids_decode_to_the_chunks(builder, pieces, chunk_length):
+@given(pieces=st.lists(PIECES, max_size=20), chunk_length=st.integers(32, 80),
+       ref_text=st.lists(PIECES, max_size=4).map("".join),
+       take_text=st.lists(PIECES, max_size=4).map("".join))
+def test_build_never_crashes_and_ids_decode_to_the_chunks(builder, pieces, chunk_length, ref_text,
+                                                          take_text):
     """Any Unicode text either builds or is refused with a PromptError; built chunks are exactly
-    the user-turn template around the tokenized chunk text."""
+    the user-turn template around the tokenized chunk text, and no caller text yields a special
+    id other than a speaker tag."""
     text = "".join(pieces)
     try:
-        prompt = builder.build(text, chunk_length=chunk_length)
+        prompt = builder.build(text, chunk_length=chunk_length,
+                               references=[RefPart(ref_text, codes(1), speaker=1)],
+                               history=[TakePart(take_text, codes(2), speaker=2)])
     except PromptError as exc:
         assert exc.code in ("empty_string", "invalid_value")
         return
@@ -332,5 +341,7 @@ def test_build_never_crashes_and_ids_decode_to_the_chunks(builder, pieces, chunk
         assert ids[:len(USER)] == USER and ids[-2:] == CLOSE
         assert builder.tokenizer.decode(ids[len(USER):-2], skip_special_tokens=False) == chunk_text
         assert 268 <= ids[len(USER)] <= 283  # every chunk opens with a speaker tag
-        forbidden = set(range(256, 268)) | set(range(284, 352))
-        assert not forbidden & set(ids[len(USER):-2])
+        assert not FORBIDDEN_IDS & set(ids[len(USER):-2])
+    system_text = prompt.system[0].tokens[len(SYSTEM_HEAD):-len(SPEECH)]
+    take_text_ids = prompt.history[0][0].tokens[len(USER):-len(CLOSE + ASSISTANT)]
+    assert not FORBIDDEN_IDS & set(system_text + take_text_ids)
