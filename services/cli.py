@@ -2,6 +2,8 @@
 
     dramaturg checkpoint make --preset tiny OUT [--seed N]
     dramaturg checkpoint inspect DIR
+    dramaturg up [--checkpoint DIR] [--device cpu|cuda] [--port P]
+    dramaturg say TEXT -o out.wav [--voice V] [--format F] [--url U]
 
 Each command group adds itself to the parser in its own `add_*_commands(subparsers)` function and
 sets `func` (args -> exit code) on its leaf parsers; `main` only parses and dispatches. To add a
@@ -19,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dramaturg", description="Drama 3 TTS serving system")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_checkpoint_commands(commands)
+    # The local stack lives in services.launcher (process supervision, readiness, the tiny default).
+    from services.launcher import add_say_parser, add_up_parser
+    add_up_parser(commands)
+    add_say_parser(commands)
     return parser
 
 
