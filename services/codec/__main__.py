@@ -1,0 +1,55 @@
+"""`python -m services.codec --checkpoint DIR [--port 50053] [--host H] [--device cpu|cuda]`.
+
+Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_HOST, DRAMA_DEVICE; DRAMA_GRACE_S (30) bounds
+the SIGTERM drain and DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.codec.server import serve
+from services.common.grpcutil import env_default, serve_until_signalled
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.codec", description="Drama 3 codec stage (gRPC)")
+    parser.add_argument("--checkpoint", default=env_default("DRAMA_CHECKPOINT"),
+                        help="checkpoint directory with config.json and codec.pth (DRAMA_CHECKPOINT)")
+    parser.add_argument("--host", default=env_default("DRAMA_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=50053)
+    parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
+    args = parser.parse_args(argv)
+    if not args.checkpoint:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
+    args.max_encode_seconds = env_default("DRAMA_CODEC_MAX_ENCODE_SECONDS", 60.0, float)
+    return args
+
+
+async def run(args: argparse.Namespace) -> None:
+    server, _, health, servicer = await serve(args.checkpoint, host=args.host, port=args.port,
+                                              device=args.device, max_encode_seconds=args.max_encode_seconds)
+    # The grace period lets open Decode streams finish their audio while no new call is admitted.
+    await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
+    await servicer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        from services.common.telemetry import setup_telemetry
+        setup_telemetry("drama-codec")
+        asyncio.run(run(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The gRPC Codec service (API.md §3.3): GetInfo, Encode, and Decode as one bidi stream per session.
+
+Every model call runs on one dedicated worker thread; the event loop only does I/O. Decode chunks
+of all open sessions are gathered by `DecodeBatcher` into one `Codec.decode_streams` call per
+tick (waiting at most `max_wait_s` for the oldest chunk, or until the batch is full); each session
+keeps its own stream state, so concurrent sessions never mix.
+
+    server, port, health, servicer = await serve(checkpoint_dir, port=0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import soundfile
+import torch
+
+from drama.codec.v1 import codec_pb2, codec_pb2_grpc
+from services.codec.state import StreamState
+from services.common import grpcutil
+from services.common.tensors import codes_from_wire, codes_to_wire
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "drama.codec.v1.Codec"
+MAX_MESSAGE_MB = 32
+DEFAULT_MIN_SECONDS = 1.0
+DEFAULT_MAX_SECONDS = 30.0
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --------------------------------------------------------------------------------------------
+# pure helpers: protobuf/bytes <-> tensors
+# --------------------------------------------------------------------------------------------
+
+class AudioError(ValueError):
+    """A reference clip we refuse; `code` is the API error code (audio_undecodable, …)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+def pcm16_bytes(samples: torch.Tensor) -> bytes:
+    """float [S] -> int16 little-endian bytes: round(clamp(x, -1, 1) · 32767) (MODEL.md §7.4)."""
+    values = torch.round(samples.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16)
+    return values.numpy().astype("<i2", copy=False).tobytes()
+
+
+def read_audio_file(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
+    """Any container soundfile reads -> (mono float32 [S], rate).
+
+    The declared length is checked before decoding, so a header claiming hours is refused at once.
+    """
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as exc:  # soundfile raises several types for garbage
+        raise AudioError("audio_undecodable", f"cannot read the audio file: {exc}", "audio_file") from None
+    if info.samplerate <= 0:
+        raise AudioError("audio_undecodable", "the audio file declares no sample rate", "audio_file")
+    if info.frames > 0 and info.frames / info.samplerate > max_seconds:
+        raise AudioError("audio_too_long", f"audio is {info.frames / info.samplerate:.2f} s, "
+                         f"longer than {max_seconds:g} s", "audio_file")
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:
+        raise AudioError("audio_undecodable", f"cannot decode the audio file: {exc}", "audio_file") from None
+    return samples.mean(axis=1, dtype=np.float32), int(rate)
+
+
+def read_pcm(pcm: codec_pb2.Pcm) -> tuple[np.ndarray, int]:
+    """Raw float32 little-endian mono samples -> (samples [S], rate)."""
+    if len(pcm.samples) % 4:
+        raise AudioError("audio_undecodable", f"{len(pcm.samples)} bytes are not whole float32 samples",
+                         "pcm.samples")
+    if pcm.sample_rate <= 0:
+        raise AudioError("audio_undecodable", f"sample_rate must be positive, got {pcm.sample_rate}",
+                         "pcm.sample_rate")
+    return np.frombuffer(pcm.samples, dtype="<f4").astype(np.float32), int(pcm.sample_rate)
+
+
+def check_duration(samples: np.ndarray, rate: int, min_seconds: float, max_seconds: float,
+                   param: str) -> float:
+    duration = len(samples) / rate
+    if duration > max_seconds:
+        raise AudioError("audio_too_long", f"audio is {duration:.2f} s, longer than {max_seconds:g} s", param)
+    if duration < min_seconds or len(samples) == 0:
+        raise AudioError("audio_too_short", f"audio is {duration:.2f} s, shorter than {min_seconds:g} s", param)
+    if not np.isfinite(samples).all():
+        raise AudioError("audio_undecodable", "audio holds NaN or infinite samples", param)
+    return duration
+
+
+# --------------------------------------------------------------------------------------------
+# the batcher: one decode call per tick for all sessions
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    state: StreamState
+    codes: torch.Tensor          # [N, t]
+    future: asyncio.Future
+    arrived: float
+
+
+class DecodeBatcher:
+    """Collects pending chunks of all sessions and decodes them together on the worker thread."""
+
+    def __init__(self, codec, worker: ThreadPoolExecutor, *, max_wait_s: float = 0.005,
+                 max_batch: int = 64):
+        self.codec, self.worker = codec, worker
+        self.max_wait_s, self.max_batch = max_wait_s, max_batch
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="codec-batcher")
+        self.batches = 0                 # decode calls made (tests and logs)
+        self.largest_batch = 0
+
+    async def decode(self, state: StreamState, codes: torch.Tensor) -> torch.Tensor:
+        """Queue one chunk (codes [N, t], already validated) and wait for its PCM [t·2048]."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(state, codes, future, time.monotonic()))
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            # Wait until the oldest chunk has waited max_wait_s, unless the batch is full.
+            while len(self._pending) < self.max_batch:
+                left = self._pending[0].arrived + self.max_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            batch = [p for p in batch if not p.future.done()]     # cancelled callers
+            if self._pending:
+                self._wake.set()
+            if not batch:
+                continue
+            self.batches += 1
+            self.largest_batch = max(self.largest_batch, len(batch))
+            try:
+                outputs = await loop.run_in_executor(
+                    self.worker, self.codec.decode_streams, [p.state for p in batch], [p.codes for p in batch])
+            except Exception as exc:  # a model failure fails this tick's callers, not the batcher
+                log.exception("codec decode failed")
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            for p, pcm in zip(batch, outputs):
+                if not p.future.done():
+                    p.future.set_result(pcm)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for p in self._pending:
+            if not p.future.done():
+                p.future.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# the servicer
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DecodeSession:
+    session_id: str
+    state: StreamState
+    next_frame: int = 0
+    samples_sent: int = 0
+
+
+class CodecServicer(codec_pb2_grpc.CodecServicer):
+    """The codec is attached once loaded and warmed; until then calls answer UNAVAILABLE."""
+
+    def __init__(self, *, max_encode_seconds: float = 60.0, build: str = "dramaturg"):
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-model")
+        self.codec = None
+        self.batcher: DecodeBatcher | None = None
+        self.sessions: dict[int, DecodeSession] = {}
+        self.max_encode_seconds = max_encode_seconds
+        self.build = build
+        self.admitting = True
+
+    def attach(self, codec) -> None:
+        self.codec = codec
+        self.batcher = DecodeBatcher(codec, self.worker)
+
+    def stop_admitting(self) -> None:
+        self.admitting = False
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _require_ready(self, context) -> None:
+        if self.codec is None or not self.admitting:
+            await grpcutil.abort(context, grpc.StatusCode.UNAVAILABLE,
+                                 "codec is loading" if self.codec is None else "codec is shutting down",
+                                 drama_code="not_ready")
+
+    async def GetInfo(self, request: codec_pb2.GetInfoRequest, context) -> codec_pb2.CodecInfo:
+        await self._require_ready(context)
+        codec = self.codec
+        return codec_pb2.CodecInfo(
+            sample_rate=codec.sample_rate, codebooks=codec.num_codebooks,
+            codebook_size=codec.codebook_size, semantic_codebook_size=codec.semantic_codebook_size,
+            frame_rate_hz=codec.sample_rate / codec.frame_samples, hop_length=codec.frame_samples,
+            max_encode_seconds=self.max_encode_seconds, open_sessions=len(self.sessions), build=self.build)
+
+    async def Encode(self, request: codec_pb2.EncodeRequest, context) -> codec_pb2.EncodeResponse:
+        await self._require_ready(context)
+        min_seconds = request.min_seconds or DEFAULT_MIN_SECONDS
+        max_seconds = min(request.max_seconds or DEFAULT_MAX_SECONDS, self.max_encode_seconds)
+        source = request.WhichOneof("source")
+        try:
+            if source == "audio_file":
+                raw = request.audio_file
+                samples, rate = read_audio_file(raw, max_seconds)
+            elif source == "pcm":
+                raw = request.pcm.samples
+                samples, rate = read_pcm(request.pcm)
+            else:
+                raise AudioError("audio_undecodable", "request has no audio (audio_file or pcm)", "source")
+            duration = check_duration(samples, rate, min_seconds, max_seconds, source or "source")
+        except AudioError as exc:
+            await grpcutil.abort(context, INVALID, str(exc), drama_code=exc.code, param=exc.param)
+            return codec_pb2.EncodeResponse()   # not reached: abort raises
+        loop = asyncio.get_running_loop()
+        try:
+            codes = await loop.run_in_executor(self.worker, self.codec.encode,
+                                               torch.from_numpy(samples)[None], rate)
+        except ValueError as exc:   # e.g. a sample rate the resampler cannot handle
+            await grpcutil.abort(context, INVALID, str(exc), drama_code="audio_undecodable", param=source)
+        return codec_pb2.EncodeResponse(
+            codes=codes_to_wire(codes[0]), n_frames=codes.shape[-1], duration_s=duration,
+            sha256=hashlib.sha256(raw).hexdigest(), codebooks=codes.shape[1])
+
+    async def Decode(self, request_iterator, context):
+        await self._require_ready(context)
+        session: DecodeSession | None = None
+        key = id(context)
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("msg")
+                if kind == "start":
+                    if session is not None:
+                        await grpcutil.abort(context, INVALID, "a second start on one stream",
+                                             drama_code="invalid_value", param="start")
+                    session = DecodeSession(request.start.session_id, self.codec.new_state(1))
+                    self.sessions[key] = session
+                elif session is None:
+                    await grpcutil.abort(context, INVALID, f"'{kind}' before 'start'",
+                                         drama_code="invalid_value", param=kind or "msg")
+                elif kind == "frames":
+                    codes = await self._frames_codes(request.frames, session, context)
+                    pcm = await self.batcher.decode(session.state, codes)
+                    session.next_frame += codes.shape[-1]
+                    chunk = codec_pb2.PcmChunk(first_sample_index=session.samples_sent, samples=pcm16_bytes(pcm.cpu()))
+                    session.samples_sent += pcm.shape[-1]
+                    yield codec_pb2.DecodeResponse(pcm=chunk)
+                elif kind == "end":
+                    yield codec_pb2.DecodeResponse(done=codec_pb2.DecodeDone(total_samples=session.samples_sent))
+                    return
+                else:
+                    await grpcutil.abort(context, INVALID, "empty DecodeRequest", drama_code="invalid_value",
+                                         param="msg")
+        finally:
+            # Ended, failed or cancelled: the stream's state goes with it.
+            self.sessions.pop(key, None)
+
+    async def _frames_codes(self, frames: codec_pb2.DecodeFrames, session: DecodeSession, context) -> torch.Tensor:
+        """Validate one frames message against the session; returns codes [N, t]."""
+        n = self.codec.num_codebooks
+        if frames.first_frame_index != session.next_frame:
+            await grpcutil.abort(context, INVALID, f"first_frame_index {frames.first_frame_index} does not "
+                                 f"continue the stream (expected {session.next_frame})",
+                                 drama_code="invalid_value", param="frames.first_frame_index")
+        try:
+            codes = codes_from_wire(frames.codes, n)
+            if codes.shape[-1] != frames.n_frames or frames.n_frames <= 0:
+                raise ValueError(f"n_frames {frames.n_frames} but codes hold {codes.shape[-1]} frames "
+                                 f"of {n} codebooks")
+            self.codec.check_codes(codes[None])
+        except ValueError as exc:
+            await grpcutil.abort(context, INVALID, str(exc), drama_code="invalid_value", param="frames.codes")
+        return codes
+
+
+async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 50053, device: str = "cpu",
+                max_encode_seconds: float = 60.0, codec=None, ready: asyncio.Event | None = None):
+    """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
+
+    Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`.
+    """
+    servicer = CodecServicer(max_encode_seconds=max_encode_seconds,
+                             build=f"dramaturg codec ({device})")
+    server, bound, health = await grpcutil.start_server(
+        add_servicers=[lambda s: codec_pb2_grpc.add_CodecServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME], host=host, port=port, max_message_mb=MAX_MESSAGE_MB)
+
+    def load():
+        from services.codec.model import load_codec
+
+        model = codec if codec is not None else load_codec(checkpoint, device=device)
+        warm_up(model)
+        return model
+
+    loaded = await asyncio.get_running_loop().run_in_executor(servicer.worker, load)
+    servicer.build = f"dramaturg codec ({loaded.device.type} {str(loaded.decode_dtype).removeprefix('torch.')})"
+    servicer.attach(loaded)
+    await grpcutil.set_serving(health, True)
+    log.info("codec serving on %s:%d (%s)", host, bound, servicer.build)
+    if ready is not None:
+        ready.set()
+    return server, bound, health, servicer
+
+
+def warm_up(codec) -> None:
+    """One decode and one encode, so the first request pays no first-call costs."""
+    codes = torch.zeros(1, codec.num_codebooks, 2, dtype=torch.int64)
+    codec.decode(codes)
+    codec.encode(torch.zeros(1, codec.frame_samples), codec.sample_rate)
