@@ -52,11 +52,30 @@ tracer = trace.get_tracer("gateway")
 # gRPC status -> HTTP (API.md §3.2 table)
 # --------------------------------------------------------------------------------------------
 
-def grpc_error(exc: grpc.aio.AioRpcError, stage: str) -> ApiError:
+def caller_param(wire_param: str | None, text_param: str = "text") -> str | None:
+    """A stage's field path (GenerateRequest) as the caller's field of the HTTP request."""
+    if not wire_param:
+        return wire_param
+    if wire_param.startswith("sampling."):
+        return wire_param[len("sampling."):]
+    if wire_param == "text" or wire_param.startswith("chunks"):
+        return text_param
+    if wire_param.startswith("system"):
+        return "references"
+    if wire_param.startswith("history"):
+        return "history"
+    return wire_param
+
+
+def grpc_error(exc: grpc.aio.AioRpcError, stage: str, text_param: str = "text") -> ApiError:
     code = exc.code()
-    drama_code, param = error_details(exc)
+    drama_code, wire_param = error_details(exc)
+    param = caller_param(wire_param, text_param)
     details = exc.details() or f"{stage} call failed"
     status = grpc.StatusCode
+    if code == status.INVALID_ARGUMENT and wire_param == "sampling.max_new_tokens" and drama_code == "out_of_range":
+        # Valid for the API (1..4096) but more than this backbone's context holds: a context error.
+        return ApiError(400, "context_length_exceeded", details, param)
     if code == status.INVALID_ARGUMENT:
         return ApiError(400, drama_code or "invalid_value", details, param)
     if code == status.OUT_OF_RANGE:
@@ -431,7 +450,7 @@ class SpeechSession:
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt == 0:
                         continue
-                    err = grpc_error(exc, "backbone")
+                    err = grpc_error(exc, "backbone", self.job.request.text_param)
                     await self.aclose(err)
                     raise err from None
             if first is grpc.aio.EOF or first.WhichOneof("msg") != "started":
@@ -510,7 +529,7 @@ class SpeechSession:
                 raise ApiError(500, "internal_error", "The backbone stream ended without usage.")
             self._send_decode(codec_pb2.DecodeRequest(end=codec_pb2.DecodeEnd()))
         except grpc.aio.AioRpcError as exc:
-            self._out.put_nowait(("error", grpc_error(exc, "backbone")))
+            self._out.put_nowait(("error", grpc_error(exc, "backbone", self.job.request.text_param)))
         except ApiError as exc:
             self._out.put_nowait(("error", exc))
 

@@ -64,12 +64,21 @@ def _stage_modules():
     return backbone_server, tower_server, codec_server
 
 
+class ServerHandle:
+    """The (server, port, health, servicer) that the codec and tower `serve()` return."""
+
+    def __init__(self, server, port, health, servicer):
+        self.server, self.port = server, port
+
+    async def stop(self):
+        await self.server.stop(None)
+
+
 async def _start_stages(checkpoint):
     """Codec, tower, backbone in-process on port 0; returns (handles, backbone addr, codec addr)."""
     backbone_server, tower_server, codec_server = _stage_modules()
-    codec = await codec_server.start(codec_server.Settings(checkpoint=str(checkpoint), port=0))
-    tower = await tower_server.start(tower_server.Settings(
-        checkpoint=str(checkpoint), port=0, max_rows=8, max_context_tokens=MAX_CONTEXT))
+    codec = ServerHandle(*await codec_server.serve(str(checkpoint), port=0))
+    tower = ServerHandle(*await tower_server.serve(str(checkpoint), port=0, max_sessions=8, max_context=MAX_CONTEXT))
     backbone = await backbone_server.start(backbone_server.Settings(
         checkpoint=str(checkpoint), tower_addr=f"127.0.0.1:{tower.port}", port=0, max_rows=8,
         max_context_tokens=MAX_CONTEXT, max_queue=16, prefill_chunk_tokens=256))
@@ -266,8 +275,12 @@ def test_uploaded_voice_is_used_as_reference(stack):
 
 
 def test_errors_from_the_stages_keep_the_envelope(stack):
-    r = tts(stack, max_new_tokens=4096)                       # prompt + 4096 frames > the context
+    r = tts(stack, max_new_tokens=4096)                       # 4096 frames > the whole context
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_new_tokens"
+    r = speech(stack, input="A rather long sentence. " * 8, max_new_tokens=MAX_CONTEXT - 20)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"            # the backbone's "text", in the caller's name
     r = tts(stack, references=[{"audio": base64.b64encode(sine_wav(0.3)).decode(), "text": "x"}])
     assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_short"
     assert r.json()["error"]["param"] == "references[0].audio"
@@ -275,7 +288,7 @@ def test_errors_from_the_stages_keep_the_envelope(stack):
 
 def test_disconnect_mid_stream_frees_every_stage(stack):
     body = {"model": "tts-1", "voice": "alloy", "input": "A long one.", "response_format": "pcm",
-            "max_new_tokens": 2000, "latency": "low"}
+            "max_new_tokens": 900, "latency": "low"}
     with stack.http.stream("POST", "/v1/audio/speech", json=body) as response:
         assert response.status_code == 200
         next(response.iter_raw())                              # audio is flowing
