@@ -68,19 +68,24 @@ def ensure_checkpoint(path: Path | None = None, make: Callable[[Path], None] = _
 
     `make(dir)` writes a checkpoint into an empty temporary directory next to `path`, which is
     then renamed into place; if another process got there first, its copy wins and ours is removed.
+    A directory with a config.json counts as made; an empty one is filled; any other existing
+    directory is refused (StackError) rather than mistaken for a checkpoint.
     """
     path = Path(path) if path is not None else default_checkpoint_dir()
-    if path.is_dir():
+    if (path / "config.json").is_file():
         return path
+    if path.is_dir() and any(path.iterdir()):
+        raise StackError(f"{path} exists but holds no checkpoint (no config.json); point "
+                         f"DRAMA_CACHE_DIR elsewhere or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     print(f"generating the tiny checkpoint into {path} (first use) ...", file=sys.stderr)
     try:
         make(temporary)
         try:
-            os.rename(temporary, path)
+            os.rename(temporary, path)  # also replaces an empty directory (e.g. a fresh mktemp -d)
         except OSError:
-            if not path.is_dir():  # not a lost race: a real failure
+            if not (path / "config.json").is_file():  # not a lost race: a real failure
                 raise
     finally:
         if temporary.exists():
@@ -431,7 +436,7 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("up", help="run the whole stack locally (three stages + gateway)",
                                    description=run_up.__doc__)
     _stack_arguments(parser)
-    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
     parser.add_argument("--log-dir", default=None, help="where the processes' logs go (default: a temp dir)")
     parser.set_defaults(func=run_up)
     return parser

@@ -243,6 +243,22 @@ def test_checkpoint_is_made_once_and_atomically(tmp_path, monkeypatch):
     assert launcher.default_checkpoint_dir() == target
 
 
+def test_empty_cache_dir_is_filled_and_foreign_dir_refused(tmp_path):
+    def fake_make(out: Path) -> None:
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ensure_checkpoint(empty, make=fake_make) == empty and (empty / "config.json").is_file()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(StackError, match="no config.json"):
+        ensure_checkpoint(foreign, make=fake_make)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
 def test_interrupted_make_leaves_no_checkpoint(tmp_path):
     def failing_make(out: Path) -> None:
         out.mkdir()
