@@ -118,3 +118,273 @@ def test_a_later_chunk_that_cannot_fit_even_alone_is_refused_at_admission():
     with pytest.raises(GenerateError) as info:
         check_context(prompt, 10)
     assert info.value.param == "text"
+
+
+# --------------------------------------------------------------------------------------------
+# The scheduler over the real engine and a real tower
+# --------------------------------------------------------------------------------------------
+# The tower runs as `python -m services.tower` (its own process, as deployed); the scheduler and
+# engine run in this process. Only the failure-injection test alters what the tower answers.
+
+IM_START, IM_END, VOICE = 258, 259, 263
+POOL_ROWS, POOL_CONTEXT = 4, 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+async def tower_addr(tiny_checkpoint):
+    from services.common.grpcutil import check_health
+    port = _free_port()
+    env = dict(os.environ, DRAMA_MAX_ROWS=str(POOL_ROWS), DRAMA_MAX_CONTEXT_TOKENS=str(POOL_CONTEXT),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "services.tower", "--checkpoint", str(tiny_checkpoint),
+                             "--port", str(port), "--device", "cpu"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    addr = f"127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        while await check_health(addr, timeout=0.5) != "SERVING":
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < end, "tower did not start"
+            await asyncio.sleep(0.1)
+        yield addr
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def backbone_model(tiny_checkpoint):
+    from services.backbone.weights import load_backbone
+    return load_backbone(tiny_checkpoint, device="cpu", dtype=torch.float32, lm_head=False)
+
+
+class Recorder:
+    """Wraps the real engine and tower client, keeping what the scheduler sent them."""
+
+    def __init__(self, engine, tower):
+        self.engine, self.tower = engine, tower
+        self.work: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
+        self.steps: list[TowerStep] = []
+        self.inject = None         # optional failure injection: (step, result) -> result
+
+    def __getattr__(self, name):   # everything else is the real engine's
+        return getattr(self.engine, name)
+
+    def step(self, work):          # the engine side
+        self.work.append(work)
+        return self.engine.step(work)
+
+    @property
+    def ready(self) -> bool:
+        return self.tower.ready
+
+    async def tower_step(self, step: TowerStep):
+        self.steps.append(step)
+        result = await self.tower.step(step)
+        return self.inject(step, result) if self.inject else result
+
+
+class _TowerSide:
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    @property
+    def ready(self):
+        return self.recorder.ready
+
+    async def step(self, step):
+        return await self.recorder.tower_step(step)
+
+
+@pytest.fixture
+async def stage(backbone_model, tower_addr, tiny_config):
+    """A scheduler over a fresh engine, both sides recorded; tear down frees everything."""
+    from services.backbone.engine import BackboneEngine
+    from services.backbone.tower_client import TowerClient
+
+    made = []
+
+    async def make(**kwargs):
+        engine = BackboneEngine(backbone_model, max_sessions=kwargs.pop("max_sessions", POOL_ROWS),
+                                max_context=POOL_CONTEXT)
+        client = TowerClient(tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
+                             codebooks=tiny_config.num_codebooks, max_rows=engine.max_sessions,
+                             max_context_tokens=POOL_CONTEXT)
+        recorder = Recorder(engine, client)
+        scheduler = Scheduler(recorder, _TowerSide(recorder),
+                              semantic_start_token_id=tiny_config.semantic_start_token_id,
+                              max_rows=engine.max_sessions, **kwargs)
+        client.on_lost = scheduler.tower_lost
+        client.start()
+        assert await client.wait_ready(30), client.last_error
+        scheduler.start()
+        made.append((scheduler, client))
+        return scheduler, recorder
+
+    yield make
+    for scheduler, client in made:
+        await scheduler.close()
+        await client.close()
+
+
+def _job(session_id, *, seed=5, turns=("hello", "world"), history=1, max_new=5, first=2, every=3,
+         queue_timeout_s=None) -> Job:
+    gen = torch.Generator().manual_seed(7)
+    ref = torch.randint(0, 32, (N, 3), generator=gen)
+    take = torch.randint(0, 32, (N, 2), generator=gen)
+    prompt = Prompt(
+        system=Rows.cat([_text(IM_START, 115, 10), _audio_of(ref), _text(IM_END)]),
+        history=[Rows.cat([_text(IM_START, 117, 10, IM_END, IM_START, 97, VOICE), _audio_of(take),
+                           _text(IM_END)]) for _ in range(history)],
+        user_turns=[_text(IM_START, 117, 10, *t.encode(), IM_END) for t in turns],
+        assistant_open=_text(IM_START, 97, 10, VOICE), assistant_close=_text(IM_END))
+    return Job(session_id, prompt, Sampling(0.9, 0.95, 0, 1.0, seed, max_new),
+               first_message_frames=first, message_frames=every, queue_timeout_s=queue_timeout_s)
+
+
+def _audio_of(codes: torch.Tensor) -> Rows:
+    return audio_rows(codes, SEMANTIC_START)
+
+
+async def _run(scheduler, session) -> list:
+    return [event async for event in scheduler.events(session)]
+
+
+async def test_scheduler_sends_every_row_once_in_order_with_its_target(stage):
+    scheduler, rec = await stage(prefill_chunk_tokens=7)
+    job = _job("rows", max_new=4)
+    events = await _run(scheduler, scheduler.submit(job))
+    assert isinstance(events[0], Started) and isinstance(events[-1], Usage)
+    ends = [e for e in events if isinstance(e, ChunkEnd)]
+    frames = {c: torch.cat([e.codes for e in events if isinstance(e, FramesOut) and e.chunk_index == c])
+              for c in range(2) if ends[c].n_frames}
+    # Replay the chunk plan from what was generated and compare with what the tower saw.
+    engine_calls = iter(rec.work)
+    timelines, current, released_before = [], None, []
+    for step in rec.steps:
+        released_before.extend(step.release)
+        work = next(engine_calls) if step.entries else []
+        assert len(work) == len(step.entries)
+        offset = 0
+        for entry, (_, token_ids, row_frames) in zip(step.entries, work):
+            if entry.first_row == 0:
+                current = []
+                timelines.append((current, list(released_before)))
+            current.append((entry, step.targets[offset:offset + entry.n_rows], token_ids, row_frames))
+            offset += entry.n_rows
+    assert len(timelines) == 2
+    previous = None
+    for chunk, (entries, released) in enumerate(timelines):
+        assert released.count("rows") == chunk          # the previous timeline was released first
+        rows = plan_chunk(job.prompt, chunk, previous, row_budget=POOL_CONTEXT - 4,
+                          semantic_start_token_id=SEMANTIC_START)
+        prompt_len, position, prefill, decoded, draws = len(rows), 0, [], [], []
+        for entry, targets, token_ids, row_frames in entries:
+            assert entry.first_row == position and entry.take_index == chunk
+            assert entry.n_rows == len(token_ids)
+            if position < prompt_len:
+                assert entry.n_rows <= 7
+                prefill.append((targets, token_ids, row_frames))
+                assert entry.draw == (position + entry.n_rows == prompt_len)
+            else:
+                assert entry.n_rows == 1 and entry.draw and (targets == -1).all()
+                assert token_ids[0] == SEMANTIC_START + row_frames[0, 0]
+                decoded.append(row_frames[0])
+            if entry.draw:
+                draws.append(entry.frame_index)
+            position += entry.n_rows
+        assert torch.equal(torch.cat([p[0] for p in prefill]), row_targets(rows.frames))
+        assert torch.equal(torch.cat([p[1] for p in prefill]), rows.token_ids)
+        assert torch.equal(torch.cat([p[2] for p in prefill]), rows.frames)
+        n = ends[chunk].n_frames
+        assert draws == list(range(len(draws)))
+        generated = frames[chunk] if n else torch.empty(0, N, dtype=torch.int64)
+        # every drawn frame becomes the next row, except a LENGTH chunk's last one
+        appended = n - (1 if ends[chunk].finish_reason == "LENGTH" else 0)
+        assert position == prompt_len + appended
+        assert decoded == [] if appended == 0 else torch.equal(torch.stack(decoded), generated[:appended])
+        previous = generated.T
+    assert rec.engine.free_slots == POOL_ROWS
+
+
+async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stage):
+    scheduler, _ = await stage()
+    events = await _run(scheduler, scheduler.submit(_job("emit", turns=("one",), max_new=7,
+                                                         first=2, every=3)))
+    sizes = [e.codes.shape[0] for e in events if isinstance(e, FramesOut)]
+    n = [e for e in events if isinstance(e, ChunkEnd)][0].n_frames
+    expect, left, want = [], n, 2
+    while left > 0:
+        expect.append(min(want, left))
+        left -= want
+        want = 3
+    assert sizes == expect
+
+
+async def test_queue_full_and_queue_timeout(stage):
+    scheduler, _ = await stage(max_sessions=1, max_queue=1)
+    running = scheduler.submit(_job("occupant", turns=("a long one",), max_new=60))
+    assert isinstance(await anext(aiter(scheduler.events(running))), Started)   # admitted
+    waiting = scheduler.submit(_job("waiter", queue_timeout_s=0.2))
+    with pytest.raises(GenerateError) as info:
+        scheduler.submit(_job("third"))
+    assert (info.value.status, info.value.drama_code) == ("RESOURCE_EXHAUSTED", "queue_full")
+    with pytest.raises(GenerateError) as info:
+        await _run(scheduler, waiting)
+    assert (info.value.status, info.value.drama_code) == ("RESOURCE_EXHAUSTED", "queue_timeout")
+    scheduler.cancel(running)
+
+
+async def test_a_full_buffer_pauses_the_session_until_half_is_drained(stage):
+    scheduler, rec = await stage(session_buffer_frames=4)
+    session = scheduler.submit(_job("slow-reader", turns=("x",), max_new=30, first=1, every=1))
+    end = time.monotonic() + 20                    # nobody reads: it fills 4 frames and pauses
+    while not session.paused and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    assert session.paused and session.output_tokens == 4
+    await asyncio.sleep(0.5)
+    assert session.output_tokens == 4              # out of the batch, KV kept
+    events = await _run(scheduler, session)        # now drain: it resumes and completes
+    n = [e for e in events if isinstance(e, ChunkEnd)][0].n_frames
+    assert sum(e.codes.shape[0] for e in events if isinstance(e, FramesOut)) == n
+
+
+async def test_cancel_leaves_the_batch_and_is_released_in_the_next_step(stage):
+    scheduler, rec = await stage()
+    keep = scheduler.submit(_job("keep", turns=("x",), max_new=40))
+    gone = scheduler.submit(_job("gone", turns=("y",), max_new=40))
+    async for event in scheduler.events(gone):
+        if isinstance(event, FramesOut):
+            break
+    scheduler.cancel(gone)
+    events = await _run(scheduler, keep)
+    assert isinstance(events[-1], Usage)
+    cut = next(i for i, s in enumerate(rec.steps) if "gone" in s.release)
+    assert all(e.session_id != "gone" for s in rec.steps[cut:] for e in s.entries)
+    assert rec.engine.free_slots == POOL_ROWS
+
+
+async def test_a_tower_row_error_ends_only_that_session(stage):
+    scheduler, rec = await stage()
+    from services.backbone.scheduler import TowerResult
+
+    def lose(step, result):   # the tower "forgets" session "lost" once it is decoding
+        errors = dict(result.row_errors)
+        for i, entry in enumerate(step.entries):
+            if entry.session_id == "lost" and entry.first_row > 0 and entry.n_rows == 1:
+                errors[i] = GenerateError("NOT_FOUND", "tower: unknown session")
+        return TowerResult(result.codes, result.stop, errors)
+
+    rec.inject = lose
+    lost = scheduler.submit(_job("lost", turns=("x",), max_new=10))
+    fine = scheduler.submit(_job("fine", turns=("y",), max_new=10))
+    with pytest.raises(GenerateError) as info:
+        await _run(scheduler, lost)
+    assert info.value.status == "NOT_FOUND"
+    assert isinstance((await _run(scheduler, fine))[-1], Usage)

@@ -287,10 +287,10 @@ def _build_version() -> str:
         return "dev"
 
 
-def memory_report(engine, model, budget_gb: float | None, device: str) -> str:
+def memory_report(engine, budget_gb: float | None, device: str) -> str:
     """Print-ready figures; raises MemoryBudgetError when weights + pool exceed the budget."""
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    pool = sum(v for k, v in engine.memory_bytes().items() if "weight" not in k)
+    memory = engine.memory_bytes()
+    weights, pool = memory["weights"], memory["cache"]
     total = weights + pool
     limit = budget_gb * 2 ** 30 if budget_gb else None
     if device.startswith("cuda"):
@@ -322,7 +322,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     `loaded_model` lets tests share one loaded model between stages they start.
     """
     from services.backbone.engine import BackboneEngine
-    from services.backbone.model import load_backbone
+    from services.backbone.weights import load_backbone
 
     config = load_config(settings.checkpoint)
     max_context = min(settings.max_context_tokens, config.text.max_position_embeddings)
@@ -334,10 +334,11 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     running = Backbone(server, port, health, servicer)
     try:
         dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
+        # lm_head=False: the tower owns the semantic head; the service never computes logits.
         model = loaded_model or await asyncio.to_thread(
-            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype)
+            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False)
         engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
-        print(memory_report(engine, model, settings.memory_budget_gb, settings.device), flush=True)
+        print(memory_report(engine, settings.memory_budget_gb, settings.device), flush=True)
         check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
                            hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                            codebooks=config.num_codebooks, sessions=settings.max_rows)
