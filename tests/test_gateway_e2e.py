@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import threading
 import time
 
@@ -286,18 +287,25 @@ def test_errors_from_the_stages_keep_the_envelope(stack):
     assert r.json()["error"]["param"] == "references[0].audio"
 
 
-def test_disconnect_mid_stream_frees_every_stage(stack):
-    body = {"model": "tts-1", "voice": "alloy", "input": "A long one.", "response_format": "pcm",
-            "max_new_tokens": 900, "latency": "low"}
-    with stack.http.stream("POST", "/v1/audio/speech", json=body) as response:
-        assert response.status_code == 200
-        next(response.iter_raw())                              # audio is flowing
-        assert stack.open_sessions() != (0, 0)
-    # closing the response drops the connection
-    deadline = time.monotonic() + 5
+@pytest.mark.parametrize("mode", [{"stream": True}, {"stream": False}, {"stream_format": "sse"}],
+                         ids=["progressive", "buffered", "sse"])
+def test_disconnect_frees_every_stage(stack, mode):
+    """A client that goes away mid-generation cancels Generate and Decode, in every mode."""
+    body = json.dumps({"model": "tts-1", "voice": "alloy", "input": "A long one.", "response_format": "pcm",
+                       "max_new_tokens": 900, "latency": "low", **mode}).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while stack.open_sessions()[1] == 0:                      # the codec is decoding: mid-generation
+        assert time.monotonic() < deadline, "the session never started"
+        time.sleep(0.01)
+    sock.close()
+    closed = time.monotonic()
     while stack.open_sessions() != (0, 0):
-        assert time.monotonic() < deadline, f"sessions still open: {stack.open_sessions()}"
-        time.sleep(0.05)
+        assert time.monotonic() - closed < 1.0, f"sessions still open: {stack.open_sessions()}"
+        time.sleep(0.01)
 
 
 def test_metrics_count_speech(stack):
