@@ -439,3 +439,27 @@ def test_resample_kernel_shape_and_identity():
     assert resample(x, 44100, 44100) is x
     with pytest.raises(ValueError):
         resample(x, 44099, 44100)
+
+
+# --------------------------------------------------------------------------------------------
+# the F16 (GPU) path
+# --------------------------------------------------------------------------------------------
+
+def _half_stream_vs_offline(checkpoint, device: str) -> float:
+    half = load_codec(checkpoint, device=device, dtype=torch.float16)
+    half.frame_serial = False                      # the batched chunk path the GPU server runs
+    codes = random_codes(half, 20, seed=21)
+    offline = half.decode(codes)
+    stream = half.stream()
+    streamed = torch.cat([stream.push(codes[:, :, i:i + 4]) for i in range(0, 20, 4)], dim=-1)
+    return float((streamed - offline).abs().max())
+
+
+def test_half_precision_stream_matches_offline_cpu(tiny_checkpoint):
+    """§7.5: on the F16 path streamed and offline audio agree within 2e-3 (max abs)."""
+    assert _half_stream_vs_offline(tiny_checkpoint, "cpu") <= 2e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_half_precision_stream_matches_offline_cuda(tiny_checkpoint):
+    assert _half_stream_vs_offline(tiny_checkpoint, "cuda") <= 2e-3

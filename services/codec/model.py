@@ -166,10 +166,9 @@ class Codec(nn.Module):
         Returns float32 [t_i·frame_samples] per chunk. Validates every chunk before touching
         any state, so a bad chunk leaves all streams as they were.
         """
-        device = self.device
-        chunks = [c.to(device=device, dtype=torch.int64) for c in chunks]
-        for chunk in chunks:
-            self.check_codes(chunk[None])
+        for chunk in chunks:                 # on the host: no device syncs per codebook
+            self.check_codes(torch.as_tensor(chunk)[None])
+        chunks = [torch.as_tensor(c).to(device=self.device, dtype=torch.int64) for c in chunks]
         with self._threads():
             return self._decode_streams(states, chunks)
 
