@@ -9,6 +9,7 @@ no ASCII digits outside tags and a second pass changes nothing (idempotent).
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from gateway.chunking import atomize
 
@@ -53,7 +54,7 @@ ORDINAL = re.compile(r"\b([0-9]{1,15})(st|nd|rd|th)\b")
 WITH_UNIT = re.compile(r"(?<![\w.])(-?)(" + NUMBER + r")(?:\.([0-9]+))?(?:\s?(" + _UNIT_ALT + r")|\s("
                        + _SPACED_ALT + r"))(?!\w)")
 DECADE = re.compile(r"\b([0-9]{1,3}0)s\b")
-DECIMAL = re.compile(r"(?<![\w.])(-?)(" + NUMBER + r")\.([0-9]+)(?!\w)")
+DECIMAL = re.compile(r"(?<![\w.])(-?)(" + NUMBER + r")\.([0-9]+)(?![0-9])")
 INTEGER = re.compile(r"(?<![\w])(-?)(" + NUMBER + r")")
 DIGITS = re.compile(r"[0-9]+")
 
@@ -180,6 +181,14 @@ def _decade(m: re.Match) -> str:
     return words[:-1] + "ies" if words.endswith("y") else words + "s"
 
 
+def _spaced(words_for: Callable[[re.Match], str]) -> Callable[[re.Match], str]:
+    """A number glued to a following letter ("3cats", "1.5x") is set off by a space."""
+    def replace(m: re.Match) -> str:
+        words = words_for(m)
+        return words + " " if m.end() < len(m.string) and m.string[m.end()].isalpha() else words
+    return replace
+
+
 def _spell_digits(m: re.Match) -> str:
     """Digits glued to letters ("mp3"): one by one, set off by spaces from the letters."""
     text = m.string
@@ -196,8 +205,8 @@ def normalize_plain(text: str) -> str:
     text = CURRENCY.sub(_currency, text)
     text = ORDINAL.sub(lambda m: ordinal_words(int(m.group(1))), text)
     text = WITH_UNIT.sub(_with_unit, text)
-    text = DECIMAL.sub(lambda m: _decimal_words(*m.groups()), text)
-    text = INTEGER.sub(_integer, text)
+    text = DECIMAL.sub(_spaced(lambda m: _decimal_words(*m.groups())), text)
+    text = INTEGER.sub(_spaced(_integer), text)
     return DIGITS.sub(_spell_digits, text)  # what is left is glued to letters ("mp3", "A4")
 
 

@@ -235,6 +235,7 @@ def test_ordinals(n, words):
     ("It was -5 outside", "It was minus five outside"),
     ("an mp3 file", "an mp three file"),
     ("code 007", "code zero zero seven"),
+    ("3cats at 1.5x", "three cats at one point five x"),
 ])
 def test_normalize_examples(text, expected):
     assert normalize_text(text) == expected
