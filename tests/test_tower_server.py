@@ -233,3 +233,40 @@ async def test_entry_point_serves_the_tiny_checkpoint_and_stops_on_sigterm(tiny_
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_sampled_step_joins_the_backbone_trace(tower):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.common.telemetry import setup_telemetry
+
+    exporter = InMemorySpanExporter()
+    setup_telemetry("test-tower", span_processor=SimpleSpanProcessor(exporter))
+    stub, _ = tower
+    trace_id, parent_id = "ab" * 16, "cd" * 8
+    call = stub.Step()
+    request = _request(1, [_row("traced", 0, 2)], torch.randn(2, 64), torch.full((2, N), -1))
+    request.trace_context["traceparent"] = f"00-{trace_id}-{parent_id}-01"
+    await call.write(request)
+    await call.read()
+    await call.done_writing()
+    spans = [s for s in exporter.get_finished_spans() if s.name == "tower.step"]
+    assert len(spans) == 1
+    assert spans[0].context.trace_id == int(trace_id, 16) and spans[0].parent.span_id == int(parent_id, 16)
+    assert spans[0].attributes["drama.batch.rows"] == 2
+
+
+async def test_a_failing_step_ends_the_stream_with_internal(tower, monkeypatch):
+    """A device error or bug in a step is INTERNAL for the stream, never a silent wrong answer."""
+    stub, _ = tower
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated device error")
+
+    monkeypatch.setattr(TowerEngine, "step", broken)
+    call = stub.Step()
+    await call.write(_request(1, [_row("z", 0, 1)], torch.randn(1, 64), torch.full((1, N), -1)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INTERNAL

@@ -22,9 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.common import grpcutil
+from services.common.telemetry import extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
 from services.tower.engine import RowError, StepEntry, StepResult, TowerEngine
 
@@ -67,7 +69,15 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
         result = StepResult(torch.full((len(entries), codebooks), -1, dtype=torch.int64), [False] * len(entries),
                             [RowError(i, "INVALID_ARGUMENT", f"payload: {exc}") for i in range(len(entries))])
         return response_from_result(request.step_id, result)
-    result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+    if not request.trace_context:
+        result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+        return response_from_result(request.step_id, result)
+    # A sampled backbone step sends its span context; our span joins that trace (API.md §3.6).
+    tracer = trace.get_tracer("services.tower")
+    with tracer.start_as_current_span("tower.step", context=extract_context(request.trace_context),
+                                      attributes={"drama.batch.rows": rows,
+                                                  "drama.batch.entries": len(entries)}):
+        result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
     return response_from_result(request.step_id, result)
 
 
@@ -123,7 +133,11 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
         reader = asyncio.create_task(read_requests())
         try:
             while (future := await in_flight.get()) is not done:
-                response = await future
+                try:
+                    response = await future
+                except Exception as exc:   # a bug or a device error: the stream (and its sessions) end
+                    log.exception("tower step failed")
+                    await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"tower step failed: {exc!r}")
                 slots.release()
                 yield response
             await reader          # re-raises a failed read
@@ -137,6 +151,15 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
 # serve()
 # --------------------------------------------------------------------------------------------
 
+def build_string(device: str) -> str:
+    try:
+        from importlib.metadata import version
+        ours = version("dramaturg")
+    except Exception:   # not installed as a package (a bare checkout)
+        ours = "unknown"
+    return f"dramaturg {ours} tower, torch {torch.__version__}, {device}"
+
+
 async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, device: str = "cpu",
                 max_sessions: int = 64, max_context: int = 8192, max_inflight_steps: int = 2,
                 ready: asyncio.Event | None = None, model=None, cfg=None):
@@ -145,7 +168,7 @@ async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, 
     Returns (server, port, health, servicer). `model`/`cfg` skip loading from `checkpoint`
     (tests with random weights).
     """
-    servicer = TowerServicer(max_inflight_steps=max_inflight_steps)
+    servicer = TowerServicer(max_inflight_steps=max_inflight_steps, build=build_string(device))
     server, bound, health = await grpcutil.start_server(
         add_servicers=[lambda s: tower_pb2_grpc.add_TowerServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME], host=host, port=port, max_message_mb=16)
