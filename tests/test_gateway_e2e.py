@@ -212,6 +212,7 @@ def test_progressive_and_sse_bytes_agree(stack):
     assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"}
     assert b"".join(base64.b64decode(e["audio"]) for _, e in events[:-1]) == progressive
     done = events[-1][1]
+    assert done["take_id"] == sse.headers["x-take-id"]
     assert done["seed"] == 11 and done["finish_reason"] in ("stop", "length") and done["take_id"].startswith("take_")
     usage = done["usage"]
     assert usage["output_tokens"] >= 1 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
@@ -228,6 +229,19 @@ def test_same_seed_gives_the_same_bytes(stack):
     # OpenAI voice names are seeded voices: stable without a request seed.
     a, b = speech(stack, response_format="pcm"), speech(stack, response_format="pcm")
     assert a.headers["x-seed"] == b.headers["x-seed"] and a.content == b.content
+
+
+def test_speed_and_instructions(stack):
+    """speed is a pitch-preserving stretch of the same take; instructions reach the prompt."""
+    normal = speech(stack, response_format="pcm", seed=9)
+    fast = speech(stack, response_format="pcm", seed=9, speed=2.0)
+    assert fast.status_code == 200 and abs(len(fast.content) / len(normal.content) - 0.5) < 0.01
+
+    def text_tokens(**extra):
+        done = sse_events(speech(stack, response_format="pcm", stream_format="sse", **extra).content)[-1][1]
+        return done["usage"]["input_token_details"]["text_tokens"]
+
+    assert text_tokens(instructions="Whisper it.") > text_tokens()
 
 
 def test_tts_with_reference_two_speakers_and_previous_take(stack):
@@ -313,3 +327,65 @@ def test_metrics_count_speech(stack):
     text = stack.http.get("/metrics").text
     assert "drama_speech_ttfa_seconds_count" in text and "drama_speech_output_frames_total" in text
     assert 'drama_http_requests_total{route="/v1/audio/speech",status="200"}' in text
+
+
+# --------------------------------------------------------------------------------------------
+# Failure after the first byte (failure injection: a backbone that breaks mid-take, real codec)
+# --------------------------------------------------------------------------------------------
+
+class BreakingBackbone(backbone_pb2_grpc.BackboneServicer):
+    """Admits, sends frames, then fails with INTERNAL, as a backbone hitting a CUDA error would."""
+
+    def Generate(self, request, context):
+        yield backbone_pb2.GenerateResponse(started=backbone_pb2.Started())
+        for i in range(3):
+            codes = np.full((4, 10), i, dtype="<i2").tobytes()
+            yield backbone_pb2.GenerateResponse(frames=backbone_pb2.Frames(
+                chunk_index=0, first_frame_index=4 * i, n_frames=4, codes=codes))
+            time.sleep(0.05)
+        context.abort(grpc.StatusCode.INTERNAL, "injected failure")
+
+
+@pytest.fixture(scope="module")
+def broken(stack):
+    from concurrent import futures
+
+    import uvicorn
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    backbone_pb2_grpc.add_BackboneServicer_to_server(BreakingBackbone(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    settings = Settings(checkpoint=stack.app.state.settings.checkpoint, backbone_addr=f"127.0.0.1:{port}",
+                        codec_addr=stack.codec_addr)
+    gateway = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=gateway.run, daemon=True)
+    thread.start()
+    while not gateway.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{gateway.servers[0].sockets[0].getsockname()[1]}"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+    gateway.should_exit = True
+    thread.join(10)
+    server.stop(0)
+
+
+def test_failure_after_first_byte_truncates_the_body(broken):
+    body = {"input": "Hello.", "response_format": "pcm"}
+    received = bytearray()
+    with pytest.raises(httpx.RemoteProtocolError):           # no terminating chunk
+        with broken.stream("POST", "/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            for piece in response.iter_raw():
+                received += piece
+    assert len(received) > 0                                  # audio had been sent
+
+
+def test_failure_after_start_is_an_sse_error_event_or_a_real_status(broken):
+    events = sse_events(broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm",
+                                                               "stream_format": "sse"}).content)
+    assert events[-1][0] == "speech.audio.error" and events[-1][1]["error"]["code"] == "internal_error"
+    assert {kind for kind, _ in events[:-1]} == {"speech.audio.delta"}
+    r = broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm", "stream": False})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
