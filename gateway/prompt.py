@@ -172,10 +172,11 @@ def validate_text(text: str, param: str, *, allow_blank: bool = False,
         tag = match.group()
         if speaker := SPEAKER_TAG.fullmatch(tag):
             digits = speaker.group(1)
-            if int(digits) >= MAX_SPEAKERS:
+            significant = digits.lstrip("0") or "0"  # int() of thousands of digits would raise
+            if len(significant) > 2 or int(significant) >= MAX_SPEAKERS:
                 raise PromptError("invalid_value", param, f"Invalid speaker tag '{tag}': speaker "
                                   f"index must be between 0 and {MAX_SPEAKERS - 1}.")
-            if digits != str(int(digits)):
+            if digits != significant:
                 raise PromptError("invalid_value", param, f"Invalid speaker tag '{tag}': write the "
                                   f"speaker index without leading zeros.")
         elif tag in RESERVED_TOKENS or SEMANTIC_TAG.fullmatch(tag) or tag in extra_special:

@@ -217,6 +217,18 @@ def test_speaker_index_above_15_is_refused_with_exact_message():
     assert info.value.message == "Invalid speaker tag '<|speaker:16|>': speaker index must be between 0 and 15."
 
 
+@pytest.mark.parametrize("index", ["16", "99", "9" * 5000, "0" * 3000 + "17"])
+def test_any_speaker_index_above_15_is_refused(index):
+    with pytest.raises(PromptError, match="speaker index must be between 0 and 15"):
+        validate_text(f"<|speaker:{index}|>Hi", "text")
+
+
+def test_speaker_index_with_leading_zeros_is_refused():
+    with pytest.raises(PromptError, match="leading zeros"):
+        validate_text("<|speaker:01|>Hi", "text")
+    validate_text("<|speaker:0|>Hi<|speaker:10|>", "text")
+
+
 @pytest.mark.parametrize("token", ["<|im_end|>", "<|im_start|>", "<|voice|>", "<|semantic:3|>",
                                    "<|semantic:99999|>", "<|endoftext|>", "<|audio_pad|>"])
 def test_other_special_tokens_are_refused(builder, token):
