@@ -318,3 +318,46 @@ def test_entry_point_defaults(monkeypatch):
     args = parse_args([])
     assert (args.checkpoint, args.device, args.host, args.port) == ("/ckpt", "cuda", "0.0.0.0", 50053)
     assert parse_args(["--port", "1234", "--device", "cpu"]).port == 1234
+
+
+async def test_model_failure_is_internal_and_frees_the_session(codec_server, monkeypatch):
+    """Failure injection: a decode call that raises ends the stream with INTERNAL."""
+    def broken(states, chunks):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(codec_server.servicer.batcher.codec, "decode_streams", broken)
+    codes = random_codes(codec_server.codec, 2, seed=5)
+    await expect_error(lambda: codec_server.stub.Decode(aiter_of([START, _frames(0, codes)])),
+                       grpc.StatusCode.INTERNAL, "internal_error")
+    monkeypatch.undo()
+    await _wait_for_no_sessions(codec_server)
+    pcm, _ = await run_decode(codec_server.stub, decode_requests(codes, [2]))     # still serving
+    assert pcm == pcm16_bytes(codec_server.codec.decode(codes[None])[0])
+
+
+async def test_entry_point_serves_and_stops_on_sigterm(tiny_checkpoint):
+    """`python -m services.codec` comes up SERVING and exits 0 on SIGTERM (graceful drain)."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "DRAMA_CHECKPOINT": str(tiny_checkpoint), "DRAMA_GRACE_S": "2"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.codec", "--port", str(port),
+                                                env=env, stdout=asyncio.subprocess.DEVNULL,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while await grpcutil.check_health(f"127.0.0.1:{port}") != "SERVING":
+            assert proc.returncode is None, (await proc.stderr.read()).decode()[-2000:]
+            assert asyncio.get_running_loop().time() < deadline, "codec never became SERVING"
+            await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

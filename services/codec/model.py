@@ -267,7 +267,7 @@ def load_codec(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     on CUDA, float32 on CPU); encode always runs in float32.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    cfg = load_config(checkpoint_dir).codec
+    cfg = load_config(checkpoint_dir, check_tokenizer=False).codec   # the codec needs no tokenizer
     checkpoint = load_torch_state_dict(checkpoint_dir / "codec.pth")
     with torch.device("meta"):
         codec = Codec(cfg)

@@ -277,7 +277,11 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                                          drama_code="invalid_value", param=kind or "msg")
                 elif kind == "frames":
                     codes = await self._frames_codes(request.frames, session, context)
-                    pcm = await self.batcher.decode(session.state, codes)
+                    try:
+                        pcm = await self.batcher.decode(session.state, codes)
+                    except Exception as exc:   # a model failure (CUDA error, bug): logged by the batcher
+                        await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"decode failed: {exc}",
+                                             drama_code="internal_error")
                     session.next_frame += codes.shape[-1]
                     chunk = codec_pb2.PcmChunk(first_sample_index=session.samples_sent, samples=pcm16_bytes(pcm.cpu()))
                     session.samples_sent += pcm.shape[-1]
