@@ -46,19 +46,31 @@ class RowBatch:
     """Where each row of a call lives: segments of consecutive positions of one cache slot.
 
     `segments` is `(slot, first_position, n_rows)` per segment, in row order; rows of one slot
-    appear in at most one segment per call.
+    appear in at most one segment per call. Index tensors are built once per call, on the
+    device, so no layer copies host lists to the GPU (each such copy waits for the GPU).
     """
     segments: tuple[tuple[int, int, int], ...]
-    slots: Tensor       # int64 [T]
-    positions: Tensor   # int64 [T]
+    slots: Tensor              # int64 [T]
+    positions: Tensor          # int64 [T]
+    decode_rows: Tensor        # int64 [R]: rows that are single-row segments (decode steps)
+    decode_slots: Tensor       # int64 [R]
+    decode_positions: Tensor   # int64 [R]
+    decode_length: int         # 1 + the largest decode position (0 without decode rows)
 
     @classmethod
     def from_segments(cls, segments, device=None) -> "RowBatch":
         segments = tuple((int(s), int(p), int(n)) for s, p, n in segments)
         slots = [s for s, _, n in segments for _ in range(n)]
         positions = [p + i for _, p, n in segments for i in range(n)]
-        return cls(segments, torch.tensor(slots, dtype=torch.int64, device=device),
-                   torch.tensor(positions, dtype=torch.int64, device=device))
+        starts = [sum(n for _, _, n in segments[:i]) for i in range(len(segments))]
+        decode = [(row, s, p) for row, (s, p, n) in zip(starts, segments) if n == 1]
+
+        def index(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(segments, index(slots), index(positions), index([r for r, _, _ in decode]),
+                   index([s for _, s, _ in decode]), index([p for _, _, p in decode]),
+                   1 + max((p for _, _, p in decode), default=-1))
 
     @property
     def num_rows(self) -> int:
@@ -348,31 +360,24 @@ def attend_rowwise(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) 
 def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) -> Tensor:
     """The fast path: one fused SDPA call per multi-row segment, and one batched call for all
     single-row segments (decode rows), padded to their longest history and masked."""
-    t, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    decode = []
     row = 0
     for slot, first, count in rows.segments:
-        if count == 1:
-            decode.append((row, slot, first))
-        else:
+        if count > 1:
             length = first + count
             mask = (torch.arange(length, device=q.device)[None, :]
-                    <= torch.arange(first, length, device=q.device)[:, None])
+                    <= torch.arange(first, length, device=q.device)[:, None])             # [n, P]
             o = F.scaled_dot_product_attention(
                 q[row:row + count].transpose(0, 1)[None], k_cache[slot, :, :length][None],
                 v_cache[slot, :, :length][None], attn_mask=mask, enable_gqa=True)
             out[row:row + count] = o[0].transpose(0, 1)
         row += count
-    if decode:
-        index = torch.tensor([r for r, _, _ in decode], device=q.device)
-        slots = torch.tensor([s for _, s, _ in decode], device=q.device)
-        positions = torch.tensor([p for _, _, p in decode], device=q.device)
-        length = max(p for _, _, p in decode) + 1
-        keys = k_cache[slots, :, :length]                                            # [R, K, P, d]
-        values = v_cache[slots, :, :length]
-        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]   # [R, P]
-        o = F.scaled_dot_product_attention(q[index][:, :, None], keys, values,
+    if rows.decode_length:
+        length = rows.decode_length
+        keys = k_cache[rows.decode_slots, :, :length]                                 # [R, K, P, d]
+        values = v_cache[rows.decode_slots, :, :length]
+        mask = torch.arange(length, device=q.device)[None, :] <= rows.decode_positions[:, None]
+        o = F.scaled_dot_product_attention(q[rows.decode_rows][:, :, None], keys, values,
                                            attn_mask=mask[:, None, None, :], enable_gqa=True)
-        out[index] = o[:, :, 0]
+        out[rows.decode_rows] = o[:, :, 0]
     return out
