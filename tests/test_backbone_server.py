@@ -13,16 +13,13 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 import torch
 
-from drama.backbone.v1 import backbone_pb2
 from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job, Prompt, Rows,
                                          Sampling, Scheduler, Started, TowerStep, Usage,
                                          audio_rows, check_context, plan_chunk, row_targets,
                                          text_rows)
-from services.common.tensors import codes_to_wire, ids_to_bytes
 
 N = 10            # tiny checkpoint codebooks
 SEMANTIC_START = 284
@@ -388,3 +385,42 @@ async def test_a_tower_row_error_ends_only_that_session(stage):
         await _run(scheduler, lost)
     assert info.value.status == "NOT_FOUND"
     assert isinstance((await _run(scheduler, fine))[-1], Usage)
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up checks
+# --------------------------------------------------------------------------------------------
+
+def test_the_tower_must_match_hidden_size_dtype_codebooks_and_pool():
+    from drama.tower.v1 import tower_pb2
+    from services.backbone.tower_client import TowerClient
+
+    client = TowerClient("127.0.0.1:1", hidden_dim=64, hidden_dtype=torch.float32, codebooks=10,
+                         max_rows=8, max_context_tokens=512)
+    good = dict(hidden_dim=64, hidden_dtype="float32", codebooks=10, max_rows=8, max_context_tokens=512)
+    assert client.mismatch(tower_pb2.TowerInfo(**good)) is None
+    assert client.mismatch(tower_pb2.TowerInfo(**{**good, "max_rows": 16})) is None
+    for field, value in [("hidden_dim", 32), ("hidden_dtype", "bfloat16"), ("codebooks", 3),
+                         ("max_rows", 4), ("max_context_tokens", 256)]:
+        problem = client.mismatch(tower_pb2.TowerInfo(**{**good, field: value}))
+        assert problem is not None and field in problem
+
+
+def test_the_stage_refuses_to_start_over_its_memory_budget(tiny_checkpoint):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.backbone", "--checkpoint", str(tiny_checkpoint), "--port", "0",
+         "--tower", "127.0.0.1:1", "--memory-budget-gb", "0.0001"],
+        env=dict(os.environ, DRAMA_MAX_ROWS="4", DRAMA_MAX_CONTEXT_TOKENS="256"),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "refusing to start" in proc.stderr and "cache pool" in proc.stderr
+
+
+def test_a_step_message_over_the_grpc_limit_is_refused():
+    from services.backbone.server import check_step_message
+
+    check_step_message(rows=2048 + 64, hidden_size=2048, hidden_dtype=torch.bfloat16, codebooks=10,
+                       sessions=64)             # API.md §3.2: 2048 BF16 rows at H = 2048 fit
+    with pytest.raises(ValueError, match="DRAMA_PREFILL_CHUNK_TOKENS"):
+        check_step_message(rows=8192, hidden_size=2048, hidden_dtype=torch.bfloat16, codebooks=10,
+                           sessions=64)

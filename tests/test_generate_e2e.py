@@ -197,14 +197,14 @@ async def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
 # --------------------------------------------------------------------------------------------
 
 async def test_same_seed_gives_the_same_frames_alone_and_among_eight(stub):
-    alone = await collect(stub, make_request("alone", seed=7))
+    alone = await collect(stub, make_request("alone", seed=7, max_new=10))
     batch = await asyncio.gather(*[
-        collect(stub, make_request(f"batch-{i}", seed=7 if i == 0 else 100 + i,
+        collect(stub, make_request(f"batch-{i}", seed=7 if i == 0 else 100 + i, max_new=10,
                                    texts=("hello there",) if i % 2 == 0 else ("other words",)))
         for i in range(8)])
     assert alone.codes().shape[1] > 0
     assert torch.equal(batch[0].codes(), alone.codes())
-    again = await collect(stub, make_request("again", seed=7))
+    again = await collect(stub, make_request("again", seed=7, max_new=10))
     assert torch.equal(again.codes(), alone.codes())
 
 
@@ -370,7 +370,7 @@ async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects
     async def status():
         return (await health.Check(health_pb2.HealthCheckRequest(service=backbone_server.SERVICE_NAME))).status
     try:
-        assert await status() == health_pb2.HealthCheckResponse.SERVING
+        assert await _wait_for(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
         call = stub.Generate(make_request("doomed", max_new=400, first=1, every=1))
         async for message in call:
             if message.WhichOneof("msg") == "frames":

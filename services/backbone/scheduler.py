@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
