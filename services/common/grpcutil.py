@@ -53,12 +53,14 @@ def server_options(max_message_mb: int = 16) -> list[tuple[str, int]]:
     ]
 
 
-def client_options(max_message_mb: int = 16) -> list[tuple[str, int]]:
+def client_options(max_message_mb: int = 16) -> list[tuple[str, int | str]]:
     return _message_options(max_message_mb) + [
         ("grpc.keepalive_time_ms", 30000),
         ("grpc.keepalive_timeout_ms", 10000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Every address the name resolves to (a headless Service's pods) takes calls in turn.
+        ("grpc.lb_policy_name", "round_robin"),
     ]
 
 
