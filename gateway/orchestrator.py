@@ -227,20 +227,19 @@ class Orchestrator:
         return await self.encode_clip(audio, f"{clip.param}.audio", clip.max_seconds, deadline, keep)
 
     async def _references(self, req: SpeechRequest, deadline: float) -> tuple[list[RefPart], list[str]]:
-        """Reference parts (ordered by speaker, then as given) and their caller paths."""
+        """Reference parts (by speaker, then as given) and their caller paths. A speaker's clips come
+        from `references` or from a registered voice in `reference_id`, never both (validation)."""
         keep = req.sampling.use_memory_cache
-        parts: list[tuple[int, RefPart, str]] = []
         inline = await asyncio.gather(*(self._clip_codes(c, deadline, keep) for c in req.references))
-        for order, (clip, codes) in enumerate(zip(req.references, inline)):
-            parts.append((order, RefPart(clip.text, codes, clip.speaker), clip.param))
+        parts = [(RefPart(clip.text, codes, clip.speaker), clip.param) for clip, codes in zip(req.references, inline)]
         for speaker, voice_id, param in req.reference_ids:
             resolved = self.voices.resolve(voice_id, param)
-            if resolved.voice is None:       # builtin/seeded voice: no reference clip
+            if resolved.voice is None:       # builtin or seeded voice: no reference clip
                 continue
             codes = await self.encode_clip(resolved.voice.audio_bytes(), param, 30.0, deadline)
-            parts.append((1000 + speaker, RefPart(resolved.voice.transcript or "", codes, speaker), param))
-        parts.sort(key=lambda item: (item[1].speaker, item[0]))
-        return [p for _, p, _ in parts], [param for _, _, param in parts]
+            parts.append((RefPart(resolved.voice.transcript or "", codes, speaker), param))
+        parts.sort(key=lambda part: part[0].speaker)       # stable: given order within a speaker
+        return [part for part, _ in parts], [param for _, param in parts]
 
     async def _history(self, req: SpeechRequest, deadline: float) -> tuple[list[TakePart], list[str]]:
         parts, params = [], []
@@ -331,7 +330,8 @@ class Orchestrator:
             "gen_ai.request.model": req.model, "gen_ai.request.seed": seed,
             "gen_ai.request.top_k": s.top_k, "drama.voice.id": voice_id,
             "drama.response_format": req.audio.format, "drama.sample_rate": req.audio.sample_rate,
-            "drama.stream_format": req.audio.mode, "drama.text.chars": len(req.text),
+            "drama.stream_format": "sse" if req.audio.mode == "sse" else "audio",
+            "drama.response_mode": req.audio.mode, "drama.text.chars": len(req.text),
             "drama.references.count": len(req.references) + len(req.reference_ids),
             "drama.history.count": len(req.history), "drama.session_id": session_id,
             "drama.request_id": request_id,

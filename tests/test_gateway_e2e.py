@@ -286,6 +286,8 @@ def test_uploaded_voice_is_used_as_reference(stack):
     r = speech(stack, voice="tone", stream_format="sse", response_format="pcm")
     done = sse_events(r.content)[-1][1]
     assert done["usage"]["input_token_details"]["audio_tokens"] > 0
+    r = tts(stack, text="<|speaker:1|>Me again.", reference_id=[None, "tone"], streaming=True, stream_format="sse")
+    assert sse_events(r.content)[-1][1]["usage"]["input_token_details"]["audio_tokens"] > 0
     assert stack.http.delete("/v1/audio/voices/tone").status_code == 200
 
 
