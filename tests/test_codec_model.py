@@ -212,8 +212,9 @@ def test_decode_matches_naive(codec, frames):
     pcm = codec.decode(codes)
     assert pcm.shape == (1, frames * 2048) and pcm.dtype == torch.float32
     assert pcm.abs().max() <= 1.0
-    # the tiny decoder's random weights have a large gain, so float32 rounding grows to ~1e-5
-    assert_close(pcm, naive.naive_decode(codec, codes), 2e-4, "decode")
+    # the tiny decoder's random weights have a large gain (pre-tanh values in the hundreds), so
+    # float32 rounding grows to ~1e-4 relative; a wrong formula gives O(1)
+    assert_close(pcm, naive.naive_decode(codec, codes), 5e-4, "decode")
 
 
 def test_decode_is_causal(codec):
@@ -264,7 +265,7 @@ def test_batched_chunk_path_matches_serial(codec):
         codec.frame_serial = True
     more_serial = codec.decode_streams(serial_states, [codes[0, :, 5:9]])
     for a, b in zip(batched + more, serial + more_serial):
-        assert_close(a, b, 2e-4, "batched vs serial")
+        assert_close(a, b, 5e-4, "batched vs serial")
     for a, b in zip(batched_states, serial_states):
         assert torch.equal(a.position, b.position)
         for key in b.tensors:
@@ -340,7 +341,7 @@ def test_micro_codec_has_three_codebooks(micro_codec):
     pcm = micro_codec.decode(codes)
     stream = micro_codec.stream()
     assert torch.equal(torch.cat([stream.push(codes[:, :, :4]), stream.push(codes[:, :, 4:])], -1), pcm)
-    assert_close(pcm, naive.naive_decode(micro_codec, codes), 2e-4, "micro decode")
+    assert_close(pcm, naive.naive_decode(micro_codec, codes), 5e-4, "micro decode")
     assert micro_codec.encode(tone(0.3, 44100)[None], 44100).shape[1] == 3
 
 
@@ -463,3 +464,49 @@ def test_half_precision_stream_matches_offline_cpu(tiny_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_half_precision_stream_matches_offline_cuda(tiny_checkpoint):
     assert _half_stream_vs_offline(tiny_checkpoint, "cuda") <= 2e-3
+
+
+# --------------------------------------------------------------------------------------------
+# geometry and stream state
+# --------------------------------------------------------------------------------------------
+
+def test_real_geometry_matches_inventory():
+    """The §7.1 full-size codec, built on meta, has exactly §2.4's tensors (8+8+4 transformer
+    layers, 1536-wide decoder), so a real codec.pth maps onto it directly."""
+    from services.codec.model import Codec
+    from services.common.config import CodecConfig
+    from services.common.inventory import codec_inventory
+    from services.common.make_checkpoint import preset_raw
+
+    cfg = CodecConfig.from_dict(preset_raw("full")["codec_config"])
+    with torch.device("meta"):
+        model = Codec(cfg)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == {k: tuple(s.shape) for k, s in codec_inventory(cfg, style="folded").items()}
+    assert ours["quantizer.post_module.layers.7.attention.wqkv.weight"] == (3072, 1024)
+    assert ours["decoder.model.1.block.1.conv.weight"] == (1536, 768, 16)
+
+
+def test_stream_state_holds_exactly_what_7_5_lists(codec):
+    """Per stream: K/V of window-1 frames per post-module layer, k_e-1 inputs per stride-1 conv
+    (6d for kernel 7, 6 for ConvNeXt), one previous input per decoder transposed conv; nothing
+    for kernel-1 convs or the x2 upsamplers."""
+    state = codec.new_state()
+    post = codec.cfg.quantizer.post_module
+    expected = {}
+    for layer in range(post.n_layer):
+        for kv in "kv":
+            expected[f"quantizer.post_module.layers.{layer}/{kv}"] = (1, post.n_head, post.window_size - 1, post.head_dim)
+    for u in range(len(codec.cfg.quantizer.downsample_factor)):
+        expected[f"quantizer.upsample.{u}.1.dwconv"] = (1, codec.cfg.latent_dim, 6)
+    widths = [codec.cfg.decoder_dim // 2 ** b for b in range(5)]
+    expected["decoder.model.0"] = (1, codec.cfg.latent_dim, 6)
+    for b in range(1, 5):
+        expected[f"decoder.model.{b}.block.1"] = (1, widths[b - 1], 1)
+        for u, dilation in enumerate((1, 3, 9)):
+            expected[f"decoder.model.{b}.block.{u + 2}.block.1"] = (1, widths[b], 6 * dilation)
+    expected["decoder.model.6"] = (1, widths[4], 6)
+    assert {k: tuple(v.shape) for k, v in state.tensors.items()} == expected
+    assert state.position.tolist() == [0]
+    codec.decode_streams([state], [random_codes(codec, 5)[0]])
+    assert state.position.tolist() == [5]
