@@ -361,3 +361,23 @@ async def test_entry_point_serves_and_stops_on_sigterm(tiny_checkpoint):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_not_ready_before_weights_load():
+    """Listening but not loaded: health NOT_SERVING, calls UNAVAILABLE with `not_ready`."""
+    from services.codec.server import SERVICE_NAME, CodecServicer
+
+    servicer = CodecServicer()
+    server, port, _ = await grpcutil.start_server(
+        add_servicers=[lambda s: codec_pb2_grpc.add_CodecServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME], port=0, max_message_mb=32)
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
+    try:
+        assert await grpcutil.check_health(f"127.0.0.1:{port}", service=SERVICE_NAME) == "NOT_SERVING"
+        stub = codec_pb2_grpc.CodecStub(channel)
+        await expect_error(lambda: stub.GetInfo(codec_pb2.GetInfoRequest()), grpc.StatusCode.UNAVAILABLE, "not_ready")
+        await expect_error(lambda: stub.Decode(aiter_of([START])), grpc.StatusCode.UNAVAILABLE, "not_ready")
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await servicer.close()
