@@ -424,3 +424,12 @@ def test_a_step_message_over_the_grpc_limit_is_refused():
     with pytest.raises(ValueError, match="DRAMA_PREFILL_CHUNK_TOKENS"):
         check_step_message(rows=8192, hidden_size=2048, hidden_dtype=torch.bfloat16, codebooks=10,
                            sessions=64)
+
+
+async def test_a_sampled_step_sends_its_trace_context_to_the_tower(stage):
+    from services.common.telemetry import setup_telemetry
+    setup_telemetry("test-backbone")
+    scheduler, rec = await stage(step_span_sample=1.0)
+    await _run(scheduler, scheduler.submit(_job("traced", turns=("x",), max_new=2)))
+    with_rows = [s for s in rec.steps if s.entries]
+    assert with_rows and all("traceparent" in s.trace_context for s in with_rows)

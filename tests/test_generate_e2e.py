@@ -359,6 +359,33 @@ async def test_duplicate_session_id_is_already_exists(stub):
     call.cancel()
 
 
+async def test_generate_is_traced_with_session_events_prefill_and_step_spans(stub, backbone):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from services.common.telemetry import setup_telemetry
+
+    exporter = InMemorySpanExporter()
+    setup_telemetry("test-backbone", span_processor=SimpleSpanProcessor(exporter))
+    backbone.scheduler.step_span_sample = 1.0
+    try:
+        await collect(stub, make_request("traced", texts=("one", "two"), max_new=3))
+    finally:
+        backbone.scheduler.step_span_sample = 0.0
+    spans = exporter.get_finished_spans()
+    generate = [s for s in spans if s.name.endswith("Backbone/Generate")
+                and s.attributes.get("drama.session_id") == "traced"]
+    assert len(generate) == 1
+    generate = generate[0]
+    assert {"admitted", "first_frame", "chunk_done"} <= {e.name for e in generate.events}
+    prefills = [s for s in spans if s.name == "prefill" and s.parent is not None
+                and s.parent.span_id == generate.context.span_id]
+    assert sorted(s.attributes["drama.chunk_index"] for s in prefills) == [0, 1]
+    assert all(s.end_time > s.start_time for s in prefills)
+    steps = [s for s in spans if s.name == "backbone.step"
+             and any(link.context.span_id == generate.context.span_id for link in s.links)]
+    assert steps and all(s.attributes["drama.batch.rows"] >= 1 for s in steps)
+
+
 async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects(tiny_checkpoint):
     tower = TowerProcess(tiny_checkpoint)
     await tower.start()

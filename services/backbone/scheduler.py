@@ -14,6 +14,11 @@ One loop iteration is one step:
     5. route the drawn frames: buffer and emit them, end chunks on `stop` (STOP) or at
        `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
 
+Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
+the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
+so the tower's span joins the trace; each chunk's prefill is reported as a `PrefillDone` event
+with its start and end times, which the servicer turns into a `prefill` span.
+
 Every engine call (open, release, step) happens inside the loop coroutine, so the engine never
 sees two calls at once; `cancel` and the tower's loss callback only set flags and wake the loop.
 Stage pipelining (two row groups in flight, API.md §3.5 `max_inflight_steps`) fits this shape
@@ -26,15 +31,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import torch
+from opentelemetry import propagate, trace
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("services.backbone")
+MAX_STEP_SPAN_LINKS = 32
 
 
 class GenerateError(Exception):
@@ -190,6 +199,7 @@ class Job:
     message_frames: int
     queue_timeout_s: float | None = None     # None: wait as long as the deadline allows
     deadline: float | None = None            # time.monotonic() value, None: no deadline
+    span_context: trace.SpanContext | None = None   # the Generate span, for step-span links
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,16 @@ class Started:
     queue_wait_ms: int
     prompt_text_tokens: int
     prompt_audio_frames: int
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """A chunk's prompt has gone through both stages (for the `prefill` span; not sent)."""
+
+    chunk_index: int
+    rows: int
+    start_ns: int                 # time.time_ns() of the first piece and after the last one
+    end_ns: int
 
 
 @dataclass(frozen=True)
@@ -239,6 +259,7 @@ class TowerStep:
     hidden: Tensor                # [sum n_rows, H], engine dtype
     targets: Tensor               # int64 [sum n_rows, N], -1 = none
     release: list[str]
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -282,6 +303,7 @@ class Session:
     messages_sent: int = 0
     buffered_frames: int = 0               # emitted frames the caller has not taken yet
     paused: bool = False
+    prefill_start_ns: int = 0
     text_tokens: int = 0
     audio_tokens: int = 0
     output_tokens: int = 0
@@ -315,7 +337,7 @@ class Scheduler:
     def __init__(self, engine, tower: Tower, *, semantic_start_token_id: int,
                  max_rows: int = 64, max_queue: int = 256, prefill_chunk_tokens: int = 2048,
                  step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
-                 idle_poll_s: float = 0.05):
+                 step_span_sample: float = 0.01, idle_poll_s: float = 0.05):
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -326,6 +348,7 @@ class Scheduler:
         # cadence of the running streams.
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
         self.session_buffer_frames = session_buffer_frames
+        self.step_span_sample = step_span_sample
         self.idle_poll_s = idle_poll_s
         self.accepting = True
         self._queue: collections.deque[Session] = collections.deque()
@@ -399,7 +422,8 @@ class Scheduler:
             session.cancelled = True
             self._wake.set()
 
-    async def events(self, session: Session) -> AsyncIterator[Started | FramesOut | ChunkEnd | Usage]:
+    async def events(self, session: Session
+                     ) -> AsyncIterator[Started | PrefillDone | FramesOut | ChunkEnd | Usage]:
         """The session's events in order; raises its GenerateError if it fails."""
         while True:
             item = await session.outbox.get()
@@ -534,6 +558,21 @@ class Scheduler:
         return entries
 
     async def _step(self, entries: list[_Entry]) -> None:
+        span = None
+        if entries and random.random() < self.step_span_sample:
+            links = [trace.Link(e.session.job.span_context) for e in entries
+                     if e.session.job.span_context is not None
+                     and e.session.job.span_context.is_valid][:MAX_STEP_SPAN_LINKS]
+            span = _tracer.start_span("backbone.step", links=links, attributes={
+                "drama.batch.rows": sum(len(e.rows) for e in entries),
+                "drama.batch.sessions": len(entries)})
+        try:
+            await self._run_step(entries, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _run_step(self, entries: list[_Entry], span) -> None:
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         if work:
             try:
@@ -550,6 +589,8 @@ class Scheduler:
         tower_entries = []
         for e in entries:
             s = e.session
+            if s.sent == 0:
+                s.prefill_start_ns = time.time_ns()
             tower_entries.append(TowerEntry(
                 s.id, first_row=s.sent, n_rows=len(e.rows), draw=e.draw, take_index=s.chunk_index,
                 frame_index=len(s.chunk_frames), sampling=s.job.sampling))
@@ -559,7 +600,10 @@ class Scheduler:
         targets = (torch.cat([e.targets for e in entries]) if entries
                    else torch.empty(0, self.engine.num_codebooks, dtype=torch.int64))
         release, self._release = self._release, []
-        step = TowerStep(tower_entries, hidden, targets, release)
+        trace_context: dict[str, str] = {}
+        if span is not None:
+            propagate.inject(trace_context, context=trace.set_span_in_context(span))
+        step = TowerStep(tower_entries, hidden, targets, release, trace_context)
         try:
             result = await self.tower.step(step)
         except TowerUnavailable:
@@ -580,6 +624,9 @@ class Scheduler:
                 continue
             if not e.draw:
                 continue
+            if not session.chunk_frames:   # the draw that ends the prefill
+                session.outbox.put_nowait(PrefillDone(session.chunk_index, len(session.rows),
+                                                      session.prefill_start_ns, time.time_ns()))
             if result.stop[index]:
                 self._end_chunk(session, "STOP")
                 continue

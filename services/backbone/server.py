@@ -21,16 +21,19 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drama.backbone.v1 import backbone_pb2, backbone_pb2_grpc
-from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job, Prompt, Rows,
-                                         Sampling, Scheduler, Started, Usage, audio_rows, text_rows)
+from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job, PrefillDone, Prompt,
+                                         Rows, Sampling, Scheduler, Started, Usage, audio_rows,
+                                         text_rows)
 from services.backbone.tower_client import TowerClient
 from services.common import grpcutil
 from services.common.config import DramaConfig, load_config
 from services.common.tensors import codes_to_wire, codes_from_wire, ids_from_bytes
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("services.backbone")
 
 SERVICE_NAME = "drama.backbone.v1.Backbone"
 MODEL_ID = "drama-3"
@@ -115,7 +118,7 @@ def parse_sampling(request: backbone_pb2.GenerateRequest, config: DramaConfig,
 
 
 def parse_job(request: backbone_pb2.GenerateRequest, config: DramaConfig, *, max_context: int,
-              deadline: float | None) -> Job:
+              deadline: float | None, span_context: trace.SpanContext | None = None) -> Job:
     """Validate a GenerateRequest and turn it into rows; raises INVALID_ARGUMENT GenerateErrors."""
     if not request.session_id:
         raise _invalid("Missing required parameter: 'session_id'.", "session_id",
@@ -141,7 +144,7 @@ def parse_job(request: backbone_pb2.GenerateRequest, config: DramaConfig, *, max
                first_message_frames=emit.first_message_frames or message_frames,
                message_frames=message_frames,
                queue_timeout_s=request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None,
-               deadline=deadline)
+               deadline=deadline, span_context=span_context)
 
 
 def response_message(event) -> backbone_pb2.GenerateResponse:
@@ -162,6 +165,30 @@ def response_message(event) -> backbone_pb2.GenerateResponse:
             text_tokens=event.text_tokens, audio_tokens=event.audio_tokens,
             output_tokens=event.output_tokens))
     raise TypeError(f"unknown event {event!r}")
+
+
+def trace_event(span: trace.Span, event) -> None:
+    """Per-session span events (API.md §3.6); the prefill becomes a child span."""
+    if isinstance(event, Started):
+        span.add_event("admitted", {"drama.queue_wait_ms": event.queue_wait_ms,
+                                    "drama.prompt.text_tokens": event.prompt_text_tokens,
+                                    "drama.prompt.audio_frames": event.prompt_audio_frames})
+        span.set_attribute("drama.queue_wait_ms", event.queue_wait_ms)
+    elif isinstance(event, PrefillDone):
+        prefill = _tracer.start_span("prefill", context=trace.set_span_in_context(span),
+                                     start_time=event.start_ns,
+                                     attributes={"drama.chunk_index": event.chunk_index,
+                                                 "drama.prefill.rows": event.rows})
+        prefill.end(end_time=event.end_ns)
+    elif isinstance(event, FramesOut) and event.chunk_index == 0 and event.first_frame_index == 0:
+        span.add_event("first_frame")
+    elif isinstance(event, ChunkEnd):
+        span.add_event("chunk_done", {"drama.chunk_index": event.chunk_index,
+                                      "drama.chunk.frames": event.n_frames,
+                                      "drama.finish_reason": event.finish_reason.lower()})
+    elif isinstance(event, Usage):
+        span.set_attribute("gen_ai.usage.input_tokens", event.text_tokens + event.audio_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", event.output_tokens)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: GenerateError) -> None:
@@ -215,15 +242,20 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await grpcutil.abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        span = trace.get_current_span()      # the interceptor's SERVER span, if tracing is on
         try:
             job = parse_job(request, self.config, max_context=self.scheduler.engine.max_context,
-                            deadline=None if remaining is None else time.monotonic() + remaining)
+                            deadline=None if remaining is None else time.monotonic() + remaining,
+                            span_context=span.get_span_context())
             session = self.scheduler.submit(job)
         except GenerateError as error:
             await abort_with(context, error)
+        span.set_attribute("drama.session_id", request.session_id)
         try:
             async for event in self.scheduler.events(session):
-                yield response_message(event)
+                trace_event(span, event)
+                if not isinstance(event, PrefillDone):
+                    yield response_message(event)
         except GenerateError as error:
             await abort_with(context, error)
         finally:
@@ -247,6 +279,7 @@ class Settings:
     max_queue: int = 256
     prefill_chunk_tokens: int = 2048
     session_buffer_frames: int = 1024
+    step_span_sample: float = 0.01
     grace_s: float = 30.0
 
 
@@ -359,7 +392,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     scheduler = Scheduler(engine, tower, semantic_start_token_id=config.semantic_start_token_id,
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                          session_buffer_frames=settings.session_buffer_frames)
+                          session_buffer_frames=settings.session_buffer_frames,
+                          step_span_sample=settings.step_span_sample)
     tower.on_lost = scheduler.tower_lost
     running.scheduler, running.tower = scheduler, tower
     servicer.attach(config, scheduler, tower)

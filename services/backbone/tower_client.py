@@ -46,7 +46,8 @@ def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> to
         rows.append(row)
     return tower_pb2.StepRequest(
         step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden.to(hidden_dtype)),
-        targets=tensor_to_bytes(step.targets.to(torch.int16)), release=step.release)
+        targets=tensor_to_bytes(step.targets.to(torch.int16)), release=step.release,
+        trace_context=step.trace_context)
 
 
 def step_result(response: tower_pb2.StepResponse, n_entries: int, codebooks: int) -> TowerResult:
