@@ -172,14 +172,14 @@ async def test_closed_stream_frees_its_sessions(tower):
     await call.read()
     assert await _open_sessions(stub) == 3
     call.cancel()
-    for _ in range(100):
+    for _ in range(250):
         if await _open_sessions(stub) == 1:
             break
         await asyncio.sleep(0.02)
     assert await _open_sessions(stub) == 1          # only the other stream's session is left
     await other.done_writing()
     assert await other.read() == grpc.aio.EOF
-    for _ in range(100):
+    for _ in range(250):
         if await _open_sessions(stub) == 0:
             break
         await asyncio.sleep(0.02)

@@ -158,9 +158,9 @@ class TowerEngine:
             offset += max(entry.n_rows, 0)
 
         if accepted:
-            drawn, stopped = self._run(accepted, hidden, targets)
-            for (index, entry, session, _), frame, is_stopped in zip(
-                    [a for a in accepted if a[1].draw], drawn, stopped):
+            frames, stopped = self._run(accepted, hidden, targets)
+            draw_entries = [index for index, entry, _, _ in accepted if entry.draw]
+            for index, frame, is_stopped in zip(draw_entries, frames, stopped):
                 codes[index] = frame
                 stop[index] = is_stopped
             for _, entry, session, _ in accepted:

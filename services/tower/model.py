@@ -28,7 +28,7 @@ d head dim, L cache length (max_context), S session slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -56,6 +56,14 @@ class RowBatch:
     decode_slots: Tensor       # int64 [R]
     decode_positions: Tensor   # int64 [R]
     decode_length: int         # 1 + the largest decode position (0 without decode rows)
+    # cos/sin per (rotary_dim, theta), made by the first layer and shared by the others.
+    _rotary: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def rotary(self, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+        key = (rotary_dim, theta)
+        if key not in self._rotary:
+            self._rotary[key] = rotary_tables(self.positions, rotary_dim, theta)
+        return self._rotary[key]
 
     @classmethod
     def from_segments(cls, segments, device=None) -> "RowBatch":
@@ -71,10 +79,6 @@ class RowBatch:
         return cls(segments, index(slots), index(positions), index([r for r, _, _ in decode]),
                    index([s for _, s, _ in decode]), index([p for _, _, p in decode]),
                    1 + max((p for _, _, p in decode), default=-1))
-
-    @property
-    def num_rows(self) -> int:
-        return sum(n for _, _, n in self.segments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +251,7 @@ class GatedAttention(nn.Module):
         q, gate = q_and_gate.split(self.head_dim, dim=-1)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = rotary_tables(rows.positions, self.rotary_dim, self.rope_theta)
+        cos, sin = rows.rotary(self.rotary_dim, self.rope_theta)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
 
