@@ -36,6 +36,7 @@ def _micro_dict() -> dict:
 
 TINY = DramaConfig.from_dict(_tiny_dict())
 MICRO = DramaConfig.from_dict(_micro_dict())
+N_TINY = TINY.num_codebooks
 
 
 def _prompt(cfg: DramaConfig, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,17 +165,21 @@ def _entry(session_id, first_row, n_rows, draw=False, frame_index=0, **kw):
 
 def _run_session(engine, hidden, targets, pieces, frames, companions=0, session="a"):
     """Prefill in `pieces`, drawing on the last; then `frames` frame steps. Companion sessions
-    (own prompts, own draws) share every step when `companions` > 0. Returns the frames."""
+    share every step when `companions` > 0: each starts with a prefill of its own (3 + c rows,
+    drawing), then draws a frame per step, so the session's rows are batched with other
+    sessions' prefill and decode rows, in slots other than its own. Returns the frames."""
     prompt_rows = len(targets)
-    out, start = [], 0
-    companion_rows = {}
-    for number, size in enumerate(pieces):
-        last = start + size == prompt_rows
-        entries = [_entry(session, start, size, draw=last)]
-        hid, tgt = [hidden[start:start + size]], [targets[start:start + size]]
-        if last:
-            tgt[0] = tgt[0].clone()
-            tgt[0][-1] = -1
+    steps = [(start, size) for start, size in zip([sum(pieces[:i]) for i in range(len(pieces))], pieces)]
+    steps += [(prompt_rows + f, 1) for f in range(frames)]
+    companion_rows: dict[str, int] = {}
+    out = []
+    for start, size in steps:
+        draws = start + size >= prompt_rows
+        tgt = targets[start:start + size].clone() if start < prompt_rows else torch.full((1, N_TINY), -1)
+        if draws:
+            tgt[-1] = -1
+        entries = [_entry(session, start, size, draw=draws, frame_index=max(0, start + size - prompt_rows))]
+        hid, tgts = [hidden[start:start + size]], [tgt]
         for c in range(companions):
             name = f"companion{c}"
             held = companion_rows.get(name, 0)
@@ -182,23 +187,18 @@ def _run_session(engine, hidden, targets, pieces, frames, companions=0, session=
             entries.append(_entry(name, held, n, draw=True, seed=c, frame_index=held))
             g = torch.Generator().manual_seed(100 * c + held)
             hid.append(torch.randn(n, hidden.shape[1], generator=g))
-            tgt.append(torch.full((n, targets.shape[1]), -1, dtype=torch.int64))
+            tgts.append(torch.full((n, N_TINY), -1, dtype=torch.int64))
             companion_rows[name] = held + n
-        # Put the session of interest in the middle of the batch when there are companions.
+        # The session of interest sits in the middle of the batch (second of the entries).
         order = list(range(len(entries)))
         if companions:
             order = order[1:2] + order[:1] + order[2:]
         result = engine.step([entries[i] for i in order], torch.cat([hid[i] for i in order]),
-                             torch.cat([tgt[i] for i in order]))
+                             torch.cat([tgts[i] for i in order]))
         assert not result.row_errors, result.row_errors
-        start += size
-    out.append(result.codes[order.index(0)].tolist())
-    for f in range(1, frames + 1):
-        row = prompt_rows + f - 1
-        result = engine.step([_entry(session, row, 1, draw=True, frame_index=f)], hidden[row:row + 1],
-                             torch.full((1, targets.shape[1]), -1, dtype=torch.int64))
-        assert not result.row_errors, result.row_errors
-        out.append(result.codes[0].tolist())
+        if draws:
+            position = order.index(0)
+            out.append("stop" if result.stop[position] else result.codes[position].tolist())
     return out
 
 
