@@ -404,3 +404,32 @@ def test_openai_client_sees_400s(tiny_checkpoint):
         with pytest.raises(openai.InternalServerError) as info:      # 503: the stages are away
             client.audio.speech.create(model="tts-1", voice="alloy", input="hi")
         assert info.value.status_code == 503
+
+
+def test_entry_point_serves_health(tiny_checkpoint):
+    """`python -m gateway --checkpoint DIR --port P` starts and answers /health (stages absent)."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = int(_closed_port().split(":")[1])
+    env = dict(os.environ, DRAMA_BACKBONE_ADDR=_closed_port(), DRAMA_CODEC_ADDR=_closed_port())
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--checkpoint", str(tiny_checkpoint),
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "gateway did not answer"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert r.json() == {"status": "ok"}
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(30)
