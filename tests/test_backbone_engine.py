@@ -184,3 +184,24 @@ def test_memory_bytes_reports_weights_and_cache_pool(engine):
     assert mem["weights"] > 0 and mem["cache"] > 0 and mem["total"] == mem["weights"] + mem["cache"]
     bigger = BackboneEngine(engine.model, max_sessions=8, max_context=512)
     assert bigger.memory_bytes()["cache"] == 2 * mem["cache"]
+
+
+def test_bench_smoke_on_cpu(capsys):
+    """bench/backbone.py runs at the tiny geometry on CPU (GPU numbers come from the lead)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "backbone.py"
+    spec = importlib.util.spec_from_file_location("bench_backbone", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        results = bench.main(["--preset", "tiny", "--device", "cpu", "--prefill", "16", "70",
+                              "--batch", "1", "3", "--context", "8", "--steps", "2", "--warmup", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["rows"] for r in results["prefill"]] == [16, 70]
+    assert [r["batch"] for r in results["decode"]] == [1, 3]
+    assert all(r["median_ms"] > 0 for r in results["decode"])
+    assert "prefill rows" in capsys.readouterr().out

@@ -156,3 +156,42 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     if unfilled:
         raise WeightError([f"not filled from the checkpoint: {n}" for n in unfilled], f"checkpoint {path}")
     return model.eval()
+
+
+def random_backbone(text, audio: AudioSpec | None = None, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32, seed: int = 0, fp8_experts: bool = True,
+                    lm_head: bool = False) -> Backbone:
+    """A backbone with random weights made directly on `device` (benchmarks, no checkpoint), in
+    MODEL.md §10.2's spirit: zero-centred norm gains N(0, 0.3²), plain gains 1 + N(0, 0.3²),
+    A_log ~ U(−1, 1), dt_bias ~ N(0, 0.5²), conv N(0, 0.4²), embeddings N(0, 1), matrices
+    N(0, 1/fan_in). fp8_experts: experts stored float8_e4m3fn (values N(0, 1)) with constant
+    block scales fan_in^−1/2, as a real Drama 3 checkpoint stores them."""
+    device = torch.device(device)
+    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head, exact=device.type == "cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(shape, std=1.0, mean=0.0, dtype=dtype):
+        return torch.empty(shape, dtype=dtype, device=device).normal_(mean, std, generator=gen)
+
+    for name, p in list(model.named_parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("A_log"):
+            t = torch.empty(shape, device=device).uniform_(-1, 1, generator=gen)
+        elif name.endswith("dt_bias"):
+            t = normal(shape, 0.5, dtype=torch.float32)
+        elif name.endswith("linear_attn.norm.weight"):
+            t = normal(shape, 0.3, 1.0)
+        elif len(shape) == 1:
+            t = normal(shape, 0.3)
+        elif "conv1d" in name:
+            t = normal(shape, 0.4)
+        elif "embed" in name:
+            t = normal(shape)
+        elif ".mlp.experts." in name and fp8_experts:
+            t = normal(shape, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            blocks = (shape[0],) + tuple(-(-n // b) for n, b in zip(shape[1:], (128, 128)))
+            _assign(model, f"{name}_scale_inv", torch.full(blocks, shape[2] ** -0.5, device=device))
+        else:
+            t = normal(shape, shape[-1] ** -0.5, dtype=p.dtype)
+        _assign(model, name, t)
+    return model.eval()

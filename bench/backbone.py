@@ -1,0 +1,216 @@
+"""Backbone prefill and decode step at the real Drama 3 geometry (MODEL.md §11), one table.
+
+    python bench/backbone.py                                full geometry on cuda (BF16, FP8 experts)
+    python bench/backbone.py --preset tiny --device cpu     smoke test (add --batch 1 8 --context 64 for seconds)
+    python bench/backbone.py --peer                         also transformers' decode step, batch 1
+    python bench/backbone.py --out backbone.json            also write the numbers as JSON
+
+Random weights are made on the device (`random_backbone`, no checkpoint, no LM head). Timed
+through `BackboneEngine.step`, i.e. what the server runs per step, host ids in and hidden rows
+out: prefill of one session with 256 and 1024 text rows, then for each batch size B, B sessions
+prefilled with `--context` rows and `--steps` decode steps of one row per session (median and
+p90 ms, rows/s). Peak memory is the device's max allocated bytes during each measurement.
+This times the model code of services/backbone as it is; the GPU fast paths (issue #7 kernels)
+plug in later and this script will time them unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from services.backbone.engine import BackboneEngine  # noqa: E402
+from services.backbone.model import AudioSpec  # noqa: E402
+from services.backbone.weights import random_backbone  # noqa: E402
+from services.common.config import DramaConfig  # noqa: E402
+from services.common.make_checkpoint import preset_raw  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="full", choices=["full", "tiny"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[256, 1024], help="prefill lengths")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=256, help="rows per session before decoding")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--peer", action="store_true", help="also time transformers at batch 1")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
+                        "per-row path is many tiny ops that threads only slow down)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _text_rows(n: int, vocab: int, gen: torch.Generator):
+    return torch.randint(0, vocab, (n,), generator=gen), None
+
+
+def bench_prefill(engine, n: int, gen, device) -> dict:
+    vocab = engine.model.config.vocab_size
+    slot = engine.open()
+    engine.step([(slot, *_text_rows(8, vocab, gen))])       # warm-up (kernels, RoPE table)
+    engine.release(slot)
+    slot = engine.open()
+    tokens, frames = _text_rows(n, vocab, gen)
+    _reset_peak(device)
+    _sync(device)
+    started = time.perf_counter()
+    engine.step([(slot, tokens, frames)])
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    engine.release(slot)
+    return {"rows": n, "ms": elapsed * 1000, "rows_per_s": n / elapsed, "peak_gib": _peak_gib(device)}
+
+
+def bench_decode(engine, batch: int, args, gen, device) -> dict:
+    vocab = engine.model.config.vocab_size
+    slots = [engine.open() for _ in range(batch)]
+    engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+    _reset_peak(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        work = [(s, *_text_rows(1, vocab, gen)) for s in slots]
+        _sync(device)
+        started = time.perf_counter()
+        hidden = engine.step(work)
+        _sync(device)
+        if step >= args.warmup:
+            times.append((time.perf_counter() - started) * 1000)
+        assert len(hidden) == batch
+    for s in slots:
+        engine.release(s)
+    times.sort()
+    median = statistics.median(times)
+    return {"batch": batch, "median_ms": median, "p90_ms": times[int(0.9 * (len(times) - 1))],
+            "rows_per_s": batch / median * 1000, "peak_gib": _peak_gib(device)}
+
+
+def bench_peer(cfg: DramaConfig, args, device) -> dict:
+    """transformers' Qwen3_5MoeForCausalLM (BF16 experts: it has no FP8 path) decode at batch 1."""
+    import transformers
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    raw = cfg.text_config
+    text = Qwen3_5MoeTextConfig(
+        vocab_size=raw.vocab_size, hidden_size=raw.hidden_size, num_hidden_layers=raw.num_hidden_layers,
+        layer_types=raw.layer_types, num_attention_heads=raw.num_attention_heads,
+        num_key_value_heads=raw.num_key_value_heads, head_dim=raw.head_dim,
+        linear_num_key_heads=raw.linear_num_key_heads, linear_num_value_heads=raw.linear_num_value_heads,
+        linear_key_head_dim=raw.linear_key_head_dim, linear_value_head_dim=raw.linear_value_head_dim,
+        linear_conv_kernel_dim=raw.linear_conv_kernel_dim, num_experts=raw.num_experts,
+        num_experts_per_tok=raw.num_experts_per_tok, moe_intermediate_size=raw.moe_intermediate_size,
+        shared_expert_intermediate_size=raw.shared_expert_intermediate_size,
+        rope_parameters={"rope_type": "default", "rope_theta": raw.rope_theta,
+                         "partial_rotary_factor": raw.partial_rotary_factor},
+        max_position_embeddings=4096)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(text)
+    model = model.to(dtype).to_empty(device=device).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1, 1)
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):
+                p.fill_(1.0)
+            elif "norm" in name:
+                p.zero_()
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+        for m in model.modules():
+            if hasattr(m, "inv_freq") and hasattr(m, "compute_default_rope_parameters"):
+                inv, _ = m.compute_default_rope_parameters(m.config, device)
+                m.inv_freq.copy_(inv)
+                m.original_inv_freq.copy_(inv)
+    _reset_peak(device)
+    ids = torch.randint(0, raw.vocab_size, (1, args.context), device=device)
+    times = []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for step in range(args.warmup + args.steps):
+            _sync(device)
+            started = time.perf_counter()
+            out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            if step >= args.warmup:
+                times.append((time.perf_counter() - started) * 1000)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return {"transformers": transformers.__version__, "batch": 1, "median_ms": statistics.median(times),
+            "peak_gib": _peak_gib(device)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    cfg = DramaConfig.from_dict(preset_raw(args.preset))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    audio = AudioSpec(cfg.semantic_start_token_id, cfg.num_codebooks, cfg.codebook_vocab_size,
+                      cfg.semantic_codebook_size, cfg.residual_codebook_size)
+    started = time.perf_counter()
+    model = random_backbone(cfg.text_config, audio, device=device, dtype=dtype, seed=0)
+    build_s = time.perf_counter() - started
+    max_context = max(max(args.prefill), args.context + args.warmup + args.steps) + 8
+    engine = BackboneEngine(model, max_sessions=max(args.batch), max_context=max_context)
+    mem = engine.memory_bytes()
+    gen = torch.Generator().manual_seed(0)
+    print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}): "
+          f"weights {mem['weights'] / 2**30:.2f} GiB, cache pool {mem['cache'] / 2**30:.2f} GiB "
+          f"({engine.max_sessions} x {max_context} rows), built in {build_s:.1f} s")
+    results = {"prefill": [], "decode": [], "peer": None}
+    print(f"{'prefill rows':>12} {'ms':>10} {'rows/s':>10} {'peak GiB':>9}")
+    for n in args.prefill:
+        r = bench_prefill(engine, n, gen, device)
+        results["prefill"].append(r)
+        print(f"{n:>12} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} {_fmt(r['peak_gib']):>9}")
+    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
+    for batch in args.batch:
+        r = bench_decode(engine, batch, args, gen, device)
+        results["decode"].append(r)
+        print(f"{batch:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} {_fmt(r['peak_gib']):>9}")
+    if args.peer:
+        del engine, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        r = results["peer"] = bench_peer(cfg, args, device)
+        print(f"transformers {r['transformers']} decode, batch 1: {r['median_ms']:.2f} ms, peak {_fmt(r['peak_gib'])} GiB")
+    if args.out:
+        results["meta"] = {"preset": args.preset, "device": str(device), "dtype": str(dtype),
+                           "context": args.context, "steps": args.steps, "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+if __name__ == "__main__":
+    main()
