@@ -86,9 +86,11 @@ def test_out_of_range_is_context_length_exceeded_with_param(client, backbone):
     assert response.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "history")
 
 
-def test_invalid_argument_keeps_the_stage_code(client, backbone):
+def test_invalid_argument_keeps_the_stage_code_with_the_callers_param(client, backbone):
     response, error = speak(client, backbone, (S.INVALID_ARGUMENT, "invalid_value", "sampling.top_p"))
-    assert response.status_code == 400 and (error["code"], error["param"]) == ("invalid_value", "sampling.top_p")
+    assert response.status_code == 400 and (error["code"], error["param"]) == ("invalid_value", "top_p")
+    response, error = speak(client, backbone, (S.INVALID_ARGUMENT, None, "chunks[0].user_turn"))
+    assert (error["code"], error["param"]) == ("invalid_value", "input")
 
 
 def test_unavailable_is_retried_once(client, backbone):
