@@ -16,7 +16,7 @@ from gateway.errors import install_exception_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.model_info import ModelInfo
-from gateway.routes import health, models, speech, takes, voices
+from gateway.routes import health, models, playground, speech, takes, voices
 from gateway.settings import Settings
 from gateway.takes import TakeStore
 from gateway.voices import VoiceRegistry
@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-trace-id", "x-seed",
                                                                  "x-take-id", "x-sample-rate"])
-    for module in (speech, voices, models, takes, health):
+    for module in (speech, voices, models, takes, health, playground):
         app.include_router(module.router)
     _setup_tracing(app)
     return app
