@@ -446,3 +446,25 @@ def test_loader_lists_every_problem(tiny_checkpoint, tmp_path):
     message = str(info.value)
     for name in ("residual_layers.3.fc.weight", "audio_decoder.bogus.weight", "shared_layers.0.mlp.up_proj.weight"):
         assert name in message
+
+
+def test_fp8_head_rows_are_dequantised_with_their_block_scales(tiny_checkpoint, tiny_config, tmp_path):
+    """§2.5 rule 4 allows an FP8 LM head; the tower's rows of it equal the dequantised rows."""
+    from services.common.checkpoint import open_safetensors
+    from services.common.fp8 import dequantize_block_fp8, quantize_block_fp8
+    from services.tower.weights import load_tower
+
+    # Small blocks (rewritten into config.json) so the rows span several row and column blocks.
+    block = (32, 16)
+    lm_head = open_safetensors(tiny_checkpoint).get("lm_head.weight").float()
+    weight_fp8, scale_inv = quantize_block_fp8(lm_head, block)
+    ckpt = _rewrite_single_file(tiny_checkpoint, tmp_path / "ckpt",
+                                add={"lm_head.weight": weight_fp8, "lm_head.weight_scale_inv": scale_inv})
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["quantization_config"]["weight_block_size"] = list(block)
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    cfg = tiny_config
+    full = dequantize_block_fp8(weight_fp8, scale_inv, block)
+    expected = torch.cat([full[cfg.semantic_start_token_id:cfg.semantic_end_token_id + 1],
+                          full[cfg.im_end_token_id:cfg.im_end_token_id + 1]])
+    assert torch.equal(load_tower(ckpt).semantic_head.weight, expected)

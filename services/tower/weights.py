@@ -47,18 +47,25 @@ def semantic_head_source(cfg: DramaConfig, tensor_names) -> tuple[str, list[int]
     return found[0], rows
 
 
-def read_rows(ckpt, name: str, rows: list[int] | None) -> torch.Tensor:
-    """Rows of a 2-D checkpoint tensor, reading only those rows from its shard.
+def read_rows(ckpt, name: str, rows: list[int] | None, block_size: tuple[int, int]) -> torch.Tensor:
+    """Rows of a 2-D checkpoint tensor, reading only those rows from its shard, in a float dtype.
 
     The semantic rows are one contiguous range plus the im_end row: two slices. (The whole LM
-    head of the real model is about 1 GB; the tower needs 16 MB of it.)
+    head of the real model is about 1 GB; the tower needs 16 MB of it.) An FP8 head (§2.5 rule 4)
+    is dequantised row by row with the scale row of each row's block.
     """
     if rows is None:
-        return ckpt.get(name)
+        return read_weight(ckpt, name, block_size)
     with safe_open(str(Path(ckpt.directory) / ckpt.file_of(name)), framework="pt") as shard:
         piece = shard.get_slice(name)
         first, last, extra = rows[0], rows[-2], rows[-1]
-        return torch.cat([piece[first:last + 1], piece[extra:extra + 1]])
+        selected = torch.cat([piece[first:last + 1], piece[extra:extra + 1]])
+    if selected.dtype != torch.float8_e4m3fn:
+        return selected
+    b0, b1 = block_size
+    scales = ckpt.get(name + "_scale_inv").float()[torch.tensor(rows) // b0]          # [rows, K / b1]
+    scales = scales.repeat_interleave(b1, dim=1)[:, :selected.shape[1]]
+    return selected.float() * scales
 
 
 def read_weight(ckpt, name: str, block_size: tuple[int, int]) -> torch.Tensor:
@@ -94,7 +101,7 @@ def load_tower(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu"
     for name, _ in model.named_parameters():
         if name == "semantic_head.weight":
             source, rows = semantic_head_source(cfg, set(ckpt.names()))
-            tensor = read_rows(ckpt, source, rows)
+            tensor = read_rows(ckpt, source, rows, block_size)
         else:
             tensor = read_weight(ckpt, checkpoint_name(name), block_size)
         state[name] = tensor.to(device=device, dtype=dtype)
