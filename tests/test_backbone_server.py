@@ -125,6 +125,8 @@ def test_a_later_chunk_that_cannot_fit_even_alone_is_refused_at_admission():
 
 IM_START, IM_END, VOICE = 258, 259, 263
 POOL_ROWS, POOL_CONTEXT = 4, 256
+# A job that runs for seconds whatever its draws: an EOS only ends one of its many chunks.
+LONG = dict(turns=("a long one",) * 20, max_new=30)
 
 
 def _free_port() -> int:
@@ -326,7 +328,7 @@ async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stag
 
 async def test_queue_full_and_queue_timeout(stage):
     scheduler, _ = await stage(max_sessions=1, max_queue=1)
-    running = scheduler.submit(_job("occupant", turns=("a long one",), max_new=60))
+    running = scheduler.submit(_job("occupant", **LONG))
     assert isinstance(await anext(aiter(scheduler.events(running))), Started)   # admitted
     waiting = scheduler.submit(_job("waiter", queue_timeout_s=0.2))
     with pytest.raises(GenerateError) as info:
@@ -355,15 +357,21 @@ async def test_a_full_buffer_pauses_the_session_until_half_is_drained(stage):
 async def test_cancel_leaves_the_batch_and_is_released_in_the_next_step(stage):
     scheduler, rec = await stage()
     keep = scheduler.submit(_job("keep", turns=("x",), max_new=40))
-    gone = scheduler.submit(_job("gone", turns=("y",), max_new=40))
+    gone = scheduler.submit(_job("gone", **LONG))
     async for event in scheduler.events(gone):
         if isinstance(event, FramesOut):
             break
+    at_cancel = len(rec.steps)
     scheduler.cancel(gone)
     events = await _run(scheduler, keep)
     assert isinstance(events[-1], Usage)
-    cut = next(i for i, s in enumerate(rec.steps) if "gone" in s.release)
-    assert all(e.session_id != "gone" for s in rec.steps[cut:] for e in s.entries)
+    end = time.monotonic() + 10
+    while not any("gone" in s.release for s in rec.steps[at_cancel:]) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    # released by the step after the one in flight at the cancel, and never scheduled again
+    released = [i for i, s in enumerate(rec.steps) if "gone" in s.release and i >= at_cancel]
+    assert released and released[0] <= at_cancel + 1
+    assert all(e.session_id != "gone" for s in rec.steps[released[0]:] for e in s.entries)
     assert rec.engine.free_slots == POOL_ROWS
 
 
@@ -379,7 +387,7 @@ async def test_a_tower_row_error_ends_only_that_session(stage):
         return TowerResult(result.codes, result.stop, errors)
 
     rec.inject = lose
-    lost = scheduler.submit(_job("lost", turns=("x",), max_new=10))
+    lost = scheduler.submit(_job("lost", turns=("x",) * 5, max_new=10))   # some chunk decodes
     fine = scheduler.submit(_job("fine", turns=("y",), max_new=10))
     with pytest.raises(GenerateError) as info:
         await _run(scheduler, lost)

@@ -30,6 +30,8 @@ from services.common.tensors import codes_from_wire, codes_to_wire, ids_to_bytes
 MAX_ROWS = 8
 MAX_CONTEXT = 512
 IM_START, IM_END, VOICE, SPEAKER0 = 258, 259, 263, 268
+# A request that runs for seconds whatever its draws: an EOS only ends one of its many chunks.
+LONG = dict(texts=("a long story",) * 30, max_new=50, first=1, every=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,7 +272,7 @@ async def test_multi_chunk_request_runs_chunks_in_order(stub):
 
 
 async def test_a_cancelled_generate_frees_both_stages(stub, backbone, tower):
-    call = stub.Generate(make_request("cancel-me", max_new=200, first=1, every=1))
+    call = stub.Generate(make_request("cancel-me", **LONG))
     async for message in call:
         if message.WhichOneof("msg") == "frames":
             break
@@ -292,7 +294,7 @@ async def test_a_cancelled_generate_frees_both_stages(stub, backbone, tower):
 
 async def test_deadline_ends_the_session(stub):
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(stub, make_request("deadline", max_new=400), timeout=0.3)
+        await collect(stub, make_request("deadline", **LONG), timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     async def freed():
@@ -349,7 +351,7 @@ async def test_context_overflow_is_out_of_range_naming_the_part(stub):
 
 
 async def test_duplicate_session_id_is_already_exists(stub):
-    call = stub.Generate(make_request("twice", max_new=200, first=1, every=1))
+    call = stub.Generate(make_request("twice", **LONG))
     async for message in call:
         if message.WhichOneof("msg") == "frames":
             break
@@ -398,7 +400,7 @@ async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects
         return (await health.Check(health_pb2.HealthCheckRequest(service=backbone_server.SERVICE_NAME))).status
     try:
         assert await _wait_for(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
-        call = stub.Generate(make_request("doomed", max_new=400, first=1, every=1))
+        call = stub.Generate(make_request("doomed", **LONG))
         async for message in call:
             if message.WhichOneof("msg") == "frames":
                 break
