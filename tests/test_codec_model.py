@@ -318,8 +318,10 @@ def test_encode_matches_naive(codec):
         z = codec.quantizer.pre_module(codec.quantizer.downsample(codec.encoder(padded[:, None])))
     z_ref = naive.naive_encode_latents(codec, padded)
     assert_close(z, z_ref, 1e-4, "encoder latents")
+    # quantize the fast latents both ways: a float32/float64 difference in the latents could flip
+    # a near-tie argmax on another CPU, which would say nothing about the quantizer
     codes = codec.encode(audio[None], 44100)
-    assert torch.equal(codes, naive.naive_quantize(codec, z_ref))
+    assert torch.equal(codes, naive.naive_quantize(codec, z))
 
 
 def test_encode_resamples(codec):

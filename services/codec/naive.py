@@ -47,17 +47,16 @@ def naive_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: 
     c_out, c_in_group, kernel = weight.shape
     k_e = (kernel - 1) * dilation + 1
     n_out = math.ceil(length / stride)
+    # zeros before the start (causal) and after the end (to complete the last window)
+    padded = torch.cat([torch.zeros(batch, c_in, k_e - stride, dtype=torch.float64), x,
+                        torch.zeros(batch, c_in, n_out * stride - length, dtype=torch.float64)], dim=-1)
     y = torch.zeros(batch, c_out, n_out, dtype=torch.float64)
     out_per_group = c_out // groups
-    n = torch.arange(n_out)
+    grouped_weight = weight.reshape(groups, out_per_group, c_in_group, kernel)
     for j in range(kernel):
-        index = n * stride + j * dilation - (k_e - stride)                # input step per output
-        inside = (index >= 0) & (index < length)
-        for gr in range(groups):
-            outs = slice(gr * out_per_group, (gr + 1) * out_per_group)
-            ins = slice(gr * c_in_group, (gr + 1) * c_in_group)
-            taps = x[:, ins][:, :, index[inside]]                             # [B, c_in_group, n']
-            y[:, outs, inside] += torch.einsum("oi,bin->bon", weight[outs, :, j], taps)
+        taps = padded[:, :, j * dilation: j * dilation + (n_out - 1) * stride + 1: stride]   # [B, C_in, n_out]
+        taps = taps.reshape(batch, groups, c_in_group, n_out)
+        y += torch.einsum("goi,bgin->bgon", grouped_weight[..., j], taps).reshape(batch, c_out, n_out)
     if bias is not None:
         y += bias[None, :, None]
     return y
