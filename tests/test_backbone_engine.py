@@ -76,6 +76,18 @@ def test_prompt_split_gives_bit_identical_rows(model, engine):
         assert torch.equal(got, reference), f"split {name}: max diff {float((got - reference).abs().max()):.3e}"
 
 
+def test_prompt_split_bit_identical_with_two_threads(model, engine):
+    """The same property with two intra-op threads (the CI default), on a shorter prompt."""
+    tokens, frames = make_prompt(model, 80, seed=9)
+    torch.set_num_threads(2)
+    try:
+        reference = run_session(engine, tokens, frames, [80])
+        for sizes in (pieces(80, 7), [30, 1, 33, 16]):
+            assert torch.equal(run_session(engine, tokens, frames, sizes), reference), sizes
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_decode_row_equals_prefill_row(model, engine):
     """The row after a 130-row prefill, appended alone, equals row 130 of a 131-row prefill."""
     tokens, frames = make_prompt(model, 131, seed=1)

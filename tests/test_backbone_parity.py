@@ -38,8 +38,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _hf_config():
-    return transformers.Qwen3_5MoeTextConfig(
+def _hf_config(tie: bool = False):
+    return transformers.Qwen3_5MoeTextConfig(tie_word_embeddings=tie,
         vocab_size=101, hidden_size=40, num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         num_attention_heads=3, num_key_value_heads=1, head_dim=8,
@@ -74,8 +74,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def _hf_model(seed: int):
+    """Seed 3 ties the LM head to the embedding (save_pretrained then omits lm_head.weight)."""
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5MoeForCausalLM(_hf_config()).eval()
+    model = transformers.Qwen3_5MoeForCausalLM(_hf_config(tie=seed == 3)).eval()
     _randomise(model, seed)
     return model
 
@@ -90,7 +91,7 @@ def _hf_outputs(model, tokens):
 def saved(tmp_path_factory):
     """{seed: (transformers model, directory of its save_pretrained)}."""
     out = {}
-    for seed in (0, 1, 2):
+    for seed in (0, 1, 2, 3):
         model = _hf_model(seed)
         path = tmp_path_factory.mktemp(f"hf{seed}")
         model.save_pretrained(path)
@@ -102,7 +103,7 @@ def _tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 101, (TOKENS,), generator=torch.Generator().manual_seed(100 + seed))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_matches_transformers(saved, seed):
     """Final-norm hidden states and logits of a 100-token sequence agree with transformers."""
     model, path = saved[seed]
