@@ -124,8 +124,8 @@ class DecodeBatcher:
         self.batches = 0                 # decode calls made (tests and logs)
         self.largest_batch = 0
 
-    async def decode(self, state: StreamState, codes: torch.Tensor) -> torch.Tensor:
-        """Queue one chunk (codes [N, t], already validated) and wait for its PCM [t·2048]."""
+    async def decode(self, state: StreamState, codes: torch.Tensor) -> bytes:
+        """Queue one chunk (codes [N, t], already validated) and wait for its int16 PCM bytes."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(state, codes, future, time.monotonic()))
         self._wake.set()
@@ -158,7 +158,7 @@ class DecodeBatcher:
             self.largest_batch = max(self.largest_batch, len(batch))
             try:
                 outputs = await loop.run_in_executor(
-                    self.worker, self.codec.decode_streams, [p.state for p in batch], [p.codes for p in batch])
+                    self.worker, self._decode_pcm16, [p.state for p in batch], [p.codes for p in batch])
             except Exception as exc:  # a model failure fails this tick's callers, not the batcher
                 log.exception("codec decode failed")
                 for p in batch:
@@ -168,6 +168,11 @@ class DecodeBatcher:
             for p, pcm in zip(batch, outputs):
                 if not p.future.done():
                     p.future.set_result(pcm)
+
+    def _decode_pcm16(self, states: list[StreamState], chunks: list[torch.Tensor]) -> list[bytes]:
+        """On the worker thread: decode, and bring the samples to the host as PCM16 there, so the
+        event loop never waits on a device copy."""
+        return [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
 
     async def close(self) -> None:
         self._task.cancel()
@@ -283,8 +288,8 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                         await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"decode failed: {exc}",
                                              drama_code="internal_error")
                     session.next_frame += codes.shape[-1]
-                    chunk = codec_pb2.PcmChunk(first_sample_index=session.samples_sent, samples=pcm16_bytes(pcm.cpu()))
-                    session.samples_sent += pcm.shape[-1]
+                    chunk = codec_pb2.PcmChunk(first_sample_index=session.samples_sent, samples=pcm)
+                    session.samples_sent += len(pcm) // 2
                     yield codec_pb2.DecodeResponse(pcm=chunk)
                 elif kind == "end":
                     yield codec_pb2.DecodeResponse(done=codec_pb2.DecodeDone(total_samples=session.samples_sent))
