@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from gateway.audio import AudioPipeline
 from gateway.errors import ApiError
-from gateway.orchestrator import SpeechSession
+from gateway.session import SpeechSession
 
 log = logging.getLogger("gateway.responses")
 

@@ -1,16 +1,24 @@
-"""The gateway's gRPC clients: one channel each to the backbone and the codec (API.md §3.1).
+"""The gateway's gRPC side (API.md §3): one channel each to the backbone and the codec, the
+status -> HTTP table of §3.2, and the wire layouts of codes and token ids.
+
 The tower has no channel here: its state comes from `Backbone.GetInfo().tower_ready`."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
+import numpy as np
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drama.backbone.v1 import backbone_pb2, backbone_pb2_grpc
 from drama.codec.v1 import codec_pb2_grpc
-from services.common.grpcutil import create_channel
+from gateway.errors import ApiError
+from services.common.grpcutil import create_channel, error_details
+
+log = logging.getLogger("gateway.stages")
 
 
 class Stages:
@@ -50,3 +58,78 @@ class Stages:
         if backbone == "UNREACHABLE":
             tower = "UNKNOWN"
         return {"backbone": backbone, "tower": tower, "codec": codec}
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC status -> HTTP (API.md §3.2 table)
+# --------------------------------------------------------------------------------------------
+
+def caller_param(wire_param: str | None, text_param: str = "text") -> str | None:
+    """A stage's field path (GenerateRequest) as the caller's field of the HTTP request."""
+    if not wire_param:
+        return wire_param
+    if wire_param.startswith("sampling."):
+        return wire_param[len("sampling."):]
+    if wire_param == "text" or wire_param.startswith("chunks"):
+        return text_param
+    if wire_param.startswith("system"):
+        return "references"
+    if wire_param.startswith("history"):
+        return "history"
+    return wire_param
+
+
+def grpc_error(exc: grpc.aio.AioRpcError, stage: str, text_param: str = "text") -> ApiError:
+    code = exc.code()
+    drama_code, wire_param = error_details(exc)
+    param = caller_param(wire_param, text_param)
+    details = exc.details() or f"{stage} call failed"
+    status = grpc.StatusCode
+    if code == status.INVALID_ARGUMENT and wire_param == "sampling.max_new_tokens" and drama_code == "out_of_range":
+        # Valid for the API (1..4096) but more than this backbone's context holds: a context error.
+        return ApiError(400, "context_length_exceeded", details, param)
+    if code == status.INVALID_ARGUMENT:
+        return ApiError(400, drama_code or "invalid_value", details, param)
+    if code == status.OUT_OF_RANGE:
+        return ApiError(400, "context_length_exceeded", details, param)
+    if code == status.NOT_FOUND:
+        return ApiError(503, "upstream_unavailable", f"{stage}: {details}")
+    if code == status.RESOURCE_EXHAUSTED and drama_code in ("queue_full", "queue_timeout"):
+        return ApiError(503, "server_overloaded", "The server is overloaded; retry shortly.",
+                        headers={"Retry-After": "1", "retry-after-ms": "1000"})
+    if code == status.UNAVAILABLE:
+        if drama_code == "not_ready":
+            return ApiError(503, "not_ready", f"The {stage} stage is not ready: {details}")
+        return ApiError(503, "upstream_unavailable", f"The {stage} stage is unavailable: {details}")
+    if code == status.DEADLINE_EXCEEDED:
+        return ApiError(504, "timeout", "The request deadline passed.")
+    if code == status.CANCELLED:
+        return ApiError(499, "cancelled", "The request was cancelled.")
+    # ALREADY_EXISTS (a gateway bug), RESOURCE_EXHAUSTED (message size), INTERNAL, UNKNOWN, ...
+    log.error("%s call failed: %s %s", stage, code.name, details)
+    return ApiError(500, "internal_error", "The server had an error while processing your request.")
+
+
+# --------------------------------------------------------------------------------------------
+# Wire layouts (DEVELOPING.md): codes int16 frame-major [T, N], token ids int32, little-endian
+# --------------------------------------------------------------------------------------------
+
+def codes_to_wire(codes: torch.Tensor) -> bytes:
+    """[N, T] -> int16 frame-major [T, N] bytes."""
+    return np.ascontiguousarray(codes.to(torch.int16).numpy().T).astype("<i2").tobytes()
+
+
+def codes_from_wire(data: bytes, num_codebooks: int) -> torch.Tensor:
+    """int16 frame-major [T, N] bytes -> int64 [N, T]."""
+    frames = np.frombuffer(data, dtype="<i2").reshape(-1, num_codebooks)
+    return torch.from_numpy(frames.T.astype(np.int64))
+
+
+def ids_to_wire(ids) -> bytes:
+    return np.asarray(list(ids), dtype="<i4").tobytes()
+
+
+def segment_to_proto(segment) -> backbone_pb2.Segment:
+    if segment.tokens is not None:
+        return backbone_pb2.Segment(tokens=ids_to_wire(segment.tokens))
+    return backbone_pb2.Segment(codes=codes_to_wire(segment.codes))

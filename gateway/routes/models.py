@@ -11,7 +11,7 @@ from gateway import errors
 from gateway.audio import AAC_AVAILABLE
 from gateway.dependencies import GatewayState, get_state, no_query, require_api_key
 from gateway.model_info import SERVED_MODEL
-from gateway.validation import FORMATS
+from gateway.schemas import FORMATS
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_api_key), Depends(no_query)])
 _CREATED = int(time.time())

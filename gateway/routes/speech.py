@@ -10,8 +10,9 @@ from gateway.audio import AAC_AVAILABLE, AudioPipeline, content_type
 from gateway.dependencies import GatewayState, get_state, request_id, require_api_key
 from gateway.errors import ApiError
 from gateway.responses import SpeechResponse, wait_disconnect
-from gateway.validation import (SPEECH_BODY_LIMIT, TTS_BODY_LIMIT, SpeechRequest, check_query, parse_json,
-                                parse_msgpack, parse_openai_speech, parse_tts, read_body, require_media_type)
+from gateway.schemas import SpeechRequest, parse_openai_speech, parse_tts
+from gateway.validation import (SPEECH_BODY_LIMIT, TTS_BODY_LIMIT, check_query, parse_json, parse_msgpack,
+                                read_body, require_media_type)
 
 router = APIRouter(prefix="/v1", tags=["speech"], dependencies=[Depends(require_api_key)])
 
