@@ -22,7 +22,6 @@ from services.codec.state import StreamState
 from services.codec.transformer import WindowedTransformer, blocked_windowed_attention, windowed_attention
 from services.codec.weights import (CodecWeightError, export_state_dict, fold_weight_norm,
                                     resolve_state_dict)
-from services.common.config import load_config
 
 AWKWARD_LENGTHS = [1, 3, 37, 130]
 

@@ -15,7 +15,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drama.codec.v1 import codec_pb2, codec_pb2_grpc
-from services.codec.server import pcm16_bytes, serve
+from services.codec.batcher import pcm16_bytes
+from services.codec.server import serve
 from services.common import grpcutil
 from services.common.tensors import codes_from_wire, codes_to_wire
 

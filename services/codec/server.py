@@ -1,9 +1,8 @@
 """The gRPC Codec service (API.md §3.3): GetInfo, Encode, and Decode as one bidi stream per session.
 
 Every model call runs on one dedicated worker thread; the event loop only does I/O. Decode chunks
-of all open sessions are gathered by `DecodeBatcher` into one `Codec.decode_streams` call per
-tick (waiting at most `max_wait_s` for the oldest chunk, or until the batch is full); each session
-keeps its own stream state, so concurrent sessions never mix.
+of all open sessions are gathered by `DecodeBatcher` (batcher.py) into one `Codec.decode_streams`
+call per tick; each session keeps its own stream state, so concurrent sessions never mix.
 
     server, port, health, servicer = await serve(checkpoint_dir, port=0)
 """
@@ -14,7 +13,6 @@ import asyncio
 import hashlib
 import io
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +22,7 @@ import soundfile
 import torch
 
 from drama.codec.v1 import codec_pb2, codec_pb2_grpc
+from services.codec.batcher import DecodeBatcher
 from services.codec.state import StreamState
 from services.common import grpcutil
 from services.common.tensors import codes_from_wire, codes_to_wire
@@ -47,12 +46,6 @@ class AudioError(ValueError):
     def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.code, self.param = code, param
-
-
-def pcm16_bytes(samples: torch.Tensor) -> bytes:
-    """float [S] -> int16 little-endian bytes: round(clamp(x, -1, 1) · 32767) (MODEL.md §7.4)."""
-    values = torch.round(samples.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16)
-    return values.numpy().astype("<i2", copy=False).tobytes()
 
 
 def read_audio_file(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
@@ -100,92 +93,6 @@ def check_duration(samples: np.ndarray, rate: int, min_seconds: float, max_secon
 
 
 # --------------------------------------------------------------------------------------------
-# the batcher: one decode call per tick for all sessions
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class _Pending:
-    state: StreamState
-    codes: torch.Tensor          # [N, t]
-    future: asyncio.Future
-    arrived: float
-
-
-class DecodeBatcher:
-    """Collects pending chunks of all sessions and decodes them together on the worker thread."""
-
-    def __init__(self, codec, worker: ThreadPoolExecutor, *, max_wait_s: float = 0.005,
-                 max_batch: int = 64):
-        self.codec, self.worker = codec, worker
-        self.max_wait_s, self.max_batch = max_wait_s, max_batch
-        self._pending: list[_Pending] = []
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="codec-batcher")
-        self.batches = 0                 # decode calls made (tests and logs)
-        self.largest_batch = 0
-
-    async def decode(self, state: StreamState, codes: torch.Tensor) -> bytes:
-        """Queue one chunk (codes [N, t], already validated) and wait for its int16 PCM bytes."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(state, codes, future, time.monotonic()))
-        self._wake.set()
-        return await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._pending:
-                continue
-            # Wait until the oldest chunk has waited max_wait_s, unless the batch is full.
-            while len(self._pending) < self.max_batch:
-                left = self._pending[0].arrived + self.max_wait_s - time.monotonic()
-                if left <= 0:
-                    break
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-            batch = [p for p in batch if not p.future.done()]     # cancelled callers
-            if self._pending:
-                self._wake.set()
-            if not batch:
-                continue
-            self.batches += 1
-            self.largest_batch = max(self.largest_batch, len(batch))
-            try:
-                outputs = await loop.run_in_executor(
-                    self.worker, self._decode_pcm16, [p.state for p in batch], [p.codes for p in batch])
-            except Exception as exc:  # a model failure fails this tick's callers, not the batcher
-                log.exception("codec decode failed")
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            for p, pcm in zip(batch, outputs):
-                if not p.future.done():
-                    p.future.set_result(pcm)
-
-    def _decode_pcm16(self, states: list[StreamState], chunks: list[torch.Tensor]) -> list[bytes]:
-        """On the worker thread: decode, and bring the samples to the host as PCM16 there, so the
-        event loop never waits on a device copy."""
-        return [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
-
-    async def close(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        for p in self._pending:
-            if not p.future.done():
-                p.future.cancel()
-
-
-# --------------------------------------------------------------------------------------------
 # the servicer
 # --------------------------------------------------------------------------------------------
 
@@ -227,6 +134,11 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                                  "codec is loading" if self.codec is None else "codec is shutting down",
                                  drama_code="not_ready")
 
+    async def _check_deadline(self, context) -> None:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await grpcutil.abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the work started")
+
     async def GetInfo(self, request: codec_pb2.GetInfoRequest, context) -> codec_pb2.CodecInfo:
         await self._require_ready(context)
         codec = self.codec
@@ -253,7 +165,7 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
             duration = check_duration(samples, rate, min_seconds, max_seconds, source or "source")
         except AudioError as exc:
             await grpcutil.abort(context, INVALID, str(exc), drama_code=exc.code, param=exc.param)
-            return codec_pb2.EncodeResponse()   # not reached: abort raises
+        await self._check_deadline(context)
         loop = asyncio.get_running_loop()
         try:
             codes = await loop.run_in_executor(self.worker, self.codec.encode,
@@ -282,6 +194,7 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                                          drama_code="invalid_value", param=kind or "msg")
                 elif kind == "frames":
                     codes = await self._frames_codes(request.frames, session, context)
+                    await self._check_deadline(context)
                     try:
                         pcm = await self.batcher.decode(session.state, codes)
                     except Exception as exc:   # a model failure (CUDA error, bug): logged by the batcher

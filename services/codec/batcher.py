@@ -1,0 +1,108 @@
+"""Gathers the pending decode chunks of all sessions into one model call per tick (API.md §3.3).
+
+A tick starts when a chunk arrives and closes when the oldest pending chunk has waited
+`max_wait_s` (5 ms) or the batch is full; the call runs on the model worker thread, so the event
+loop keeps serving I/O meanwhile. Chunks that arrive during a call form the next tick at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services.codec.state import StreamState
+
+log = logging.getLogger(__name__)
+
+
+def pcm16_bytes(samples: torch.Tensor) -> bytes:
+    """float [S] -> int16 little-endian bytes: round(clamp(x, -1, 1) · 32767) (MODEL.md §7.4)."""
+    values = torch.round(samples.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16)
+    return values.numpy().astype("<i2", copy=False).tobytes()
+
+
+@dataclass
+class _Pending:
+    state: StreamState
+    codes: torch.Tensor          # [N, t]
+    future: asyncio.Future
+    arrived: float
+
+
+class DecodeBatcher:
+    """Collects pending chunks of all sessions and decodes them together on the worker thread."""
+
+    def __init__(self, codec, worker: ThreadPoolExecutor, *, max_wait_s: float = 0.005,
+                 max_batch: int = 64):
+        self.codec, self.worker = codec, worker
+        self.max_wait_s, self.max_batch = max_wait_s, max_batch
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="codec-batcher")
+        self.batches = 0                 # decode calls made (tests and logs)
+        self.largest_batch = 0
+
+    async def decode(self, state: StreamState, codes: torch.Tensor) -> bytes:
+        """Queue one chunk (codes [N, t], already validated) and wait for its int16 PCM bytes."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(state, codes, future, time.monotonic()))
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            # Wait until the oldest chunk has waited max_wait_s, unless the batch is full.
+            while len(self._pending) < self.max_batch:
+                left = self._pending[0].arrived + self.max_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            batch = [p for p in batch if not p.future.done()]     # cancelled callers
+            if self._pending:
+                self._wake.set()
+            if not batch:
+                continue
+            self.batches += 1
+            self.largest_batch = max(self.largest_batch, len(batch))
+            try:
+                outputs = await loop.run_in_executor(
+                    self.worker, self._decode_pcm16, [p.state for p in batch], [p.codes for p in batch])
+            except Exception as exc:  # a model failure fails this tick's callers, not the batcher
+                log.exception("codec decode failed")
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            for p, pcm in zip(batch, outputs):
+                if not p.future.done():
+                    p.future.set_result(pcm)
+
+    def _decode_pcm16(self, states: list[StreamState], chunks: list[torch.Tensor]) -> list[bytes]:
+        """On the worker thread: decode, and bring the samples to the host as PCM16 there, so the
+        event loop never waits on a device copy."""
+        return [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for p in self._pending:
+            if not p.future.done():
+                p.future.cancel()
