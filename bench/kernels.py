@@ -117,6 +117,9 @@ class Stack:
         return st
 
 
+BEST = {}   # T -> fastest MoE decode config of the sweep; the decode step uses it for its batch size
+
+
 def moe_block(L, x, grouped=False):
     from services.backbone.kernels import decode_graph as dg
     from services.backbone.kernels import fp8_moe as moe
@@ -124,7 +127,8 @@ def moe_block(L, x, grouped=False):
     r = u @ L["w_rs"].T                                              # [T, E + 2 I_s + 1]
     ids, w = moe.router_topk(r[:, :E], K_E)
     shared = dg.silu_mul(r[:, E:E + I_S], r[:, E + I_S:E + 2 * I_S]) @ L["w_sd"].T
-    pairs = moe.moe_fp8_pairs(u, ids, w, L["w_gu"], L["s_gu"], L["w_d"], L["s_d"], grouped=grouped)
+    cfg = None if grouped else BEST.get(x.shape[0])
+    pairs = moe.moe_fp8_pairs(u, ids, w, L["w_gu"], L["s_gu"], L["w_d"], L["s_d"], grouped=grouped, config=cfg)
     return dg.moe_combine(pairs, x, shared, r[:, E + 2 * I_S])
 
 
@@ -221,16 +225,16 @@ def bench_moe(stack, bw, quick):
     out = {}
     configs = [dict(moe.DECODE_CONFIG)]
     if not quick:
-        for bm, bn1, bn2, nw, ns in [(16, 16, 64, 4, 4), (16, 16, 32, 4, 4), (16, 64, 64, 4, 4),
-                                     (16, 32, 64, 4, 6), (16, 32, 128, 4, 3)]:
-            configs.append(dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, num_warps=nw, num_stages=ns))
+        for bm, bn1, bn2, nw, ns, sp in [(16, 64, 64, 4, 4, 1), (16, 32, 64, 4, 4, 4), (16, 32, 64, 4, 3, 8),
+                                         (16, 64, 64, 4, 4, 4), (16, 32, 32, 4, 4, 4), (16, 16, 64, 4, 4, 4)]:
+            configs.append(dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, num_warps=nw, num_stages=ns, SPLIT=sp))
     for t in (1, 8, 32, 64):
         x = torch.randn(t, H, device="cuda").bfloat16()
         routes = [moe.router_topk(torch.randn(t, E, device="cuda"), K_E) for _ in stack.layers]
         unique = sum(int(ids.unique().numel()) for ids, _ in routes)
         floor_ms = expert_bytes(unique) / bw * 1e3
         rows = []
-        for cfg in (configs if t in (1, 64) else configs[:1]):
+        for cfg in (configs if t in (1, 64) else configs[:1] + [BEST.get(1, configs[0])]):
             def run(cfg=cfg):
                 for L, (ids, w) in zip(stack.layers, routes):
                     moe.moe_fp8_pairs(x, ids, w, L["w_gu"], L["s_gu"], L["w_d"], L["s_d"], config=cfg)
@@ -238,6 +242,7 @@ def bench_moe(stack, bw, quick):
             ms = do_bench(g.replay)
             rows.append(dict(config=cfg, ms_40_layers=ms))
         best = min(rows, key=lambda r: r["ms_40_layers"])
+        BEST[t] = best["config"]
         out[f"T={t}"] = dict(ms_40_layers=best["ms_40_layers"], ms_per_layer=best["ms_40_layers"] / len(stack.layers),
                              floor_ms_40_layers=floor_ms, unique_experts_per_layer=unique / len(stack.layers),
                              gbytes_40_layers=expert_bytes(unique) / 1e9,
@@ -429,7 +434,7 @@ def report(res: dict, peers: dict) -> str:
             c = r["best_config"]
             lines.append(f"| {k[2:]} | {fmt(r['ms_40_layers'])} | {fmt(r['ms_per_layer'], 4)} | {fmt(r['floor_ms_40_layers'])} | "
                          f"{fmt(r['ms_40_layers'] / r['floor_ms_40_layers'], 2)} | {fmt(r['achieved_tb_s'], 2)} | "
-                         f"{fmt(r['unique_experts_per_layer'], 1)} | BM{c['BM']} BN{c['BN_GU']}/{c['BN_DOWN']} w{c['num_warps']} s{c['num_stages']} |")
+                         f"{fmt(r['unique_experts_per_layer'], 1)} | BM{c['BM']} BN{c['BN_GU']}/{c['BN_DOWN']} w{c['num_warps']} s{c['num_stages']} split{c.get('SPLIT', 1)} |")
         lines.append("")
     gd = res.get("gdn", {})
     if "error" not in gd:

@@ -250,10 +250,10 @@ if HAS_TRITON:
         tl.store(block_expert_ptr + blk, ids_p, mask=p_ok & (r == 0))
 
     @triton.jit
-    def _moe_gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, h_ptr, block_expert_ptr, block_rows_ptr,
+    def _moe_gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, block_expert_ptr, block_rows_ptr,
                             n_pairs, top_k, H, I, SG,
                             stride_we, stride_wn, stride_se, stride_sn,
-                            BM: tl.constexpr, BN: tl.constexpr):
+                            BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
         """h[p, n] = bf16(silu(gate) · up) for the BM pairs of one block and BN intermediate columns.
 
         x comes pre-quantised (x_q [T, H] fp8, a [T, ⌈H/128⌉]): quantising inside the K loop put a
@@ -276,7 +276,9 @@ if HAS_TRITON:
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for kb in range(0, G):
+        pid_k = tl.program_id(2)
+        per = tl.cdiv(G, SPLIT)
+        for kb in range(pid_k * per, tl.minimum(G, pid_k * per + per)):
             kk = kb * 128 + offs_k
             k_ok = kk < H
             xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
@@ -289,11 +291,38 @@ if HAS_TRITON:
             su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
             acc_g += tl.dot(xq, tl.trans(wg)) * a[:, None] * sg
             acc_u += tl.dot(xq, tl.trans(wu)) * a[:, None] * su
-        gate = acc_g.to(tl.bfloat16).to(tl.float32)
-        up = acc_u.to(tl.bfloat16).to(tl.float32)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :], act.to(tl.bfloat16),
-                 mask=row_ok[:, None] & n_ok[None, :])
+        out_mask = row_ok[:, None] & n_ok[None, :]
+        if SPLIT == 1:
+            gate = acc_g.to(tl.bfloat16).to(tl.float32)
+            up = acc_u.to(tl.bfloat16).to(tl.float32)
+            act = gate * tl.sigmoid(gate) * up
+            tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :], act.to(tl.bfloat16), mask=out_mask)
+        else:
+            # split-K: F32 partial sums to ws [SPLIT, n, 2I]; _split_reduce_quant_kernel finishes
+            ws = ws_ptr + (pid_k * n_pairs + rows.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
+            tl.store(ws, acc_g, mask=out_mask)
+            tl.store(ws + I, acc_u, mask=out_mask)
+
+    @triton.jit
+    def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
+        """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
+        pid_m, g = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = g * 128 + tl.arange(0, 128)
+        ok = (rows[:, None] < n_pairs) & (cols[None, :] < I)
+        base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
+        gate = tl.zeros([BM, 128], dtype=tl.float32)
+        up = tl.zeros([BM, 128], dtype=tl.float32)
+        for j in tl.static_range(SPLIT):
+            gate += tl.load(base + j * n_pairs * 2 * I, mask=ok, other=0.0)
+            up += tl.load(base + j * n_pairs * 2 * I + I, mask=ok, other=0.0)
+        gate = gate.to(tl.bfloat16).to(tl.float32)
+        up = up.to(tl.bfloat16).to(tl.float32)
+        act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
+        act = tl.where(ok, act, 0.0)
+        xq, a = _quant_tile(act)
+        tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
+        tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
 
     @triton.jit
     def _moe_down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, block_expert_ptr, block_rows_ptr,
@@ -358,7 +387,8 @@ if HAS_TRITON:
 # launchers and public API
 # --------------------------------------------------------------------------------------------
 
-# (BM, BN gate_up, BN down, num_warps, num_stages); bench/kernels.py sweeps these on the H200.
+# BM rows per block, BN columns per program (gate_up / down), SPLIT = K split of gate_up (partials
+# reduced by _split_reduce_quant_kernel); bench/kernels.py sweeps these on the H200.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=128, num_warps=8, num_stages=3)
 
@@ -418,12 +448,20 @@ def _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
     bm, bn1, bn2 = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"]
     if GROUP % bn1 or GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
+    split = cfg.get("SPLIT", 1)
     xq, xa = quantize_rows_fp8_triton(x)
-    _moe_gate_up_kernel[(max_blocks, triton.cdiv(i, bn1))](
-        xq, xa, w_gate_up, s_gate_up, act, block_expert, block_rows, n, k, h, i, s_gate_up.shape[1] // 2,
+    ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=x.device) if split > 1 else act
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(i, bn1), split)](
+        xq, xa, w_gate_up, s_gate_up, act, ws, block_expert, block_rows, n, k, h, i, s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        BM=bm, BN=bn1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    hq, ha = quantize_rows_fp8_triton(act)
+        BM=bm, BN=bn1, SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
+        ha = torch.empty(n, math.ceil(i / GROUP), dtype=torch.float32, device=x.device)
+        _split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, GROUP))](
+            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
+    else:
+        hq, ha = quantize_rows_fp8_triton(act)
     out = torch.empty(n, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1)
     _moe_down_kernel[(max_blocks, triton.cdiv(h, bn2))](

@@ -150,7 +150,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, out
     if ops is None:
         o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
         return o.to(v.dtype), s
-    return ops[0](q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+    return ops[0](q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
 
@@ -160,7 +160,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None,
     if ops is None:
         o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
         return o.to(v.dtype), s
-    return ops[1](q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+    # keywords, not positions: fused_recurrent's 5th positional parameter is `gk` (per-key decay),
+    # not beta; passing beta there reads [B, T, Hv, K] out of a [B, T, Hv] tensor (NaNs seen on the H200)
+    return ops[1](q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
 
