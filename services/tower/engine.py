@@ -55,6 +55,12 @@ class StepResult:
     row_errors: list[RowError] = field(default_factory=list)
     tower_us: int = 0
 
+    @classmethod
+    def all_failed(cls, num_entries: int, num_codebooks: int, code: str, message: str) -> "StepResult":
+        """Every entry failed the same way (a malformed message as a whole)."""
+        return cls(torch.full((num_entries, num_codebooks), -1, dtype=torch.int64), [False] * num_entries,
+                   [RowError(i, code, message) for i in range(num_entries)])
+
 
 @dataclass
 class _Session:
@@ -137,8 +143,7 @@ class TowerEngine:
         if hidden.shape != (total_rows, self.model.hidden_size) or targets.shape != (total_rows, n):
             message = (f"hidden {tuple(hidden.shape)} / targets {tuple(targets.shape)} do not match "
                        f"[{total_rows}, {self.model.hidden_size}] / [{total_rows}, {n}]")
-            errors = [RowError(i, "INVALID_ARGUMENT", message) for i in range(num_entries)]
-            return StepResult(codes, stop, errors, _elapsed_us(started))
+            return StepResult.all_failed(num_entries, n, "INVALID_ARGUMENT", message)
 
         targets = targets.to(torch.int64)
         errors: list[RowError] = []

@@ -17,6 +17,7 @@ Rules a client codes against (API.md §3.5, with our reading where it is silent)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +29,7 @@ from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.common import grpcutil
 from services.common.telemetry import extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
-from services.tower.engine import RowError, StepEntry, StepResult, TowerEngine
+from services.tower.engine import StepEntry, StepResult, TowerEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +67,15 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
         targets = tensor_from_bytes(request.targets, "int16", (rows, codebooks))
     except ValueError as exc:
         engine.release(request.release, owner)
-        result = StepResult(torch.full((len(entries), codebooks), -1, dtype=torch.int64), [False] * len(entries),
-                            [RowError(i, "INVALID_ARGUMENT", f"payload: {exc}") for i in range(len(entries))])
-        return response_from_result(request.step_id, result)
-    if not request.trace_context:
-        result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+        result = StepResult.all_failed(len(entries), codebooks, "INVALID_ARGUMENT", f"payload: {exc}")
         return response_from_result(request.step_id, result)
     # A sampled backbone step sends its span context; our span joins that trace (API.md §3.6).
-    tracer = trace.get_tracer("services.tower")
-    with tracer.start_as_current_span("tower.step", context=extract_context(request.trace_context),
-                                      attributes={"drama.batch.rows": rows,
-                                                  "drama.batch.entries": len(entries)}):
+    span = contextlib.nullcontext()
+    if request.trace_context:
+        span = trace.get_tracer("services.tower").start_as_current_span(
+            "tower.step", context=extract_context(request.trace_context),
+            attributes={"drama.batch.rows": rows, "drama.batch.entries": len(entries)})
+    with span:
         result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
     return response_from_result(request.step_id, result)
 
