@@ -205,7 +205,10 @@ def test_progressive_and_sse_bytes_agree(stack):
             extra_body={"max_new_tokens": MAX_NEW, "seed": 11}) as response:
         assert response.headers["x-accel-buffering"] == "no"
         progressive = b"".join(response.iter_bytes())
-    sse = speech(stack, stream_format="sse", **body)
+    # The OpenAI SDK asks for SSE with `Accept: application/octet-stream`; the body follows stream_format.
+    sse = stack.openai.audio.speech.with_raw_response.create(
+        model="tts-1", voice="alloy", input="Hello there.", response_format="wav", stream_format="sse",
+        extra_body={"max_new_tokens": MAX_NEW, "seed": 11})
     assert sse.headers["content-type"].startswith("text/event-stream")
     events = sse_events(sse.content)
     kinds = [kind for kind, _ in events]
@@ -340,6 +343,7 @@ class BreakingBackbone(backbone_pb2_grpc.BackboneServicer):
 
     def Generate(self, request, context):
         yield backbone_pb2.GenerateResponse(started=backbone_pb2.Started())
+        time.sleep(0.3)                                        # a slow first frame (SSE keep-alives)
         for i in range(3):
             codes = np.full((4, 10), i, dtype="<i2").tobytes()
             yield backbone_pb2.GenerateResponse(frames=backbone_pb2.Frames(
@@ -384,9 +388,14 @@ def test_failure_after_first_byte_truncates_the_body(broken):
     assert len(received) > 0                                  # audio had been sent
 
 
-def test_failure_after_start_is_an_sse_error_event_or_a_real_status(broken):
-    events = sse_events(broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm",
-                                                               "stream_format": "sse"}).content)
+def test_failure_after_start_is_an_sse_error_event_or_a_real_status(broken, monkeypatch):
+    import gateway.responses
+
+    monkeypatch.setattr(gateway.responses, "KEEPALIVE_S", 0.05)
+    content = broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm",
+                                                    "stream_format": "sse"}).content
+    assert content.startswith(b": keep-alive\n\n")             # comments until the first delta
+    events = sse_events(content)
     assert events[-1][0] == "speech.audio.error" and events[-1][1]["error"]["code"] == "internal_error"
     assert {kind for kind, _ in events[:-1]} == {"speech.audio.delta"}
     r = broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm", "stream": False})
