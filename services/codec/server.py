@@ -223,7 +223,9 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                                  drama_code="invalid_value", param="frames.first_frame_index")
         try:
             codes = codes_from_wire(frames.codes, n)
-            if codes.shape[-1] != frames.n_frames or frames.n_frames <= 0:
+            if frames.n_frames <= 0:
+                raise ValueError("a frames message must carry at least one frame")
+            if codes.shape[-1] != frames.n_frames:
                 raise ValueError(f"n_frames {frames.n_frames} but codes hold {codes.shape[-1]} frames "
                                  f"of {n} codebooks")
             self.codec.check_codes(codes[None])
