@@ -83,9 +83,10 @@ async def tower(tiny_checkpoint):
 
 
 async def _start_backbone(checkpoint, tower_addr, **overrides):
-    settings = backbone_server.Settings(
-        checkpoint=str(checkpoint), tower_addr=tower_addr, port=0, max_rows=MAX_ROWS,
-        max_context_tokens=MAX_CONTEXT, max_queue=16, prefill_chunk_tokens=64, **overrides)
+    options = dict(max_rows=MAX_ROWS, max_context_tokens=MAX_CONTEXT, max_queue=16,
+                   prefill_chunk_tokens=64) | overrides
+    settings = backbone_server.Settings(checkpoint=str(checkpoint), tower_addr=tower_addr, port=0,
+                                        **options)
     running = await backbone_server.start(settings)
     assert await running.tower.wait_ready(30), running.tower.last_error
     return running
@@ -359,6 +360,59 @@ async def test_duplicate_session_id_is_already_exists(stub):
         await collect(stub, make_request("twice"))
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     call.cancel()
+
+
+async def _first_frame(call) -> None:
+    async for message in call:
+        if message.WhichOneof("msg") == "frames":
+            return
+    raise AssertionError("the stream ended before its first frame")
+
+
+async def test_admission_queue_full_and_queue_timeout(tiny_checkpoint, tower):
+    running = await _start_backbone(tiny_checkpoint, tower.addr, max_rows=1, max_queue=1)
+    channel = grpcutil.create_channel(f"127.0.0.1:{running.port}")
+    small = backbone_pb2_grpc.BackboneStub(channel)
+    try:
+        occupant = small.Generate(make_request("occupant", **LONG))
+        await _first_frame(occupant)                               # holds the only slot
+        waiter = asyncio.ensure_future(collect(small, make_request("waiter", queue_timeout_ms=500)))
+
+        async def queued():
+            return (await small.GetInfo(backbone_pb2.GetInfoRequest())).queued_sessions == 1
+        assert await _wait_for(queued)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(small, make_request("third"))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert grpcutil.error_details(info.value)[0] == "queue_full"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await waiter
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert grpcutil.error_details(info.value)[0] == "queue_timeout"
+        occupant.cancel()
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_drain_finishes_running_sessions_and_refuses_new_ones(tiny_checkpoint, tower):
+    running = await _start_backbone(tiny_checkpoint, tower.addr)
+    channel = grpcutil.create_channel(f"127.0.0.1:{running.port}")
+    stub = backbone_pb2_grpc.BackboneStub(channel)
+    try:
+        call = stub.Generate(make_request("draining", texts=("one", "two", "three"), max_new=8,
+                                          first=1, every=1))
+        await _first_frame(call)
+        stopping = asyncio.ensure_future(running.stop(grace_s=30))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, make_request("too-late"))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert grpcutil.error_details(info.value)[0] == "not_ready"
+        kinds = [m.WhichOneof("msg") async for m in call]
+        assert kinds.count("chunk_end") >= 2 and kinds[-1] == "usage"    # it ran to the end
+        await stopping
+    finally:
+        await channel.close()
 
 
 async def test_generate_is_traced_with_session_events_prefill_and_step_spans(stub, backbone):
