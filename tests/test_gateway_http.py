@@ -387,7 +387,7 @@ class ServerThread:
         self.thread.join(10)
 
 
-def test_openai_client_sees_400s(tiny_checkpoint):
+def test_openai_client_sees_400s_and_creates_voices(tiny_checkpoint):
     openai = pytest.importorskip("openai")
     with ServerThread(create_app(_settings(tiny_checkpoint))) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY", max_retries=0)
@@ -401,6 +401,9 @@ def test_openai_client_sees_400s(tiny_checkpoint):
         with pytest.raises(openai.BadRequestError) as info:
             client.audio.speech.create(model="tts-1", voice="alloy", input="x" * 5000)
         assert info.value.code == "string_above_max_length"
+        voice = client.audio.voices.create(name="Sdk-Voice", audio_sample=("clip.wav", sine_wav(), "audio/wav"),
+                                           consent="consent-1", extra_body={"ref_text": "A tone."})
+        assert (voice.id, voice.name, voice.object) == ("sdk-voice", "Sdk-Voice", "audio.voice")
         with pytest.raises(openai.InternalServerError) as info:      # 503: the stages are away
             client.audio.speech.create(model="tts-1", voice="alloy", input="hi")
         assert info.value.status_code == 503
