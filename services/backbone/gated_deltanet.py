@@ -8,21 +8,25 @@ Math first (pure functions), then references, then the module:
     causal_conv_taps(window [n+K_c−1, c], w [c, K_c])  -> pre-activation conv output [n, c]
     l2_normalize(x, eps=1e-6)                           -> x / sqrt(Σx² + eps) over the last dim
     gdn_gates(a, b, A_log, dt_bias)                     -> g = −exp(A_log)·softplus(a+dt_bias), β = σ(b)
-    gdn_chunk(q, k, v, g, beta, S) [H, C, ·]            -> (o [H, C, V], S_end): one 64-row chunk
+    gdn_chunk(q, k, v, g, beta, S) [H, C, ·]            -> (o [H, C, V], S_end, [U | W]): one 64-row chunk
     chunk_gated_delta_rule(q, k, v, g, beta, S0) [T, H, ·]      chunk by chunk from position 0
     recurrent_gated_delta_rule(q, k, v, g, beta, S0) [T, H, ·]  the recurrence, one row at a time
     naive_recurrent_gated_delta_rule / naive_chunk_gated_delta_rule   float64, loops, for tests
 
 Why the engine path always uses the chunk form, even for one decode row: a row's output must be
-bit-identical however the prompt was cut into append calls (issue #4). Chunks are aligned to
+bit-identical however the prompt was cut into append calls (issue #4), and a one-row append is
+the same call whether the caller thinks of it as prefill or decode. Chunks are aligned to
 absolute positions (multiples of 64 from the sequence start) and always computed at the full
 padded size C, so a row's arithmetic depends only on the rows before it in its chunk and on the
-state at the chunk start. The cache therefore keeps the state at the start of the current chunk
-plus that chunk's earlier rows (k̂, v, g, β), and every call recomputes the chunk up to its last
-row; the state advances only when a chunk is complete. Zero padding (β = g = 0, q = k = v = 0) is
-exact, and padded or not-yet-arrived rows j > i enter row i only through exact zeros of the
-causal masks. A GPU fast path (fla kernels: chunked prefill + recurrent decode on the current
-state) can sit beside this one; it gives up bit-identity across splits, not the math.
+state at the chunk start. The cache keeps that state plus the chunk's earlier rows (k̂, g and
+their solved rows of [U | W]); a call solves only its new rows, redoes the chunk-size GEMMs, and
+advances the state when the chunk is complete. A decode row thus costs the chunk-size GEMMs
+(O(C·d_k·d_v) per head instead of the recurrence's O(d_k·d_v)), nothing on the tiny CPU model.
+Zero padding (β = g = 0, q = k = v = 0) is exact, and not-yet-arrived rows j > i enter row i only
+through exact zeros of the causal masks. A GPU fast path (fla kernels: chunked prefill plus the
+recurrence on the current state for decode) can sit beside this one, chosen once by
+`Backbone.exact`; it keeps the current state instead and gives up bit-identity across splits,
+not the math (tests/test_backbone_parts.py holds the two forms equal).
 """
 
 from __future__ import annotations
@@ -72,6 +76,18 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return g, torch.sigmoid(b.float())
 
 
+_MASKS: dict = {}
+
+
+def _masks(size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[size, size] bool masks j > i and j ≥ i, made once per size and device."""
+    key = (size, str(device))
+    if key not in _MASKS:
+        ones = torch.ones(size, size, dtype=torch.bool, device=device)
+        _MASKS[key] = (ones.triu(1), ones.triu(0))
+    return _MASKS[key]
+
+
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, *, known: torch.Tensor | None = None, rows: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,14 +104,15 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """
     heads, size, _ = k.shape
     rows = size if rows is None else rows
+    future, upper = _masks(size, k.device)
     gamma = g.cumsum(dim=-1)                                          # γ_i = Σ_{j≤i} g_j
-    future = torch.ones(size, size, dtype=torch.bool, device=k.device).triu(1)
+    gamma_exp = gamma.exp()
     decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(future, float("-inf")).exp()  # Γ
     # A_ij = β_i (k̂_i·k̂_j) Γ_ij below the diagonal; T = (I + A)^−1 is applied by forward
     # substitution on [U | W] = T [diag(β) V | diag(β e^γ) K̂], one row at a time, so row i only
     # ever reads rows < i (a blocked triangular solver could mix in rows it has not got yet).
-    a = (beta[:, :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    rhs = torch.cat([beta[..., None] * v, (beta * gamma.exp())[..., None] * k], dim=-1)
+    a = (beta[:, :, None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0.0)
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma_exp)[..., None] * k], dim=-1)
     solved = torch.zeros_like(rhs)
     first = 0 if known is None else known.shape[1]
     if first:
@@ -104,7 +121,7 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         solved[:, i] = rhs[:, i] if i == 0 else rhs[:, i] - (a[:, i:i + 1, :i] @ solved[:, :i])[:, 0]
     u, w = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
     v_new = u - w @ state                                             # V' = U − W S
-    o = (q * gamma.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    o = (q * gamma_exp[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
     last = gamma[:, -1:]                                              # γ_ℓ, [H, 1]
     state_end = last.exp()[..., None] * state + (k * (last - gamma).exp()[..., None]).transpose(-1, -2) @ v_new
     return o, state_end, solved
