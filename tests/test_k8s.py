@@ -113,6 +113,10 @@ def pod_spec(deployment: dict) -> dict:
     return deployment["spec"]["template"]["spec"]
 
 
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
 def container(deployment: dict) -> dict:
     containers = pod_spec(deployment)["containers"]
     assert len(containers) == 1
@@ -213,7 +217,11 @@ def test_collector_config_is_the_compose_one():
 def _module_command(command: list[str]) -> str:
     assert command[:2] == ["python", "-m"], command
     module = command[2]
-    assert importlib.util.find_spec(f"{module}.__main__") is not None, f"python -m {module}: no __main__"
+    try:
+        found = importlib.util.find_spec(f"{module}.__main__") is not None
+    except ModuleNotFoundError:   # the package itself is missing
+        found = False
+    assert found, f"python -m {module}: no such module with a __main__"
     return module
 
 
@@ -285,7 +293,8 @@ def test_ports_agree_with_code_and_compose(base, name):
 def _compose_otel_env() -> dict[str, str]:
     """compose.yaml's shared OTEL_* values with `${VAR:-default}` replaced by the default."""
     otel = yaml.safe_load((ROOT / "compose.yaml").read_text())["x-otel-env"]
-    return {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in otel.items() if k.startswith("OTEL_")}
+    return {key: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+            for key, value in otel.items() if key.startswith("OTEL_")}
 
 
 def test_environment_names_and_values(rendered, code_text):
@@ -321,7 +330,7 @@ def test_stage_addresses_reach_headless_services(rendered):
             service = services[target]
             assert service["spec"]["clusterIP"] == "None"
             assert port in [p["port"] for p in service["spec"]["ports"]]
-            assert selects(service["spec"]["selector"], deployments[target]["spec"]["template"]["metadata"]["labels"])
+            assert selects(service["spec"]["selector"], pod_labels(deployments[target]))
             seen.add((name, key))
     assert seen == set(expected)
 
@@ -330,13 +339,12 @@ def test_selectors_match_pods(rendered):
     _, resources = rendered
     deployments = of_kind(resources, "Deployment")
     for name, deployment in deployments.items():
-        assert selects(deployment["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+        assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels(deployment))
     for kind in ("Service", "PodDisruptionBudget"):
         for name, resource in of_kind(resources, kind).items():
             selector = resource["spec"]["selector"]
             selector = selector.get("matchLabels", selector)
-            matched = [d for d, dep in deployments.items()
-                       if selects(selector, dep["spec"]["template"]["metadata"]["labels"])]
+            matched = [d for d, dep in deployments.items() if selects(selector, pod_labels(dep))]
             assert matched == [name], f"{kind}/{name} selects {matched}"
 
 
@@ -425,4 +433,5 @@ def test_collector_reads_its_config_map(base):
     jaeger = find(base, "Service", "jaeger")
     assert 4317 in [p["port"] for p in jaeger["spec"]["ports"]]
     collector_ports = [p["port"] for p in find(base, "Service", "otel-collector")["spec"]["ports"]]
-    assert 4317 in collector_ports and _compose_otel_env()["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert 4317 in collector_ports
+    assert _compose_otel_env()["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
