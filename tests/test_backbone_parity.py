@@ -243,3 +243,33 @@ def test_tiny_checkpoint_loads_with_fp8_experts_and_codebooks(tiny_checkpoint):
     assert model.layers[0].mlp.experts.gate_proj.dtype == torch.float8_e4m3fn
     assert model.codebook_embeddings.weight.shape == (10 * 64, 64)
     assert model.audio.semantic_start_token_id == 284
+
+
+def test_every_linear_stored_fp8_matches_transformers(saved, tmp_path):
+    """Qwen's own FP8 checkpoints also quantise attention, GDN, router, shared-expert and head
+    linears (§2.5 rule 4): all of them load, and compute with the dequantised weights."""
+    model, path = saved[1]
+    shutil.copytree(path, tmp_path / "all")
+    file = tmp_path / "all" / "model.safetensors"
+    tensors = load_file(str(file))
+    dequantised = {}
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in n]:
+        w_q, scale = quantize_block_fp8(tensors[name])
+        tensors[name], tensors[f"{name}_scale_inv"] = w_q, scale.to(torch.bfloat16)   # BF16 scales too
+        dequantised[name] = dequantize_block_fp8(w_q, scale.to(torch.bfloat16))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    backbone = load_backbone(tmp_path / "all")
+    assert backbone.layers[1].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    assert backbone.layers[0].mlp.gate.weight.dtype == torch.float32          # router dequantised once
+    reference = _hf_model(1)
+    _set_hf_experts(reference, dequantised)
+    state = reference.state_dict()
+    with torch.no_grad():
+        for name, w in dequantised.items():
+            if name in state:
+                state[name].copy_(w)
+    tokens = _tokens(1)
+    ref_hidden, ref_logits = _hf_outputs(reference, tokens)
+    hidden, logits = backbone.forward_tokens(tokens)
+    errs = rel_err(hidden, ref_hidden), rel_err(logits, ref_logits)
+    assert max(errs) <= 1e-4, f"rel err hidden {errs[0]:.2e} logits {errs[1]:.2e}"

@@ -8,7 +8,8 @@ checkpoints written by transformers' `save_pretrained` (prefix `model.`, flat co
 audio rows). Routed experts may be per-expert (BF16/F32, or block-FP8 with `weight_scale_inv`)
 or fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); any linear may be
 block-FP8. Non-FP8 float tensors may be stored BF16 or F32 (a float32 `save_pretrained` writes
-F32) and are cast to the compute dtype; FP8 weights and their scales stay as stored.
+F32) and are cast to the compute dtype; FP8 weights and their scales stay as stored (except an
+FP8 router, dequantised once: it runs in F32).
 
 Order (§2.5 rule 1): check every tensor name, shape and dtype against the inventory and raise one
 WeightError naming each problem with its shard file; then build the model on the meta device,
@@ -32,6 +33,7 @@ from services.common.checkpoint import (
     stage_expectations,
 )
 from services.common.config import is_flat_text_config, load_config, load_text_config
+from services.common.fp8 import dequantize_block_fp8
 from services.common.inventory import TOWER_PREFIX, TensorSpec, backbone_inventory, tower_inventory
 
 from .model import AudioSpec, Backbone
@@ -122,15 +124,30 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
                                           device=device)
         stacked[target][e] = tensor
 
+    def place(target: str, name: str, dtype: torch.dtype = dtype) -> None:
+        """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps
+        no scale (the router, which runs in F32) is dequantised here, once; a scale goes to its
+        module's `*_scale_inv` slot, or nowhere when its weight was dequantised."""
+        module_path, _, attr = target.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        if attr.endswith("_scale_inv"):
+            if attr in module._buffers:
+                _assign(model, target, load(name))
+            return
+        t = load(name, dtype)
+        if t.dtype == torch.float8_e4m3fn and f"{attr}_scale_inv" not in module._buffers:
+            t = dequantize_block_fp8(t, load(f"{name}_scale_inv"), block, dtype)
+        _assign(model, target, t)
+
     for name in ckpt.names():
         if name not in expected and not (name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in expected):
             continue   # another stage's tensor, or ignored on purpose (checked above)
-        if name == "lm_head.weight":
+        if name.startswith("lm_head."):
             if lm_head:
-                _assign(model, name, load(name))
+                place(name, name)
             continue
         if name == CODEBOOK_EMBEDDINGS:
-            _assign(model, "codebook_embeddings.weight", load(name))
+            place("codebook_embeddings.weight", name)
             continue
         local = name.removeprefix(prefix)
         if m := _PER_EXPERT.match(local):
@@ -143,10 +160,10 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
             _assign(model, f"{m.group(1)}.up_proj", up.contiguous())
         elif m := _FUSED_DOWN.match(local):
             _assign(model, f"{m.group(1)}.down_proj", load(name))
-        elif local.endswith("mlp.gate.weight") or local.endswith(("A_log", "dt_bias")):
-            _assign(model, local, load(name, torch.float32))   # router and decay parameters run in F32
+        elif local.endswith(("mlp.gate.weight", "A_log", "dt_bias")):
+            place(local, name, torch.float32)               # router and decay parameters run in F32
         else:
-            _assign(model, local, load(name))
+            place(local, name)
     for target, tensor in stacked.items():
         _assign(model, target, tensor)
     if lm_head and model.lm_head is not None and text.tie_word_embeddings:
