@@ -21,6 +21,16 @@ from services.common import grpcutil
 from services.common.tensors import codes_from_wire, codes_to_wire
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """Run this module's direct model calls with one intra-op thread, as the server's model worker
+    does: per-frame ops are tiny and OpenMP fork/joins dominate them on a busy 2-core box."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tone(seconds: float, rate: int, freq: float = 220.0, channels: int = 1) -> np.ndarray:
     """Input audio: a sine (test input only; every codec output comes from the real model)."""
     t = np.arange(int(seconds * rate)) / rate
@@ -382,3 +392,26 @@ async def test_not_ready_before_weights_load():
         await channel.close()
         await server.stop(None)
         await servicer.close()
+
+
+async def test_model_worker_threads_are_its_own():
+    """The model thread runs with its own intra-op count; the process default is left alone."""
+    import threading
+
+    from services.codec.server import start_model_worker
+
+    torch.set_num_threads(2)
+    try:
+        worker = await start_model_worker(1)
+        after_ops = lambda: (torch.nn.functional.conv1d(torch.ones(1, 2, 64), torch.ones(2, 2, 3)),  # noqa: E731
+                             torch.get_num_threads())[1]
+        assert await asyncio.get_running_loop().run_in_executor(worker, after_ops) == 1
+        assert torch.get_num_threads() == 2
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append((torch.ones(1) + 1, torch.get_num_threads())))
+        thread.start()
+        thread.join()
+        assert seen[0][1] == 2          # a thread started later still gets the process default
+        worker.shutdown()
+    finally:
+        torch.set_num_threads(1)

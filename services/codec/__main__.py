@@ -1,7 +1,8 @@
 """`python -m services.codec --checkpoint DIR [--port 50053] [--host H] [--device cpu|cuda]`.
 
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_HOST, DRAMA_DEVICE; DRAMA_GRACE_S (30) bounds
-the SIGTERM drain and DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode request.
+the SIGTERM drain, DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode request and
+DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads on CPU (0: torch's default).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     args.max_encode_seconds = env_default("DRAMA_CODEC_MAX_ENCODE_SECONDS", 60.0, float)
+    args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
     return args
 
 
 async def run(args: argparse.Namespace) -> None:
     server, _, health, servicer = await serve(args.checkpoint, host=args.host, port=args.port,
-                                              device=args.device, max_encode_seconds=args.max_encode_seconds)
+                                              device=args.device, max_encode_seconds=args.max_encode_seconds,
+                                              cpu_threads=args.cpu_threads)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()

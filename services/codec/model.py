@@ -27,7 +27,6 @@ Note for the inventory (services/common/inventory.py), where §2.4 leaves room:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 
@@ -68,9 +67,6 @@ class Codec(nn.Module):
                 module.state_key = name
         # CPU float32 is the bit-exact reference path; see the module docstring.
         self.frame_serial = True
-        # Intra-op threads for CPU calls. Per-frame ops are tiny, and an OpenMP fork/join per op
-        # costs more than it saves (10x slower on a busy 2-core box), so CPU runs one thread.
-        self.cpu_threads: int | None = 1
         self.load_report: LoadReport | None = None
 
     # -- facts ----------------------------------------------------------------------------------
@@ -102,19 +98,6 @@ class Codec(nn.Module):
     @property
     def decode_dtype(self) -> torch.dtype:
         return self.decoder.model[0].conv.weight.dtype
-
-    @contextlib.contextmanager
-    def _threads(self):
-        """Run a CPU call with `cpu_threads` intra-op threads, restoring the setting after."""
-        if self.device.type != "cpu" or not self.cpu_threads:
-            yield
-            return
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
 
     def _decode_modules(self) -> list[nn.Module]:
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
@@ -168,12 +151,8 @@ class Codec(nn.Module):
         """
         for chunk in chunks:                 # on the host: no device syncs per codebook
             self.check_codes(torch.as_tensor(chunk)[None])
-        chunks = [torch.as_tensor(c).to(device=self.device, dtype=torch.int64) for c in chunks]
-        with self._threads():
-            return self._decode_streams(states, chunks)
-
-    def _decode_streams(self, states: list[StreamState], chunks: list[Tensor]) -> list[Tensor]:
         device = self.device
+        chunks = [torch.as_tensor(c).to(device=device, dtype=torch.int64) for c in chunks]
         outputs: list[Tensor | None] = [None] * len(chunks)
         if self.frame_serial:
             for index, (state, chunk) in enumerate(zip(states, chunks)):
@@ -225,11 +204,10 @@ class Codec(nn.Module):
         if frames == 0:
             return torch.zeros(audio.shape[0], self.num_codebooks, 0, dtype=torch.int64)
         audio = F.pad(audio, (0, frames * self.frame_samples - audio.shape[-1]))
-        with self._threads():
-            z = self.encoder(audio[:, None])                              # [B, C, 4T]
-            z = self.quantizer.downsample(z)                              # [B, C, T]
-            z = self.quantizer.pre_module(z)
-            return self.quantizer.quantize(z).cpu()
+        z = self.encoder(audio[:, None])                                  # [B, C, 4T]
+        z = self.quantizer.downsample(z)                                  # [B, C, T]
+        z = self.quantizer.pre_module(z)
+        return self.quantizer.quantize(z).cpu()
 
 
 class StreamingDecoder:

@@ -104,11 +104,36 @@ class DecodeSession:
     samples_sent: int = 0
 
 
+def _set_thread_count(count: int) -> None:
+    # torch initialises a thread's count lazily, from the process default, on its first parallel
+    # op; run that first, or it would later overwrite the count set here.
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
+async def start_model_worker(intra_op_threads: int | None) -> ThreadPoolExecutor:
+    """The one thread that runs every model call, with its own intra-op thread count.
+
+    The codec's per-frame ops are tiny: an OpenMP fork/join per op costs more than it computes
+    (a 2-core CPU box decoded 40x slower with 2 threads than with 1 while other work ran). torch
+    keeps the count per thread, but `set_num_threads` also stores a process-wide default for
+    threads started later; we put that default back at once so other stages in the same process
+    (tests, `dramaturg up`) keep theirs.
+    """
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-model")
+    if intra_op_threads:
+        previous = torch.get_num_threads()
+        await asyncio.get_running_loop().run_in_executor(worker, _set_thread_count, intra_op_threads)
+        torch.set_num_threads(previous)        # this (event-loop) thread's count was `previous` already
+    return worker
+
+
 class CodecServicer(codec_pb2_grpc.CodecServicer):
     """The codec is attached once loaded and warmed; until then calls answer UNAVAILABLE."""
 
-    def __init__(self, *, max_encode_seconds: float = 60.0, build: str = "dramaturg"):
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-model")
+    def __init__(self, worker: ThreadPoolExecutor | None = None, *, max_encode_seconds: float = 60.0,
+                 build: str = "dramaturg"):
+        self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-model")
         self.codec = None
         self.batcher: DecodeBatcher | None = None
         self.sessions: dict[int, DecodeSession] = {}
@@ -235,12 +260,16 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
 
 
 async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 50053, device: str = "cpu",
-                max_encode_seconds: float = 60.0, codec=None, ready: asyncio.Event | None = None):
+                max_encode_seconds: float = 60.0, cpu_threads: int | None = 1, codec=None,
+                ready: asyncio.Event | None = None):
     """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
 
-    Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`.
+    Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`;
+    `cpu_threads` is the worker's intra-op thread count on CPU (None: torch's default).
     """
-    servicer = CodecServicer(max_encode_seconds=max_encode_seconds,
+    on_cpu = torch.device(device).type == "cpu" if codec is None else codec.device.type == "cpu"
+    worker = await start_model_worker(cpu_threads if on_cpu else None)
+    servicer = CodecServicer(worker, max_encode_seconds=max_encode_seconds,
                              build=f"dramaturg codec ({device})")
     server, bound, health = await grpcutil.start_server(
         add_servicers=[lambda s: codec_pb2_grpc.add_CodecServicer_to_server(servicer, s)],
