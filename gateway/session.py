@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.session")
 
+# Backpressure: a client that reads slowly must slow generation down rather than pile up audio
+# here. PCM waiting for the HTTP side and frames waiting in the codec are bounded; past the bounds
+# we stop reading the streams, gRPC flow control holds the codec, and the backbone pauses the
+# session once its own buffer is full (API.md §3.4).
+MAX_PENDING_PCM = 32          # PCM messages decoded but not yet taken by the response
+MAX_FRAMES_AHEAD = 256        # frames sent to the codec whose PCM has not come back
+
 
 @dataclass
 class Job:
@@ -90,7 +97,11 @@ class SpeechSession:
         self._gen_call = None
         self._dec_call = None
         self._tasks: list[asyncio.Task] = []
-        self._out: asyncio.Queue = asyncio.Queue()
+        self._out: asyncio.Queue = asyncio.Queue()   # ("pcm", samples) | ("done", n) | ("error", ApiError)
+        self._room = asyncio.Event()                  # set while _out holds fewer than MAX_PENDING_PCM
+        self._room.set()
+        self._decoded = asyncio.Event()               # set when PCM comes back from the codec
+        self._frames_decoded = 0
         self._decode_queue: asyncio.Queue | None = None
         self._decode_sent: list[codec_pb2.DecodeRequest] | None = []
         self._frames: list[np.ndarray] = []        # [n, N] int16 blocks of every chunk
@@ -177,6 +188,9 @@ class SpeechSession:
         n = self.info.num_codebooks
         try:
             while True:
+                while self._frames_total - self._frames_decoded > MAX_FRAMES_AHEAD:
+                    self._decoded.clear()
+                    await self._decoded.wait()
                 message = await self._gen_call.read()
                 if message is grpc.aio.EOF:
                     break
@@ -220,7 +234,13 @@ class SpeechSession:
                     if kind == "pcm":
                         if not received:
                             received, self._decode_sent = True, None    # no retry from here on
-                        self._out.put_nowait(("pcm", np.frombuffer(reply.pcm.samples, dtype="<i2")))
+                        samples = np.frombuffer(reply.pcm.samples, dtype="<i2")
+                        self._out.put_nowait(("pcm", samples))
+                        self._frames_decoded += len(samples) // self.info.frame_samples
+                        self._decoded.set()
+                        while self._out.qsize() >= MAX_PENDING_PCM:
+                            self._room.clear()
+                            await self._room.wait()
                     elif kind == "done":
                         self._out.put_nowait(("done", reply.done.total_samples))
                         return
@@ -239,6 +259,8 @@ class SpeechSession:
         samples = 0
         while True:
             kind, value = await self._out.get()
+            if self._out.qsize() < MAX_PENDING_PCM:
+                self._room.set()
             if kind == "pcm":
                 frame = samples // self.info.frame_samples
                 self.chunk_index = sum(1 for end in self._chunk_frame_ends if end <= frame)

@@ -247,6 +247,23 @@ def test_speed_and_instructions(stack):
     assert text_tokens(instructions="Whisper it.") > text_tokens()
 
 
+def test_slow_reader_gets_the_same_bytes_under_backpressure(stack, monkeypatch):
+    """With tiny bounds the session keeps stopping its streams for a slow client; nothing is lost."""
+    import gateway.session
+
+    body = {"response_format": "pcm", "seed": 21, "max_new_tokens": 40, "latency": "low"}
+    fast = speech(stack, **body).content
+    monkeypatch.setattr(gateway.session, "MAX_PENDING_PCM", 1)
+    monkeypatch.setattr(gateway.session, "MAX_FRAMES_AHEAD", 2)
+    slow = bytearray()
+    with stack.http.stream("POST", "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy",
+                                                             "input": "Hello there.", **body}) as response:
+        for piece in response.iter_bytes(4096):
+            slow += piece
+            time.sleep(0.01)
+    assert bytes(slow) == fast and len(fast) > 0
+
+
 def test_tts_with_reference_two_speakers_and_previous_take(stack):
     ref = base64.b64encode(sine_wav()).decode()
     references = [{"audio": ref, "text": "A low tone.", "speaker": 0},
