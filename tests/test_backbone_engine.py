@@ -217,3 +217,14 @@ def test_bench_smoke_on_cpu(capsys):
     assert [r["batch"] for r in results["decode"]] == [1, 3]
     assert all(r["median_ms"] > 0 for r in results["decode"])
     assert "prefill rows" in capsys.readouterr().out
+
+
+def test_batched_path_agrees_with_exact_path(tiny_checkpoint):
+    """The batched (GPU) path, run on CPU, computes the same function: close, not bit-identical."""
+    exact = load_backbone(tiny_checkpoint, lm_head=False)
+    batched = load_backbone(tiny_checkpoint, lm_head=False, exact=False)
+    tokens, frames = make_prompt(exact, 150, seed=10)
+    ref = run_session(BackboneEngine(exact, max_sessions=1, max_context=150), tokens, frames, [150])
+    got = run_session(BackboneEngine(batched, max_sessions=1, max_context=150), tokens, frames, [64, 70, 1, 15])
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 1e-5, f"rel err {err:.2e}"

@@ -87,11 +87,12 @@ def _assign(model: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
 
 
 def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  *, lm_head: bool = True) -> Backbone:
+                  *, lm_head: bool = True, exact: bool | None = None) -> Backbone:
     """The backbone of checkpoint directory `path`, on `device`, computing in `dtype`.
 
     lm_head=False skips the [V, H] LM head (the service never computes logits; §2.5 rule 6); it
-    is still checked. Raises ConfigError for config problems and one WeightError for all tensor
+    is still checked. exact: force the exact per-row path on or off (default: on for CPU; see
+    model.py). Raises ConfigError for config problems and one WeightError for all tensor
     problems.
     """
     path, device = Path(path), torch.device(device)
@@ -103,7 +104,7 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
 
     # Build on meta (no memory, no init), then put real tensors in; nothing is computed on meta.
     model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head,
-                     exact=device.type == "cpu")
+                     exact=device.type == "cpu" if exact is None else exact)
     for module in model.modules():
         if hasattr(module, "block_size"):
             module.block_size = block
