@@ -47,6 +47,7 @@ MAX_FRAMES_AHEAD = 256        # frames sent to the codec whose PCM has not come 
 
 @dataclass
 class Job:
+    """A prepared request (Orchestrator.prepare): everything a session needs to run."""
     request: SpeechRequest
     session_id: str
     request_id: str
@@ -63,6 +64,7 @@ class Job:
 
 @dataclass
 class Result:
+    """What a finished session reports (SSE `done`, span, logs)."""
     take_id: str
     seed: int
     finish_reason: str
@@ -78,12 +80,12 @@ class Result:
 
 
 def end_span(span, exc: BaseException | None = None) -> None:
+    """End the request span; status ERROR unless it ended well or the client left."""
     if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         span.set_status(Status(StatusCode.ERROR, str(exc)))
         if isinstance(exc, ApiError):
             span.set_attribute("error.type", exc.code or str(exc.status))
     span.end()
-
 
 
 class SpeechSession:
