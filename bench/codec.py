@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--encode-seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, help="timed calls per case (default 10 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="intra-op threads (default 1 on CPU, as the server's "
+                        "model thread; torch's default on GPU)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if args.repeats is None:
         args.repeats = 10 if device.type == "cuda" else 3
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
     cfg = CodecConfig.from_dict(preset_raw(args.preset)["codec_config"])
     codec = random_codec(cfg, device)
     params = sum(p.numel() for p in codec.parameters())
