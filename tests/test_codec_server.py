@@ -415,3 +415,23 @@ async def test_model_worker_threads_are_its_own():
         worker.shutdown()
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("fmt", ["FLAC", "OGG", "MP3"])
+async def test_encode_other_containers(codec_server, fmt):
+    """Any container soundfile reads: the codes equal the model's encode of the decoded samples."""
+    data = audio_file(tone(1.2, 24000, freq=300.0), 24000, fmt=fmt)
+    reply = await codec_server.stub.Encode(codec_pb2.EncodeRequest(audio_file=data))
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    expected = codec_server.codec.encode(torch.from_numpy(samples.mean(axis=1))[None], rate)[0]
+    assert torch.equal(codes_from_wire(reply.codes, reply.codebooks), expected)
+
+
+async def test_reflection_lists_the_codec(codec_server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(codec_server.channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    replies = [r async for r in stub.ServerReflectionInfo(aiter_of([request]))]
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"drama.codec.v1.Codec", "grpc.health.v1.Health"} <= names
