@@ -14,15 +14,22 @@ row count, so a chunked call is only equal up to rounding.) On GPU `frame_serial
 of all sessions with the same length run as one batch, equal to the serial path within F16
 tolerance.
 
-Note for the inventory (services/common/inventory.py), where §2.4 leaves room:
-- `quantizer.upsample.{u}.0.conv.weight` is a ConvTranspose1d weight, [C_in, C_out, 2] = [C, C, 2].
+Note for the inventory (services/common/inventory.py), where §2.4 leaves room. Our module tree
+and `codec_inventory(cfg, style="folded")` agree name for name and shape for shape (tested for
+the tiny and the full config); the choices both make:
+- `quantizer.upsample.{u}.0.conv.weight` is a ConvTranspose1d weight [C_in, C_out, 2] = [C, C, 2];
+  upsample stage u undoes downsample stage len-1-u (the reference builds them reversed).
 - ConvNeXt `dwconv` is a plain (not weight-normed) depthwise conv: `...1.dwconv.conv.weight` [C, 1, 7].
-- Weight-norm g is [dim0, 1, 1] (we refuse other shapes, e.g. a flat [dim0]).
-- The encoder-block transformer has `n_head = dim // 64` heads of `transformer_general_config.head_dim`
-  and `intermediate_size = 3·dim`, so for the tiny config (block 4, dim 64): wqkv [192, 64], wo [64, 64],
-  w1/w3 [192, 64], w2 [64, 192].
-- The decoder has no transformer tensors even where `decoder_transformer_layers` is non-zero.
-- `decoder.model.7` (tanh) and the Identity where an encoder block has no transformer hold no tensors.
+- Every weight-normed conv has a `.bias` of its output channels (dim 1 of V for the transposed
+  decoder convs); g is [dim0(V), 1, 1] (the loader refuses other g shapes, e.g. a flat [dim0]).
+- The encoder-block transformer has `n_head = dim // 64` (the literal 64 of the reference) heads of
+  `transformer_general_config.head_dim` and a 3·dim feed-forward: tiny block 4 (dim 64) has wqkv
+  [192, 64], wo [64, 64], w1/w3 [192, 64], w2 [64, 192].
+- The decoder has no transformer tensors even where `decoder_transformer_layers` is non-zero, and
+  tanh / the Identity of an encoder block without transformer hold none either.
+Other choices: the fold is W = V·(g/‖V‖) (torch's association); the RVQ tables stay float32 and
+the dequantised latents are cast to the decode dtype; encode always runs in float32; codes out of
+range are refused (the reference clamps).
 """
 
 from __future__ import annotations
