@@ -204,7 +204,9 @@ def prefill(stack, st, x):
 # sections
 # --------------------------------------------------------------------------------------------
 
-def section(results, name, fn):
+def section(results, name, fn, save_to=None):
+    """Run one measurement; a failure is recorded, not raised. With save_to, the results so far are
+    written after every section, so a command stopped by its time limit keeps what it measured."""
     t0 = time.time()
     try:
         results[name] = fn()
@@ -213,6 +215,9 @@ def section(results, name, fn):
         traceback.print_exc()
         results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     print(f"[{name}] {time.time() - t0:.1f}s {json.dumps(results[name])[:600]}", flush=True)
+    if save_to is not None:
+        Path(save_to).mkdir(parents=True, exist_ok=True)
+        (Path(save_to) / "ours.json").write_text(json.dumps(results, indent=1))
 
 
 def expert_bytes(unique):
@@ -349,13 +354,11 @@ def main_ours(args):
     torch.cuda.synchronize()
     res["stack_build_s"] = time.time() - t0
     res["stack_gb"] = torch.cuda.memory_allocated() / 1e9
-    section(res, "moe_decode", lambda: bench_moe(stack, bw, args.quick))
-    section(res, "gdn", bench_gdn)
-    section(res, "decode_step", lambda: bench_step(stack, bw))
-    section(res, "prefill", lambda: bench_prefill(stack))
-    section(res, "prefill_graph", lambda: bench_prefill_graph(stack))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "ours.json").write_text(json.dumps(res, indent=1))
+    section(res, "moe_decode", lambda: bench_moe(stack, bw, args.quick), args.out)
+    section(res, "decode_step", lambda: bench_step(stack, bw), args.out)
+    section(res, "prefill", lambda: bench_prefill(stack), args.out)
+    section(res, "prefill_graph", lambda: bench_prefill_graph(stack), args.out)
+    section(res, "gdn", bench_gdn, args.out)       # last: fla's autotuning alone takes about a minute
     print(report(res, {}))
 
 

@@ -255,15 +255,16 @@ def test_moe_fp8_matches_naive(h, i, e, k, t, grouped):
 
 @cuda
 @pytest.mark.parametrize("h,i,e,k,t", [(64, 160, 8, 2, 5), (2048, 512, 32, 8, 1), (2048, 512, 32, 8, 64)])
-@pytest.mark.parametrize("split", [4, 8])
-def test_moe_fp8_split_k_matches_naive(h, i, e, k, t, split):
+@pytest.mark.parametrize("cfg", [dict(moe.DECODE_CONFIG, SPLIT=4), dict(moe.DECODE_CONFIG, SPLIT=8),
+                                 moe.FAST_DECODE_CONFIG], ids=["split4", "split8", "fast"])
+def test_moe_fp8_split_k_matches_naive(h, i, e, k, t, cfg):
     """gate_up split over K (partials reduced, silu'd and quantised by a second kernel); empty splits when K is short."""
+    split = cfg["SPLIT"]
     experts = random_experts(e, h, i, device="cuda", seed=h + t + split)
     ids, w = random_routing(t, e, k, device="cuda", seed=t + split)
     x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-    cfg = dict(moe.DECODE_CONFIG, SPLIT=split)
     y = moe.moe_fp8(x, ids, w, *experts, config=cfg, grouped=False)
-    assert_close(y, moe.naive_moe_fp8(x, ids, w, *experts), 1e-2, f"moe split={split}")
+    assert_close(y, moe.naive_moe_fp8(x, ids, w, *experts), 1e-2, f"moe {cfg}")
 
 
 @cuda

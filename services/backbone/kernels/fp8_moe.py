@@ -390,6 +390,9 @@ if HAS_TRITON:
 # BM rows per block, BN columns per program (gate_up / down), SPLIT = K split of gate_up (partials
 # reduced by _split_reduce_quant_kernel); bench/kernels.py sweeps these on the H200.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=64, num_warps=4, num_stages=4)
+# Fastest at T = 1 in the H200 sweep of 2026-11-29 (1.57 vs 1.86 ms for 40 layers; docs/perf.md). The
+# default stays DECODE_CONFIG until test_moe_fp8_split_k_matches_naive[fast] has run on a GPU.
+FAST_DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, num_warps=4, num_stages=4, SPLIT=4)
 PREFILL_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=128, num_warps=8, num_stages=3)
 
 
