@@ -23,10 +23,12 @@ their solved rows of [U | W]); a call solves only its new rows, redoes the chunk
 advances the state when the chunk is complete. A decode row thus costs the chunk-size GEMMs
 (O(C·d_k·d_v) per head instead of the recurrence's O(d_k·d_v)), nothing on the tiny CPU model.
 Zero padding (β = g = 0, q = k = v = 0) is exact, and not-yet-arrived rows j > i enter row i only
-through exact zeros of the causal masks. A GPU fast path (fla kernels: chunked prefill plus the
-recurrence on the current state for decode) can sit beside this one, chosen once by
-`Backbone.exact`; it keeps the current state instead and gives up bit-identity across splits,
-not the math (tests/test_backbone_parts.py holds the two forms equal).
+through exact zeros of the causal masks.
+
+The batched path (`Backbone.exact` False, the GPU default, chosen once) keeps the state after the
+last row instead, and runs the recurrence for a one-row call and the chunk form from the call's
+first row otherwise: the same math (tests/test_backbone_parts.py holds the two forms equal), not
+the same bits across splits. fla's kernels (services/backbone/kernels/gdn.py) drop in there.
 """
 
 from __future__ import annotations
@@ -223,10 +225,12 @@ class GDNCache:
     """Per-slot state of one GDN layer (all preallocated, indexed by slot).
 
     conv   [S, K_c−1, c]      the last K_c−1 pre-activation conv inputs m (time-major)
-    state  [S, H, K, V]       F32 recurrent state at the start of the current 64-row chunk
+    state  [S, H, K, V]       F32 recurrent state: exact path, at the start of the current 64-row
+                              chunk; batched path, after the last row
     k, g   [S, 64, n_k, K], [S, 64, H]   the current chunk's earlier rows: k̂ and the log decay
     solved [S, 64, H, V+K]    their rows of [U | W] (see gdn_chunk), so a call only solves new rows
-    Only the first (position % 64) rows of k, g, solved are meaningful.
+    Only the first (position % 64) rows of k, g, solved are meaningful; the batched path does not
+    use them (they are allocated with no slots).
     """
     conv: torch.Tensor
     state: torch.Tensor
@@ -235,20 +239,22 @@ class GDNCache:
     solved: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: TextConfig, slots: int, dtype: torch.dtype, device) -> "GDNCache":
+    def allocate(cls, cfg: TextConfig, slots: int, dtype: torch.dtype, device, exact: bool = True) -> "GDNCache":
         f32 = dict(dtype=torch.float32, device=device)
         hv, hk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
         kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        rows = slots if exact else 0
         return cls(
             conv=torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim, dtype=dtype, device=device),
             state=torch.zeros(slots, hv, kd, vd, **f32),
-            k=torch.zeros(slots, CHUNK, hk, kd, **f32),
-            g=torch.zeros(slots, CHUNK, hv, **f32),
-            solved=torch.zeros(slots, CHUNK, hv, vd + kd, **f32))
+            k=torch.zeros(rows, CHUNK, hk, kd, **f32),
+            g=torch.zeros(rows, CHUNK, hv, **f32),
+            solved=torch.zeros(rows, CHUNK, hv, vd + kd, **f32))
 
     def reset(self, slot: int) -> None:
         for t in self.tensors():
-            t[slot].zero_()
+            if t.shape[0]:
+                t[slot].zero_()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.conv, self.state, self.k, self.g, self.solved]
@@ -339,11 +345,22 @@ class GatedDeltaNet(nn.Module):
             done, pos = done + take, pos + take
         return torch.cat(outs)
 
+    def _delta_rule_batched(self, q, k, v, g, beta, seg: Segment, cache: GDNCache) -> torch.Tensor:
+        """The batched path: the recurrence for one row, the chunk form (chunks from this call's
+        first row) otherwise, continuing from and replacing the slot's current state."""
+        repeat = self.num_v_heads // self.num_k_heads
+        rule = recurrent_gated_delta_rule if seg.count == 1 else chunk_gated_delta_rule
+        o, state = rule(q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1), v, g, beta,
+                        cache.state[seg.slot])
+        cache.state[seg.slot] = state
+        return o
+
     def forward(self, u: torch.Tensor, batch: RowBatch, cache: GDNCache) -> torch.Tensor:
         """u [R, H_model] (normed layer input) -> mixer output [R, H_model]; advances the cache."""
         m, z, b, a = per_row(self._project, u, exact=batch.exact)
         pre = torch.cat([self._conv(m[seg.rows], seg, cache) for seg in batch.segments])
         q, k, v, g, beta = per_row(self._activate, pre, b, a, exact=batch.exact)
-        o = torch.cat([self._delta_rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows],
-                                        beta[seg.rows], seg, cache) for seg in batch.segments])
+        delta_rule = self._delta_rule if batch.exact else self._delta_rule_batched
+        o = torch.cat([delta_rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows], beta[seg.rows], seg, cache)
+                       for seg in batch.segments])
         return per_row(self._output, o, z, exact=batch.exact)

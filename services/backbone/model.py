@@ -134,7 +134,7 @@ class Backbone(nn.Module):
 
     def allocate_caches(self, slots: int, max_context: int) -> BackboneCaches:
         cfg, device = self.config, self.device
-        layers = [GDNCache.allocate(cfg, slots, self.dtype, device) if t == "linear_attention"
+        layers = [GDNCache.allocate(cfg, slots, self.dtype, device, self.exact) if t == "linear_attention"
                   else KVCache.allocate(cfg, slots, max_context, self.dtype, device)
                   for t in cfg.layer_types]
         return BackboneCaches(layers, slots, max_context)
