@@ -171,3 +171,21 @@ def test_errors_are_shown(stack, browser):
     assert browser.execute_script("return window.playground.status") == "error"
     assert element("status").text.startswith("Failed: 400:")
     assert "speaker" in element("status").text
+
+
+@pytest.mark.parametrize("audio_format", ["mp3", "opus"])
+def test_buffered_formats_play_in_the_audio_element(stack, browser, audio_format):
+    from selenium.webdriver.support.ui import Select
+
+    element = open_page(browser, stack)
+    Select(element("format")).select_by_value(audio_format)
+    element("max-frames").send_keys(str(MAX_FRAMES))
+    element("speak").click()
+    wait_for(browser, "['done', 'error'].includes(window.playground.status)", timeout=60)
+    state = browser.execute_script("return window.playground")
+    assert state["status"] == "done", state["error"]
+    assert state["audioSeconds"] > 0 and state["rtf"] > 0 and state["ttfaMs"] > 0
+    player = browser.execute_script("const a = document.getElementById('player');"
+                                    "return {paused: a.paused, duration: a.duration, src: a.src}")
+    assert player["src"].startswith("blob:") and player["duration"] == pytest.approx(state["audioSeconds"])
+    assert not player["paused"] or browser.execute_script("return document.getElementById('player').ended")
