@@ -228,3 +228,25 @@ def test_batched_path_agrees_with_exact_path(tiny_checkpoint):
     got = run_session(BackboneEngine(batched, max_sessions=1, max_context=150), tokens, frames, [64, 70, 1, 15])
     err = float((got - ref).norm() / ref.norm())
     assert err < 1e-5, f"rel err {err:.2e}"
+
+
+def test_split_invariance_at_odd_sizes():
+    """The same property at sizes where rows, heads and expert slices are not 64-byte multiples
+    (hidden 40, key dim 10, value dim 6, intermediate 20), with block-FP8 experts."""
+    from services.backbone.weights import random_backbone
+    from services.common.config import TextConfig
+
+    cfg = TextConfig(vocab_size=101, hidden_size=40, num_hidden_layers=3, num_attention_heads=3,
+                     num_key_value_heads=1, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6,
+                     linear_key_head_dim=10, linear_value_head_dim=6, linear_conv_kernel_dim=3,
+                     num_experts=5, num_experts_per_tok=2, moe_intermediate_size=20,
+                     shared_expert_intermediate_size=14,
+                     layer_types=["linear_attention", "full_attention", "linear_attention"])
+    model = random_backbone(cfg, device="cpu", seed=3)
+    engine = BackboneEngine(model, max_sessions=3, max_context=160)
+    tokens = torch.randint(0, 101, (150,), generator=torch.Generator().manual_seed(0))
+    frames = torch.empty(150, 0, dtype=torch.int64)
+    reference = run_session(engine, tokens, frames, [150])   # in slot 0
+    engine.open()                                            # the splits below run in slot 1
+    for sizes in (pieces(150, 1), pieces(150, 7), [63, 2, 64, 21]):
+        assert torch.equal(run_session(engine, tokens, frames, sizes), reference), sizes[:3]
