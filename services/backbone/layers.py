@@ -11,7 +11,12 @@ Why `per_row` exists: on CPU, torch's GEMM results for a row change with the num
 tail of a tensor with a scalar fallback whose sigmoid/softplus/silu differ from the SIMD ones in
 the last bit. Prompt-split and batch invariance (issue #4) need a row's arithmetic fixed, so on
 the exact path every row-wise function runs on one fresh, contiguous [1, ..] row: same shapes,
-same kernels, same bits, however the rows arrived. The fast path (GPU) calls `fn` once.
+same kernels, same bits, however the rows arrived. The batched path (GPU) calls `fn` once.
+MKL's results also depend on operand alignment, so the loader copies every weight into fresh
+(64-byte aligned) memory and the mixers hand GEMMs fresh tensors rather than views into the slot
+pool. Elementwise multiplies/adds and torch's reductions were checked to be shape-stable per
+element; tests/test_backbone_engine.py proves the end result bit for bit. The exact path is many
+tiny ops: on a busy machine one intra-op thread is much faster than two (OpenMP wake-ups).
 """
 
 from __future__ import annotations
