@@ -3,7 +3,7 @@ layer) over text and audio rows (MODEL.md §4). Outer to inner:
 
     Backbone                 embed_tokens, layers, final norm, optional lm_head (parity only)
       .embed(token_ids [R], frames [R, N] | None) -> input rows [R, H]              (§4.1)
-      .forward_rows(x [R, H], batch, caches)       -> final-norm hidden [R, H], caches advanced
+      .forward_rows(x [R, H], segments, caches)    -> final-norm hidden [R, H], caches advanced
       .forward_tokens(token_ids [T])               -> (hidden [T, H], logits [T, V]) of a fresh sequence
       .allocate_caches(slots, max_context)         -> BackboneCaches (one entry per layer)
     DecoderLayer             h = x + Mixer(RMSNorm⁺(x)); x' = h + MoE(RMSNorm⁺(h))    (§4.2)
