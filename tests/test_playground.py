@@ -114,7 +114,7 @@ def severe_console_messages(driver) -> list[str]:
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
 
-def test_speak_streams_and_plays(stack, browser, artifacts):
+def test_speak_streams_and_plays(browser, stack, artifacts):
     from selenium.webdriver.support.ui import Select
 
     element = open_page(browser, stack)
@@ -161,7 +161,7 @@ def test_speak_streams_and_plays(stack, browser, artifacts):
     assert screenshot.stat().st_size > 0
 
 
-def test_errors_are_shown(stack, browser):
+def test_errors_are_shown(browser, stack):
     element = open_page(browser, stack)
     text = element("text")
     text.clear()
@@ -174,7 +174,7 @@ def test_errors_are_shown(stack, browser):
 
 
 @pytest.mark.parametrize("audio_format", ["mp3", "opus"])
-def test_buffered_formats_play_in_the_audio_element(stack, browser, audio_format):
+def test_buffered_formats_play_in_the_audio_element(browser, stack, audio_format):
     from selenium.webdriver.support.ui import Select
 
     element = open_page(browser, stack)
