@@ -179,26 +179,40 @@ class Recorder:
         self.work.append(work)
         return self.engine.step(work)
 
-    @property
-    def ready(self) -> bool:
-        return self.tower.ready
-
-    async def tower_step(self, step: TowerStep):
+    async def tower_send(self, step: TowerStep) -> asyncio.Future:
         self.steps.append(step)
-        result = await self.tower.step(step)
-        return self.inject(step, result) if self.inject else result
+        future = await self.tower.send(step)
+        self.outstanding = [f for f in getattr(self, "outstanding", []) if not f.done()] + [future]
+        self.max_outstanding = max(getattr(self, "max_outstanding", 0), len(self.outstanding))
+        if self.inject is None:
+            return future
+        injected = asyncio.get_running_loop().create_future()
+
+        def alter(done: asyncio.Future) -> None:
+            if done.exception() is not None:
+                injected.set_exception(done.exception())
+            else:
+                injected.set_result(self.inject(step, done.result()))
+        future.add_done_callback(alter)
+        return injected
 
 
 class _TowerSide:
+    """The tower as the scheduler sees it, through the recorder."""
+
     def __init__(self, recorder):
         self.recorder = recorder
 
     @property
-    def ready(self):
-        return self.recorder.ready
+    def ready(self) -> bool:
+        return self.recorder.tower.ready
 
-    async def step(self, step):
-        return await self.recorder.tower_step(step)
+    @property
+    def max_inflight_steps(self) -> int:
+        return self.recorder.tower.max_inflight_steps
+
+    async def send(self, step):
+        return await self.recorder.tower_send(step)
 
 
 @pytest.fixture
@@ -310,6 +324,21 @@ async def test_scheduler_sends_every_row_once_in_order_with_its_target(stage):
         assert decoded == [] if appended == 0 else torch.equal(torch.stack(decoded), generated[:appended])
         previous = generated.T
     assert rec.engine.free_slots == POOL_ROWS
+
+
+async def test_pipelined_steps_give_each_session_the_frames_of_sequential_steps(stage):
+    """Two groups at the tower at once (while one is at the tower the engine computes the
+    other) change nothing for any session: same frames as one step at a time."""
+    runs = {}
+    for inflight in (1, 2):
+        scheduler, rec = await stage(max_inflight_steps=inflight)
+        sessions = [scheduler.submit(_job(f"p{i}", seed=40 + i, turns=("one", "two"), max_new=6))
+                    for i in range(POOL_ROWS)]
+        results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        runs[inflight] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
+        assert rec.max_outstanding == inflight
+    for sequential, pipelined in zip(runs[1], runs[2]):
+        assert torch.equal(sequential, pipelined)
 
 
 async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stage):

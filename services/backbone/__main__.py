@@ -3,7 +3,8 @@
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_TOWER_ADDR, DRAMA_DEVICE, DRAMA_HOST,
 DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
 DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKENS (2048),
-DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01) and DRAMA_GRACE_S (30).
+DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
+Step requests at the tower at once, capped by the tower's own) and DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         prefill_chunk_tokens=env_default("DRAMA_PREFILL_CHUNK_TOKENS", 2048, int),
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
+        max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float))
 
 

@@ -2,28 +2,33 @@
 
 Pure Python over the engine: no protobuf and no gRPC here. `server.py` turns a GenerateRequest
 into a `Job`, submits it, and translates the session's events back into GenerateResponses; the
-tower is reached through an object with `ready` and `async step(TowerStep) -> TowerResult`
-(`tower_client.TowerClient`).
+tower is reached through an object with `ready`, `max_inflight_steps` and
+`async send(TowerStep) -> Future[TowerResult]` (`tower_client.TowerClient`).
 
-One loop iteration is one step:
+A step of one group of sessions:
     1. admit queued sessions FIFO while the engine has free slots (each gets its first chunk's rows);
     2. plan: at most one entry per session, decode rows first (one row: the frame the tower just
        drew), then prefill pieces within the step's prefill row budget, at most `max_rows` entries;
     3. `engine.step` on the engine thread (the event loop never blocks on the model);
-    4. one TowerStep with every row (hidden, targets, draws, and the releases since the last step);
-    5. route the drawn frames: buffer and emit them, end chunks on `stop` (STOP) or at
-       `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
+    4. send one TowerStep with every row (hidden, targets, draws, and the releases so far);
+    5. when its StepResponse comes back, route the drawn frames: buffer and emit them, end chunks
+       on `stop` (STOP) or at `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
+
+Stage pipelining (API.md §3.5): up to `max_inflight_steps` groups are at the tower at once (the
+smaller of ours and the tower's). While one group is at the tower, the loop plans and computes the
+next from the sessions not waiting for a response, so backbone and tower work at the same time.
+A session is in at most one group (it waits for its own frame) and responses come back in request
+order, so each session sees the same rows in the same order as without pipelining; with one step
+in flight the loop is simply sequential.
+
+Every engine call (open, release, step) is made by the loop coroutine, and `engine.step` is
+awaited where it is made, so the engine never sees two calls at once; `cancel` and the tower's
+loss callback only set flags and wake the loop.
 
 Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
 the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
 so the tower's span joins the trace; each chunk's prefill is reported as a `PrefillDone` event
 with its start and end times, which the servicer turns into a `prefill` span.
-
-Every engine call (open, release, step) happens inside the loop coroutine, so the engine never
-sees two calls at once; `cancel` and the tower's loss callback only set flags and wake the loop.
-Stage pipelining (two row groups in flight, API.md §3.5 `max_inflight_steps`) fits this shape
-later: plan two disjoint groups and keep one in the engine while the other is at the tower; a
-session is in at most one group because it waits for its own frame.
 """
 
 from __future__ import annotations
@@ -273,7 +278,11 @@ class Tower(Protocol):
     @property
     def ready(self) -> bool: ...
 
-    async def step(self, step: TowerStep) -> TowerResult: ...
+    @property
+    def max_inflight_steps(self) -> int: ...
+
+    async def send(self, step: TowerStep) -> "asyncio.Future[TowerResult]":
+        """Write the step; the returned future resolves to its result (or TowerUnavailable)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +301,7 @@ class Session:
     cancelled: bool = False
     slot: int | None = None
     tower_open: bool = False               # the tower holds state for this timeline
+    in_flight: bool = False                # its last entry awaits the tower's response
     chunk_index: int = 0
     rows: Rows | None = None               # the current chunk's prompt rows
     targets: Tensor | None = None          # their targets [P, N]
@@ -331,13 +341,23 @@ class _Entry:
     draw: bool
 
 
+@dataclass
+class _InFlight:
+    """A step sent to the tower, waiting for its response."""
+
+    entries: list[_Entry]
+    result: asyncio.Future
+    span: object | None
+
+
 class Scheduler:
     """Admission queue, continuous batching loop and per-session output streams."""
 
     def __init__(self, engine, tower: Tower, *, semantic_start_token_id: int,
                  max_rows: int = 64, max_queue: int = 256, prefill_chunk_tokens: int = 2048,
                  step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
-                 step_span_sample: float = 0.01, idle_poll_s: float = 0.05):
+                 step_span_sample: float = 0.01, max_inflight_steps: int = 2,
+                 idle_poll_s: float = 0.05):
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -349,12 +369,14 @@ class Scheduler:
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
+        self.max_inflight_steps = max_inflight_steps
         self.idle_poll_s = idle_poll_s
         self.accepting = True
         self._queue: collections.deque[Session] = collections.deque()
         self._active: list[Session] = []           # admission order
         self._sessions: dict[str, Session] = {}    # queued and active, by id
         self._release: list[str] = []              # tower states to free in the next step
+        self._inflight: collections.deque[_InFlight] = collections.deque()   # request order
         self._tower_lost = False
         self._wake = asyncio.Event()
         self._step_id = 0
@@ -378,6 +400,11 @@ class Scheduler:
         # A step cancelled mid-flight may still run on the engine thread; let it finish before
         # the slots are released.
         await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        for step in self._inflight:
+            step.result.cancel()
+            if step.span is not None:
+                step.span.end()
+        self._inflight.clear()
         for session in list(self._sessions.values()):
             self._end(session, GenerateError("UNAVAILABLE", "backbone shutting down",
                                              drama_code="not_ready"))
@@ -454,14 +481,16 @@ class Scheduler:
                     self._fail_tower_sessions()
                 self._reap()
                 self._admit()
-                if not self.tower.ready:
-                    await self._sleep()
+                if self._inflight and self._inflight[0].result.done():
+                    self._finish_step(self._inflight.popleft())
                     continue
-                entries = self._plan()
-                if entries or self._release:
-                    await self._step(entries)
-                else:
-                    await self._sleep()
+                if self.tower.ready and len(self._inflight) < self._inflight_limit():
+                    entries = self._plan()
+                    # A message with only releases goes out when nothing else will carry them.
+                    if entries or (self._release and not self._inflight):
+                        await self._start_step(entries)
+                        continue
+                await self._sleep()
             except asyncio.CancelledError:
                 raise
             except Exception:   # a bug here must not silently stop every stream
@@ -469,12 +498,17 @@ class Scheduler:
                 for session in list(self._active):
                     self._end(session, GenerateError("INTERNAL", "backbone scheduler error"))
 
+    def _inflight_limit(self) -> int:
+        return max(1, min(self.max_inflight_steps, self.tower.max_inflight_steps))
+
     async def _sleep(self) -> None:
+        """Wait for a wake-up, the oldest response or the poll interval (queue timeouts)."""
         self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), self.idle_poll_s)
-        except asyncio.TimeoutError:
-            pass
+        waits = [asyncio.ensure_future(self._wake.wait())]
+        if self._inflight:
+            waits.append(self._inflight[0].result)
+        await asyncio.wait(waits, timeout=self.idle_poll_s, return_when=asyncio.FIRST_COMPLETED)
+        waits[0].cancel()
 
     def _reap(self) -> None:
         """End cancelled sessions and sessions past their deadline (queued ones too)."""
@@ -539,16 +573,21 @@ class Scheduler:
         for session in self._active:
             if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
                 session.paused = False
-            if not session.paused:
+            if not session.paused and not session.in_flight and (session.decoding or session.prefilling):
                 runnable.append(session)
+        limit = self.max_rows
+        if self._inflight_limit() > 1 and not self._inflight:
+            # Nothing is at the tower: send half now, so the engine computes the other half while
+            # the tower works on this one; from then on the two groups alternate (API.md §3.5).
+            limit = min(limit, (len(runnable) + 1) // 2)
         for session in runnable:
-            if session.decoding and len(entries) < self.max_rows:
+            if session.decoding and len(entries) < limit:
                 frame = session.next_row.unsqueeze(0)
                 row = Rows(frame[:, 0] + self.semantic_start_token_id, frame)
                 entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True))
         budget = self.step_prefill_rows
         for session in runnable:
-            if session.prefilling and len(entries) < self.max_rows and budget > 0:
+            if session.prefilling and len(entries) < limit and budget > 0:
                 n = min(len(session.rows) - session.sent, self.prefill_chunk_tokens, budget)
                 budget -= n
                 end = session.sent + n
@@ -557,7 +596,9 @@ class Scheduler:
                                       draw=end == len(session.rows)))
         return entries
 
-    async def _step(self, entries: list[_Entry]) -> None:
+    async def _start_step(self, entries: list[_Entry]) -> None:
+        """Compute the group's hidden rows and send them to the tower; `_finish_step` routes the
+        response when it comes."""
         span = None
         if entries and random.random() < self.step_span_sample:
             links = [trace.Link(e.session.job.span_context) for e in entries
@@ -566,13 +607,6 @@ class Scheduler:
             span = _tracer.start_span("backbone.step", links=links, attributes={
                 "drama.batch.rows": sum(len(e.rows) for e in entries),
                 "drama.batch.sessions": len(entries)})
-        try:
-            await self._run_step(entries, span)
-        finally:
-            if span is not None:
-                span.end()
-
-    async def _run_step(self, entries: list[_Entry], span) -> None:
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         if work:
             try:
@@ -582,6 +616,8 @@ class Scheduler:
                 log.exception("engine step failed")
                 for e in entries:
                     self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
+                if span is not None:
+                    span.end()
                 return
             hidden = torch.cat(hidden)
         else:   # a release-only message
@@ -597,6 +633,7 @@ class Scheduler:
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
+            s.in_flight = True
         targets = (torch.cat([e.targets for e in entries]) if entries
                    else torch.empty(0, self.engine.num_codebooks, dtype=torch.int64))
         release, self._release = self._release, []
@@ -605,11 +642,21 @@ class Scheduler:
             propagate.inject(trace_context, context=trace.set_span_in_context(span))
         step = TowerStep(tower_entries, hidden, targets, release, trace_context)
         try:
-            result = await self.tower.step(step)
-        except TowerUnavailable:
+            result = await self.tower.send(step)
+        except TowerUnavailable as exc:
+            result = asyncio.get_running_loop().create_future()
+            result.set_exception(exc)
+        self._inflight.append(_InFlight(entries, result, span))
+
+    def _finish_step(self, step: _InFlight) -> None:
+        for e in step.entries:
+            e.session.in_flight = False
+        if step.span is not None:
+            step.span.end()
+        if step.result.cancelled() or isinstance(step.result.exception(), TowerUnavailable):
             self._fail_tower_sessions()
             return
-        self._route(entries, result)
+        self._route(step.entries, step.result.result())
 
     def _route(self, entries: list[_Entry], result: TowerResult) -> None:
         for index, e in enumerate(entries):

@@ -280,6 +280,7 @@ class Settings:
     prefill_chunk_tokens: int = 2048
     session_buffer_frames: int = 1024
     step_span_sample: float = 0.01
+    max_inflight_steps: int = 2      # Step requests at the tower at once (also capped by the tower's)
     grace_s: float = 30.0
 
 
@@ -393,7 +394,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
                           session_buffer_frames=settings.session_buffer_frames,
-                          step_span_sample=settings.step_span_sample)
+                          step_span_sample=settings.step_span_sample,
+                          max_inflight_steps=settings.max_inflight_steps)
     tower.on_lost = scheduler.tower_lost
     running.scheduler, running.tower = scheduler, tower
     servicer.attach(config, scheduler, tower)

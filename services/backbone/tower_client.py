@@ -1,9 +1,10 @@
 """The backbone's side of the long-lived Tower.Step stream (API.md §3.5).
 
 `TowerClient` connects, checks `Tower.GetInfo` against the backbone (hidden size and dtype,
-codebooks, a cache pool at least ours), opens the Step stream and keeps it for the process. One
-`step()` is one StepRequest and its StepResponse; responses come in request order, so a FIFO of
-futures pairs them up and a single reader task resolves them.
+codebooks, a cache pool at least ours), opens the Step stream and keeps it for the process.
+`send()` writes one StepRequest and returns a future for its result; responses come in request
+order, so a FIFO of futures pairs them up and a single reader task resolves them. Up to the
+tower's `max_inflight_steps` requests may be outstanding (the scheduler keeps to that).
 
 When the stream breaks (tower killed, connection lost, a malformed response) every outstanding
 step raises `TowerUnavailable`, `on_lost` tells the scheduler that all tower state is gone, the
@@ -91,7 +92,8 @@ class TowerClient:
         self._ready = False
         self._ready_event = asyncio.Event()
         self._call = None
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        # (future, step_id, entries) per outstanding request, in wire order
+        self._pending: collections.deque[tuple[asyncio.Future, int, int]] = collections.deque()
         self._write_lock = asyncio.Lock()
         self._broken = asyncio.Event()
         self._step_id = 0
@@ -100,6 +102,10 @@ class TowerClient:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def max_inflight_steps(self) -> int:
+        return max(1, self.info.max_inflight_steps) if self.info is not None else 1
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._maintain(), name="tower-client")
@@ -136,29 +142,26 @@ class TowerClient:
                             f"backbone {self.max_context_tokens}")
         return "; ".join(problems) or None
 
-    async def step(self, step: TowerStep) -> TowerResult:
-        """Send one step and wait for its response; raises TowerUnavailable if the stream breaks."""
+    async def send(self, step: TowerStep) -> asyncio.Future:
+        """Write one step; the returned future resolves to its TowerResult, or raises
+        TowerUnavailable when the stream breaks first."""
         if not self._ready:
             raise TowerUnavailable("tower not connected")
         self._step_id += 1
         request = step_request(step, self._step_id, self.hidden_dtype)
         future = asyncio.get_running_loop().create_future()
         async with self._write_lock:   # the queue order is the wire order
-            self._pending.append(future)
+            self._pending.append((future, request.step_id, len(step.entries)))
             try:
                 await self._call.write(request)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 self._broken.set()
                 raise TowerUnavailable(f"Step write failed: {exc}") from None
-        response = await future
-        if response.step_id != request.step_id:
-            self._broken.set()
-            raise TowerUnavailable(f"StepResponse {response.step_id} for request {request.step_id}")
-        try:
-            return step_result(response, len(step.entries), self.codebooks)
-        except TowerUnavailable:
-            self._broken.set()
-            raise
+        return future
+
+    async def step(self, step: TowerStep) -> TowerResult:
+        """Send one step and wait for its result."""
+        return await (await self.send(step))
 
     # ---- connection lifecycle ---------------------------------------------------------------
 
@@ -209,17 +212,29 @@ class TowerClient:
                 response = await call.read()
                 if response is grpc.aio.EOF or not self._pending:
                     break
-                future = self._pending.popleft()
+                future, step_id, n_entries = self._pending.popleft()
+                try:
+                    if response.step_id != step_id:
+                        raise TowerUnavailable(f"StepResponse {response.step_id} for request {step_id}")
+                    result = step_result(response, n_entries, self.codebooks)
+                except TowerUnavailable as exc:
+                    if not future.done():
+                        future.set_exception(exc)
+                    raise
                 if not future.done():
-                    future.set_result(response)
+                    future.set_result(result)
         except grpc.aio.AioRpcError as exc:
             self.last_error = f"Step stream: {_error_text(exc)}"
+        except TowerUnavailable as exc:      # the stages disagree: drop the stream, start over
+            self.last_error = str(exc)
+            log.error("tower %s: %s", self.addr, exc)
         finally:
             self._broken.set()
+            self._fail_pending()
 
     def _fail_pending(self) -> None:
         while self._pending:
-            future = self._pending.popleft()
+            future, _, _ = self._pending.popleft()
             if not future.done():
                 future.set_exception(TowerUnavailable("the Step stream broke"))
 
