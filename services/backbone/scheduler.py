@@ -379,7 +379,6 @@ class Scheduler:
         self._inflight: collections.deque[_InFlight] = collections.deque()   # request order
         self._tower_lost = False
         self._wake = asyncio.Event()
-        self._step_id = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-engine")
         self._task: asyncio.Task | None = None
 

@@ -145,7 +145,7 @@ class TowerClient:
     async def send(self, step: TowerStep) -> asyncio.Future:
         """Write one step; the returned future resolves to its TowerResult, or raises
         TowerUnavailable when the stream breaks first."""
-        if not self._ready:
+        if not self._ready or self._broken.is_set():
             raise TowerUnavailable("tower not connected")
         self._step_id += 1
         request = step_request(step, self._step_id, self.hidden_dtype)
