@@ -65,6 +65,10 @@ async def synthesize(request: Request, state: GatewayState, speech: SpeechReques
     route = request.url.path
     metrics = state.metrics
     job = await state.orchestrator.prepare(speech, request_id(request))
+    audio = speech.audio
+    pipeline = AudioPipeline(audio.format, audio.sample_rate, streamed=audio.mode != "buffered",
+                             volume_db=audio.volume_db, speed=audio.speed, mp3_bitrate=audio.mp3_bitrate,
+                             opus_bitrate=audio.opus_bitrate, serial=job.seed)
     session = state.orchestrator.session(job)
     metrics.in_flight.inc(route=route)
     try:
@@ -75,10 +79,6 @@ async def synthesize(request: Request, state: GatewayState, speech: SpeechReques
     if not admitted:
         metrics.in_flight.dec(route=route)
         return Response(status_code=499)         # nobody is listening; logged as 499
-    audio = speech.audio
-    pipeline = AudioPipeline(audio.format, audio.sample_rate, streamed=audio.mode != "buffered",
-                             volume_db=audio.volume_db, speed=audio.speed, mp3_bitrate=audio.mp3_bitrate,
-                             opus_bitrate=audio.opus_bitrate, serial=job.seed)
     headers = {
         "X-Sample-Rate": str(audio.sample_rate), "X-Channels": "1", "X-Seed": str(job.seed),
         "X-Take-Id": job.take_id, "X-Voice-Id": job.voice_id,
