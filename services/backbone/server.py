@@ -371,7 +371,12 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         # lm_head=False: the tower owns the semantic head; the service never computes logits.
         model = loaded_model or await asyncio.to_thread(
             load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False)
-        engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
+        try:
+            engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
+        except torch.OutOfMemoryError as exc:
+            raise MemoryBudgetError(
+                f"the cache pool for {settings.max_rows} sessions x {max_context} rows does not fit "
+                f"on {settings.device}: {exc}; lower DRAMA_MAX_ROWS or DRAMA_MAX_CONTEXT_TOKENS") from None
         print(memory_report(engine, settings.memory_budget_gb, settings.device), flush=True)
         check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
                            hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
@@ -382,6 +387,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
 
     def on_tower_ready(ready: bool) -> None:
         serving = ready and running.scheduler is not None and running.scheduler.accepting
+        # keep a reference until the health update ran (the loop holds tasks only weakly)
+        running._tasks = [t for t in running._tasks if not t.done()]
         running._tasks.append(asyncio.get_running_loop().create_task(
             grpcutil.set_serving(health, serving)))
         running.scheduler.wake()
