@@ -194,9 +194,12 @@ def _openai_voice(value) -> str:
 # POST /v1/tts
 # --------------------------------------------------------------------------------------------
 
+# fish-audio-sdk (1.3) sends three generation fields of Fish's hosted API by default; they are
+# checked and honoured as far as this model has the concept (see `_fish_generation_fields`).
+_FISH_SDK_FIELDS = ("min_chunk_length", "condition_on_previous_chunks", "early_stop_threshold")
 _TTS_FIELDS = frozenset({"text", "model", "references", "reference_id", "history", "use_memory_cache",
                          "format", "sample_rate", "streaming", "stream_format", "prosody",
-                         "mp3_bitrate", "opus_bitrate", *_SAMPLING_FIELDS})
+                         "mp3_bitrate", "opus_bitrate", *_SAMPLING_FIELDS, *_FISH_SDK_FIELDS})
 _CLIP_FIELDS = ("audio", "audio_path", "vq_codes", "text", "speaker")
 
 
@@ -213,6 +216,7 @@ def parse_tts(data: dict, *, max_text_chars: int, aac_available: bool, info: Mod
     reference_ids = _reference_ids(data.get("reference_id"), references)
     history = _history(data.get("history"), info)
     sampling = _sampling(data, "normal")
+    _fish_generation_fields(data)
     fmt = _audio_format(data, "format", "wav", aac_available)
     sample_rate = _sample_rate(data, fmt, 48000 if fmt == "opus" else 44100)
     streaming = _default(get_bool(data, "streaming", "streaming"), False)
@@ -228,6 +232,21 @@ def parse_tts(data: dict, *, max_text_chars: int, aac_available: bool, info: Mod
                          opus_bitrate=get_enum(data, "opus_bitrate", "opus_bitrate", (-1000, 24, 32, 48, 64)))
     return SpeechRequest(route="tts", model=model, text=text, audio=audio, sampling=sampling,
                          references=references, reference_ids=reference_ids, history=history)
+
+
+def _fish_generation_fields(data: dict) -> None:
+    """Fish's `min_chunk_length`, `condition_on_previous_chunks` and `early_stop_threshold`.
+
+    Each chunk here is conditioned on the previous one (MODEL.md §8.3), so `true` (the SDK's
+    default) is what we do and `false` is refused rather than ignored. A request is one sequence,
+    so the batch early-stop threshold has nothing to apply to, and the tag-aware chunker only
+    makes a chunk shorter than `chunk_length` at a text boundary; both are range-checked only.
+    """
+    get_int(data, "min_chunk_length", "min_chunk_length", 0, 1000)
+    get_number(data, "early_stop_threshold", "early_stop_threshold", 0.0, 1.0)
+    if get_bool(data, "condition_on_previous_chunks", "condition_on_previous_chunks") is False:
+        raise ApiError(400, "invalid_value", "Invalid 'condition_on_previous_chunks': only true is supported; "
+                       "every text chunk is conditioned on the previous one.", "condition_on_previous_chunks")
 
 
 def _prosody(value) -> tuple[float, float]:

@@ -191,17 +191,22 @@ def test_tts_field_errors(client, body, code, param):
 
 
 def test_tts_accepts_fish_sdk_msgpack_body(client):
-    """fish-audio-sdk sends MessagePack with raw bytes audio and its default fields."""
-    body = {"text": "hello", "chunk_length": 200, "format": "mp3", "mp3_bitrate": 128, "opus_bitrate": -1000,
-            "references": [{"audio": sine_wav(), "text": "a tone"}], "reference_id": None, "normalize": True,
-            "latency": "balanced", "prosody": None, "top_p": 0.7, "temperature": 0.7, "sample_rate": None}
+    """fish-audio-sdk 1.3 sends MessagePack with raw bytes audio and these defaults (exclude_none)."""
+    body = {"text": "hello", "chunk_length": 200, "format": "mp3", "mp3_bitrate": 128, "opus_bitrate": 32,
+            "references": [{"audio": sine_wav(), "text": "a tone"}], "normalize": True, "latency": "balanced",
+            "top_p": 0.7, "temperature": 0.7, "max_new_tokens": 1024, "repetition_penalty": 1.2,
+            "min_chunk_length": 50, "condition_on_previous_chunks": True, "early_stop_threshold": 1.0,
+            "prosody": {"speed": 1.0, "volume": 0.0}}
     r = client.post("/v1/tts", content=msgpack.packb(body, use_bin_type=True),
-                    headers={"content-type": "application/msgpack", "model": "s1"})
+                    headers={"content-type": "application/msgpack", "model": "s2-pro"})
     # Validation passed; the codec (for the reference) is unreachable.
     assert r.status_code == 503 and error_of(r)["code"] == "upstream_unavailable"
     r = client.post("/v1/tts", content=msgpack.packb({**body, "extra": 1}, use_bin_type=True),
                     headers={"content-type": "application/msgpack"})
     assert (r.status_code, error_of(r)["param"]) == (400, "extra")
+    r = client.post("/v1/tts", content=msgpack.packb({**body, "condition_on_previous_chunks": False}),
+                    headers={"content-type": "application/msgpack"})
+    assert (r.status_code, error_of(r)["param"]) == (400, "condition_on_previous_chunks")
     r = client.post("/v1/tts", content=msgpack.packb({"text": "hi"}),
                     headers={"content-type": "application/msgpack", "model": "speech-9"})
     assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
