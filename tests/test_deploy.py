@@ -119,6 +119,7 @@ def test_stage_gpu_reservations(gpu_compose, cpu_compose):
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert ("device_ids" in device) != ("count" in device), "device_ids and count are exclusive"
         assert device["device_ids"] == [f"${{{stage.upper()}_GPU:-0}}"]
+        assert gpu_compose["services"][stage]["environment"]["DRAMA_DEVICE"] == "cuda"
         assert "deploy" not in cpu_compose["services"][stage]
         assert cpu_compose["services"][stage]["environment"]["DRAMA_DEVICE"] == "cpu"
     assert "deploy" not in gpu_compose["services"]["gateway"]
