@@ -470,3 +470,20 @@ async def test_a_sampled_step_sends_its_trace_context_to_the_tower(stage):
     await _run(scheduler, scheduler.submit(_job("traced", turns=("x",), max_new=2)))
     with_rows = [s for s in rec.steps if s.entries]
     assert with_rows and all("traceparent" in s.trace_context for s in with_rows)
+
+
+async def test_step_metrics_and_gauges_are_recorded(stage):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    scheduler, rec = await stage(meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
+    await _run(scheduler, scheduler.submit(_job("measured", turns=("x",), max_new=3)))
+    points = {m.name: m.data.data_points
+              for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics}
+    rows = points["drama_backbone_batch_rows"][0]
+    assert rows.count == len(rec.work) and rows.sum == sum(len(ids) for w in rec.work for _, ids, _ in w)
+    assert points["drama_backbone_step_seconds"][0].count == len(rec.work)
+    assert points["drama_backbone_queue_depth"][0].value == 0
+    assert points["drama_backbone_kv_usage_ratio"][0].value == 0.0     # all released

@@ -25,6 +25,10 @@ Every engine call (open, release, step) is made by the loop coroutine, and `engi
 awaited where it is made, so the engine never sees two calls at once; `cancel` and the tower's
 loss callback only set flags and wake the loop.
 
+Metrics (API.md §1.7, OpenTelemetry): `drama_backbone_batch_rows` and `drama_backbone_step_seconds`
+(engine time) per step, `drama_backbone_queue_depth` and `drama_backbone_kv_usage_ratio` (rows held
+over the pool's rows) as gauges.
+
 Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
 the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
 so the tower's span joins the trace; each chunk's prefill is reported as a `PrefillDone` event
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import torch
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -357,7 +361,7 @@ class Scheduler:
                  max_rows: int = 64, max_queue: int = 256, prefill_chunk_tokens: int = 2048,
                  step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
                  step_span_sample: float = 0.01, max_inflight_steps: int = 2,
-                 idle_poll_s: float = 0.05):
+                 idle_poll_s: float = 0.05, meter: metrics.Meter | None = None):
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -381,6 +385,17 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-engine")
         self._task: asyncio.Task | None = None
+        meter = meter or metrics.get_meter("services.backbone")
+        self._batch_rows = meter.create_histogram(
+            "drama_backbone_batch_rows", unit="{row}", description="rows per backbone step")
+        self._step_seconds = meter.create_histogram(
+            "drama_backbone_step_seconds", unit="s", description="backbone compute time per step")
+        meter.create_observable_gauge(
+            "drama_backbone_queue_depth", [lambda _: [metrics.Observation(len(self._queue))]],
+            unit="{session}", description="sessions waiting for admission")
+        meter.create_observable_gauge(
+            "drama_backbone_kv_usage_ratio", [lambda _: [metrics.Observation(self.kv_usage_ratio)]],
+            description="rows held over the cache pool's rows")
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -423,6 +438,11 @@ class Scheduler:
     @property
     def open_sessions(self) -> int:
         return len(self._active)
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        held = sum(session.sent for session in self._active if session.slot is not None)
+        return held / (self.engine.max_sessions * self.engine.max_context)
 
     def submit(self, job: Job) -> Session:
         """Queue a job; raises GenerateError (ALREADY_EXISTS, OUT_OF_RANGE for the context,
@@ -608,6 +628,7 @@ class Scheduler:
                 "drama.batch.sessions": len(entries)})
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         if work:
+            started = time.perf_counter()
             try:
                 hidden = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self.engine.step, work)
@@ -618,6 +639,8 @@ class Scheduler:
                 if span is not None:
                     span.end()
                 return
+            self._step_seconds.record(time.perf_counter() - started)
+            self._batch_rows.record(sum(len(e.rows) for e in entries))
             hidden = torch.cat(hidden)
         else:   # a release-only message
             hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
