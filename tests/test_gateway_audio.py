@@ -170,3 +170,13 @@ def test_time_stretch_is_split_invariant():
         i += n
     parts.append(stretcher.push(np.zeros(0, np.float32), last=True))
     assert np.array_equal(np.concatenate(parts), one)
+
+
+def test_every_allowed_rate_of_every_format_encodes():
+    """The API's rate sets (§1.4) are all accepted by the encoders (e.g. AAC and MP3 at low rates)."""
+    from gateway.schemas import SAMPLE_RATES
+
+    pcm = tone(0.3)
+    for fmt, rates in SAMPLE_RATES.items():
+        for rate in rates:
+            assert len(encode_all(pcm, fmt, rate)) > 0, (fmt, rate)
