@@ -242,6 +242,12 @@ def test_unknown_route_and_query_parameter(client):
     assert r.status_code == 400 and (error_of(r)["code"], error_of(r)["param"]) == ("unknown_parameter", "fast")
 
 
+def test_incoming_traceparent_is_honoured(client):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = client.get("/v1/models", headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert r.headers["x-trace-id"] == trace_id
+
+
 def test_request_id_is_echoed_or_made(client):
     r = client.get("/health", headers={"x-request-id": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123" and len(r.headers["x-trace-id"]) == 32
