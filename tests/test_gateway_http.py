@@ -273,6 +273,20 @@ def test_api_keys(tiny_checkpoint):
         assert c.get("/v1/models", headers={"authorization": "Bearer EMPTY"}).status_code == 200
 
 
+def test_metrics_auth_and_cors_are_opt_in(tiny_checkpoint):
+    settings = _settings(tiny_checkpoint, api_keys=["k"], metrics_require_auth=True,
+                         cors_origins=["https://app.example"])
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/metrics").status_code == 401 and c.get("/ready").status_code == 401
+        assert c.get("/metrics", headers={"authorization": "Bearer k"}).status_code == 200
+        r = c.options("/v1/audio/speech", headers={"origin": "https://app.example",
+                                                   "access-control-request-method": "POST"})
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+    with TestClient(create_app(_settings(tiny_checkpoint))) as c:
+        r = c.get("/health", headers={"origin": "https://app.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
 # --------------------------------------------------------------------------------------------
 # Voices, models, takes, health, metrics
 # --------------------------------------------------------------------------------------------
