@@ -69,7 +69,9 @@ def _setup_tracing(app: FastAPI) -> None:
         setup_telemetry("drama-gateway")
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-    FastAPIInstrumentor.instrument_app(app, excluded_urls="/health,/v1/health,/metrics")
+    # No span per ASGI send/receive: a long audio stream would make thousands of them.
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="/health,/v1/health,/metrics",
+                                       exclude_spans=["send", "receive"])
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
