@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import secrets
 import time
 import uuid
@@ -21,12 +22,14 @@ from urllib.parse import unquote, urlparse
 
 import grpc
 import numpy as np
+import soundfile as sf
 import torch
 from opentelemetry import trace
 
 from drama.backbone.v1 import backbone_pb2
 from drama.codec.v1 import codec_pb2
 from gateway import errors
+from gateway.audio import decode_audio_file
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelInfo
@@ -84,7 +87,7 @@ class Orchestrator:
             self.metrics.reference_cache_hits.inc()
             return cached
         started = time.monotonic()
-        request = codec_pb2.EncodeRequest(audio_file=audio, min_seconds=1.0, max_seconds=max_seconds)
+        request = encode_request(audio, param, max_seconds)
         for attempt in (0, 1):
             try:
                 reply = await self.stages.codec.Encode(request, timeout=max(0.1, deadline - time.monotonic()))
@@ -233,6 +236,23 @@ class Orchestrator:
 
     def session(self, job: Job) -> "SpeechSession":
         return SpeechSession(self, job)
+
+
+def encode_request(audio: bytes, param: str, max_seconds: float) -> codec_pb2.EncodeRequest:
+    """The file itself when the codec can read it (soundfile: wav, flac, ogg, mp3), else PCM decoded
+    here with FFmpeg (webm, mp4, aac uploads; API.md §1.5)."""
+    try:
+        sf.info(io.BytesIO(audio))
+        return codec_pb2.EncodeRequest(audio_file=audio, min_seconds=1.0, max_seconds=max_seconds)
+    except (sf.LibsndfileError, RuntimeError, TypeError):
+        pass
+    try:
+        samples, rate = decode_audio_file(audio)
+    except ValueError:
+        raise ApiError(400, "audio_undecodable", f"Invalid '{param}': the audio could not be decoded.",
+                       param) from None
+    pcm = codec_pb2.Pcm(samples=samples.astype("<f4").tobytes(), sample_rate=rate)
+    return codec_pb2.EncodeRequest(pcm=pcm, min_seconds=1.0, max_seconds=max_seconds)
 
 
 def _caller_param(param: str | None, ref_params: list[str], history_params: list[str]) -> str | None:

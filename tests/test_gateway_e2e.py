@@ -69,10 +69,13 @@ class ServerHandle:
     """The (server, port, health, servicer) that the codec and tower `serve()` return."""
 
     def __init__(self, server, port, health, servicer):
-        self.server, self.port = server, port
+        self.server, self.port, self.servicer = server, port, servicer
 
     async def stop(self):
         await self.server.stop(None)
+        close = getattr(self.servicer, "close", None)      # the codec's batcher and worker
+        if close is not None:
+            await close()
 
 
 async def _start_stages(checkpoint):
@@ -309,6 +312,18 @@ def test_uploaded_voice_is_used_as_reference(stack):
     r = tts(stack, text="<|speaker:1|>Me again.", reference_id=[None, "tone"], streaming=True, stream_format="sse")
     assert sse_events(r.content)[-1][1]["usage"]["input_token_details"]["audio_tokens"] > 0
     assert stack.http.delete("/v1/audio/voices/tone").status_code == 200
+
+
+def test_reference_in_a_container_the_codec_cannot_read(stack):
+    """AAC (ADTS) is decoded in the gateway and sent to Codec.Encode as PCM."""
+    from gateway.audio import encode_all
+
+    t = np.arange(int(1.5 * 44100)) / 44100
+    aac = encode_all((8000 * np.sin(2 * np.pi * 220 * t)).astype(np.int16), "aac", 24000)
+    r = tts(stack, references=[{"audio": base64.b64encode(aac).decode(), "text": "A tone."}],
+            streaming=True, stream_format="sse", format="pcm")
+    done = sse_events(r.content)[-1][1]
+    assert done["usage"]["input_token_details"]["audio_tokens"] > 0
 
 
 def test_errors_from_the_stages_keep_the_envelope(stack):
