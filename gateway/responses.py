@@ -36,6 +36,8 @@ def _sse(event: str, payload: dict) -> bytes:
 
 
 class SpeechResponse(Response):
+    """Runs the admitted `session` into the body: `pipeline` encodes, `mode` picks the framing."""
+
     def __init__(self, session: SpeechSession, pipeline: AudioPipeline, mode: str, headers: dict[str, str],
                  media_type: str, *, chunk_index_in_sse: bool = False, on_close=None):
         self.session, self.pipeline, self.mode = session, pipeline, mode
@@ -70,6 +72,8 @@ class SpeechResponse(Response):
             body.result()        # re-raises a failure after the first byte: the body is truncated
         finally:
             watcher.cancel()
+            if not body.done():          # we were cancelled ourselves (server shutdown)
+                body.cancel()
             await self.session.aclose()
             if self.on_close is not None:
                 self.on_close()
