@@ -250,6 +250,18 @@ def test_speed_and_instructions(stack):
     assert text_tokens(instructions="Whisper it.") > text_tokens()
 
 
+def test_concurrent_requests_get_their_own_audio(stack):
+    """Sessions running side by side (batched in the stages) each get exactly their solo bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeds = [31, 32, 33]
+    solo = {seed: speech(stack, response_format="pcm", seed=seed).content for seed in seeds}
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        together = dict(zip(seeds, pool.map(lambda seed: speech(stack, response_format="pcm", seed=seed).content,
+                                            seeds)))
+    assert together == solo and len(set(solo.values())) == len(seeds)
+
+
 def test_slow_reader_gets_the_same_bytes_under_backpressure(stack, monkeypatch):
     """With tiny bounds the session keeps stopping its streams for a slow client; nothing is lost."""
     import gateway.session
