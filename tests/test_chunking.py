@@ -145,6 +145,11 @@ def locate(text: str, chunks: list[str]) -> list[tuple[int, int, bool]]:
     the chunks are contiguous pieces of the text in order, with only whitespace and speaker tags
     between them."""
     spans, cursor = [], 0
+    speaker_spans = [m.span() for m in SPEAKER.finditer(text)]
+
+    def inside_tag(pos: int) -> bool:  # e.g. "<" matching the start of "<|speaker:0|>"
+        return any(s < pos < e for s, e in speaker_spans)
+
     for chunk in chunks:
         options = [(chunk, False)]
         if tag := SPEAKER.match(chunk):
@@ -153,7 +158,8 @@ def locate(text: str, chunks: list[str]) -> list[tuple[int, int, bool]]:
             # The first occurrence with only whitespace and speaker tags before it (an earlier
             # one may sit inside a tag: "0" in "<|speaker:0|>").
             pos = text.find(body, cursor)
-            while pos >= 0 and SPEAKER.sub("", text[cursor:pos]).strip():
+            while pos >= 0 and (SPEAKER.sub("", text[cursor:pos]).strip()
+                                or inside_tag(pos + len(body))):
                 pos = text.find(body, pos + 1)
             if pos >= 0:
                 spans.append((pos, pos + len(body), prepended))
