@@ -1,4 +1,6 @@
-"""`python -m services.backbone --checkpoint DIR --port P --tower ADDR` (API.md §3.2, §3.4).
+"""`python -m services.backbone --checkpoint DIR --port P --tower ADDR` (API.md §3.2, §3.4),
+or `--random-weights tiny|full` instead of `--checkpoint` (DRAMA_RANDOM_WEIGHTS): the preset's
+geometry with random values made on the device (services/common/random_weights.py).
 
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_TOWER_ADDR, DRAMA_DEVICE, DRAMA_HOST,
 DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
@@ -15,12 +17,20 @@ import argparse
 import asyncio
 import logging
 import sys
+import tempfile
 
-from services.backbone.server import MemoryBudgetError, Settings, serve
+from services.backbone.server import MemoryBudgetError, Settings, serve, start
+from services.common import grpcutil, random_weights
 from services.common.grpcutil import env_default
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
+    return parse_args_and_preset(argv)[0]
+
+
+def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str | None]:
+    """The settings and the --random-weights preset (None: load --checkpoint). With a preset and
+    no checkpoint, settings.checkpoint is a temporary directory with the preset's config.json."""
     parser = argparse.ArgumentParser(prog="python -m services.backbone",
                                      description="Drama 3 backbone stage (gRPC)")
     parser.add_argument("--checkpoint", default=env_default("DRAMA_CHECKPOINT"),
@@ -32,9 +42,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
     parser.add_argument("--memory-budget-gb", type=float,
                         default=env_default("DRAMA_MEMORY_BUDGET_GB", None, float))
+    random_weights.add_argument(parser)
     args = parser.parse_args(argv)
-    if not args.checkpoint:
-        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    if not args.checkpoint and not args.random_weights:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required, unless --random-weights")
+    if args.random_weights and not args.checkpoint:
+        args.checkpoint = str(random_weights.write_config_dir(
+            args.random_weights, tempfile.mkdtemp(prefix="drama-backbone-config-")))
     return Settings(
         checkpoint=args.checkpoint, tower_addr=args.tower, host=args.host, port=args.port,
         device=args.device, memory_budget_gb=args.memory_budget_gb,
@@ -45,17 +59,33 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
-        grace_s=env_default("DRAMA_GRACE_S", 30.0, float))
+        grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
+
+
+async def serve_random_weights(settings: Settings, preset: str) -> None:
+    """`serve(settings)` with the model built at PRESET's geometry, random values on the device
+    (the same steps as server.serve, with start's loaded_model)."""
+    model = await asyncio.to_thread(random_weights.random_backbone_stage, preset, settings.device)
+    running = await start(settings, loaded_model=model)
+
+    async def stop_admitting():
+        running.scheduler.accepting = False
+        await running.scheduler.drain(settings.grace_s)
+
+    await grpcutil.serve_until_signalled(running.server, running.health, grace_s=settings.grace_s,
+                                         on_shutdown=stop_admitting)
+    await running.scheduler.close()
+    await running.tower.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = parse_args(argv)
+    settings, preset = parse_args_and_preset(argv)
     try:
         from services.common.telemetry import setup_telemetry
         setup_telemetry("drama-backbone")
-        asyncio.run(serve(settings))
+        asyncio.run(serve_random_weights(settings, preset) if preset else serve(settings))
     except MemoryBudgetError as exc:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
-"""`python -m services.codec --checkpoint DIR [--port 50053] [--host H] [--device cpu|cuda]`.
+"""`python -m services.codec --checkpoint DIR [--port 50053] [--host H] [--device cpu|cuda]`
+or `python -m services.codec --random-weights tiny|full ...` (no checkpoint read: the preset's
+geometry with random values made on the device, services/common/random_weights.py).
 
-Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_HOST, DRAMA_DEVICE; DRAMA_GRACE_S (30) bounds
-the SIGTERM drain, DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode request and
-DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads on CPU (0: torch's default).
+Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, DRAMA_DEVICE;
+DRAMA_GRACE_S (30) bounds the SIGTERM drain, DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode
+request and DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads on CPU (0:
+torch's default).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import sys
 
 from services.codec.server import serve
+from services.common import random_weights
 from services.common.grpcutil import env_default, serve_until_signalled
 
 
@@ -23,9 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default=env_default("DRAMA_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=50053)
     parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
+    random_weights.add_argument(parser)
     args = parser.parse_args(argv)
-    if not args.checkpoint:
-        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    if not args.checkpoint and not args.random_weights:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required, unless --random-weights")
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     args.max_encode_seconds = env_default("DRAMA_CODEC_MAX_ENCODE_SECONDS", 60.0, float)
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
@@ -33,9 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> None:
-    server, _, health, servicer = await serve(args.checkpoint, host=args.host, port=args.port,
-                                              device=args.device, max_encode_seconds=args.max_encode_seconds,
-                                              cpu_threads=args.cpu_threads)
+    codec = None
+    if args.random_weights:
+        codec = random_weights.random_codec_stage(args.random_weights, args.device)
+    server, _, health, servicer = await serve(None if codec else args.checkpoint, host=args.host,
+                                              port=args.port, device=args.device,
+                                              max_encode_seconds=args.max_encode_seconds,
+                                              cpu_threads=args.cpu_threads, codec=codec)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()

@@ -1,8 +1,11 @@
-"""`python -m services.tower --checkpoint DIR [--port 50052] [--host H] [--device cpu|cuda]`.
+"""`python -m services.tower --checkpoint DIR [--port 50052] [--host H] [--device cpu|cuda]`
+or `python -m services.tower --random-weights tiny|full ...` (no checkpoint read: the preset's
+geometry with random values made on the device, services/common/random_weights.py).
 
-Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_HOST, DRAMA_DEVICE; the cache pool reads
-DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each), the same variables
-the backbone sizes its pool with (API.md §3.5), and DRAMA_GRACE_S (30) bounds the SIGTERM drain.
+Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, DRAMA_DEVICE;
+the cache pool reads DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each),
+the same variables the backbone sizes its pool with (API.md §3.5), and DRAMA_GRACE_S (30) bounds
+the SIGTERM drain.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import sys
 
+from services.common import random_weights
 from services.common.grpcutil import env_default, serve_until_signalled
 from services.tower.server import serve
 
@@ -23,9 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default=env_default("DRAMA_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=50052)
     parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
+    random_weights.add_argument(parser)
     args = parser.parse_args(argv)
-    if not args.checkpoint:
-        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required")
+    if not args.checkpoint and not args.random_weights:
+        parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required, unless --random-weights")
     args.max_sessions = env_default("DRAMA_MAX_ROWS", 64, int)
     args.max_context = env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int)
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
@@ -33,9 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> None:
+    model = cfg = None
+    if args.random_weights:
+        model, cfg = random_weights.random_tower_stage(args.random_weights, args.device)
     server, _, health, servicer = await serve(
         args.checkpoint, host=args.host, port=args.port, device=args.device,
-        max_sessions=args.max_sessions, max_context=args.max_context)
+        max_sessions=args.max_sessions, max_context=args.max_context, model=model, cfg=cfg)
     await serve_until_signalled(server, health, grace_s=args.grace_s)
     servicer.worker.shutdown(wait=False)
 
