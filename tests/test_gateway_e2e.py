@@ -444,3 +444,24 @@ def test_failure_after_start_is_an_sse_error_event_or_a_real_status(broken, monk
     assert {kind for kind, _ in events[:-1]} == {"speech.audio.delta"}
     r = broken.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm", "stream": False})
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+
+
+# --------------------------------------------------------------------------------------------
+# Fish Audio's own SDK, unchanged, pointed at the gateway (API.md §2.1: MessagePack bodies)
+# --------------------------------------------------------------------------------------------
+
+def test_fish_audio_sdk_synthesizes_with_a_reference_clip(stack):
+    """fish-audio-sdk sends MessagePack with raw reference bytes, its default fields and a Fish
+    backend name in the `model` header; the gateway must honour all of it, unchanged."""
+    fishaudio = pytest.importorskip("fishaudio")
+    from fishaudio.types import ReferenceAudio, TTSConfig
+
+    client = fishaudio.FishAudio(api_key="EMPTY", base_url=stack.url)
+    config = TTSConfig(format="wav", max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.7)
+    reference = ReferenceAudio(audio=sine_wav(1.5), text="A calm reference sentence.")
+    audio = client.tts.convert(text="Hello from the fish client.", references=[reference], config=config)
+    data, rate = sf.read(io.BytesIO(audio), dtype="float32")
+    assert rate == 44100                      # /v1/tts answers at the native rate by default
+    assert 0 < len(data) <= MAX_NEW * 2048 and np.isfinite(data).all()
+    streamed = b"".join(client.tts.stream(text="Hello again.", references=[reference], config=config))
+    assert streamed[:4] == b"RIFF"
