@@ -1,0 +1,570 @@
+"""End-to-end latency through the staged gRPC stack (issue #7), one script, one table.
+
+    python -m bench.e2e --preset full --device cuda          full geometry, random weights on the GPU
+    python -m bench.e2e --preset tiny --device cpu           the same table on CPU (CI smoke test)
+    python -m bench.e2e ... --json PATH --markdown PATH      also write the figures / the table
+
+What it does, in order:
+1. Starts backbone, tower and codec as separate gRPC server processes (`python -m services.<stage>
+   --random-weights PRESET`: the preset's geometry with random values made on the device, no
+   checkpoint files) and the gateway on `make_checkpoint(dir, PRESET, dry_run=True)` (config.json
+   and tokenizer.json only), all on loopback, all on the one device. Start to ready is timed per
+   process: from its spawn to its first SERVING health answer (the gateway: `GET /ready` 200).
+   The four start together, as `dramaturg up` starts them, so they share the CPU and the GPU
+   while loading; the backbone turns SERVING only once the tower is.
+2. Through the gateway (`POST /v1/audio/speech`, stream, pcm, voice `alloy` (seeded, no
+   reference to encode), the codec's own 44.1 kHz (no resampling), latency `low`, fixed seed): a warm-up request, then a 20-word and a
+   200-word request. Random weights rarely end on their own, so `max_new_tokens` caps the frames
+   of each text chunk: the target frame count divided over the chunks the gateway cuts the text
+   into. TTFA = request sent -> first audio byte. RTF = request wall time / audio seconds.
+   E2E ms per frame = (last byte - first byte) / frames after the first piece: for the short
+   request (one text chunk) the steady decode, for the long one with its text-chunk prefills.
+   With --budget-s, the frame counts shrink when the warm-up says
+   the two requests would not finish in that time (the table says so).
+3. GPU memory per process: `nvidia-smi --query-compute-apps` sampled every 0.5 s while the stack
+   runs (CUDA context included); the peak per stage.
+4. The stack is stopped, then each stage's compute is timed IN THIS PROCESS at batch 1 (the
+   stages expose no timings): backbone `BackboneEngine.step` of one row (bench/backbone.py),
+   tower `TowerEngine.step` of one frame (bench/tower.py), codec `decode_streams` of a 4-frame
+   chunk after a full window (bench/codec.py). Overhead = e2e ms per frame - (backbone + tower +
+   codec chunk / 4): gRPC, serialisation, scheduling, the HTTP leg, minus any overlap.
+5. The transformers peer (Qwen3.5-MoE decode step, batch 1) is read from
+   docs/perf/kernels-latest.json (bench/kernels.py --peer), with its source in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import io
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from services.common.random_weights import preset_config
+from services.launcher import LOOPBACK, ManagedProcess, StackError, free_ports, stop_processes, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS_JSON = ROOT / "docs" / "perf" / "kernels-latest.json"
+STAGES = ("codec", "tower", "backbone")
+SEED = 1234
+VOICE = "alloy"
+
+# Issue #7 targets (H200, full size), shown beside the figures.
+TARGETS = {"ttfa_ms_20w": "<= 60", "rtf_single": "<= 0.06", "codec_chunk_ms_4f": "<= 3",
+           "backbone_start_s": "<= 60", "speedup": ">= 50x"}
+
+WORDS = ("the morning train left the station while seven quiet travellers watched the river "
+         "turn silver under a low autumn sky and somebody at the back began to hum an old song "
+         "about harbours lanterns letters and the long road home").split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="full", choices=["full", "tiny"])
+    parser.add_argument("--device", default="cuda", help="cpu or cuda (every process on this one device)")
+    parser.add_argument("--words", type=int, nargs=2, default=[20, 200], metavar=("SHORT", "LONG"))
+    parser.add_argument("--frames", type=int, nargs=2, default=[100, 400], metavar=("SHORT", "LONG"),
+                        help="frames to generate for each request (max_new_tokens over its text chunks)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="shrink the frame counts when the warm-up predicts more than this for both")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--micro-steps", type=int, help="timed steps per stage in step 4 (default 20 cuda, 4 cpu)")
+    parser.add_argument("--micro-context", type=int, help="rows before the timed steps (default 256 cuda, 32 cpu)")
+    parser.add_argument("--skip-micro", action="store_true", help="leave out step 4")
+    parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--markdown", type=Path, help="write the command and the table here")
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.micro_steps = args.micro_steps or (20 if cuda else 4)
+    args.micro_context = args.micro_context or (256 if cuda else 32)
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# the stack
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class RunningStack:
+    processes: dict[str, ManagedProcess]
+    addrs: dict[str, str]
+    url: str
+    spawned: dict[str, float]                          # time.monotonic() at spawn
+    ready_s: dict[str, float] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        stop_processes(list(self.processes.values()), grace_s=20.0)
+
+
+def stage_env() -> dict[str, str]:
+    """One stream: small cache pools (the defaults size 64 sessions x 8192 rows)."""
+    env = dict(os.environ)
+    env.update({"DRAMA_MAX_ROWS": env.get("DRAMA_MAX_ROWS", "4"),
+                "DRAMA_MAX_CONTEXT_TOKENS": env.get("DRAMA_MAX_CONTEXT_TOKENS", "4096"),
+                "DRAMA_GRACE_S": "2", "PYTHONUNBUFFERED": "1", "DRAMA_LOG_LEVEL": "INFO"})
+    env.pop("DRAMA_CHECKPOINT", None)
+    env.pop("DRAMA_RANDOM_WEIGHTS", None)
+    return env
+
+
+def start_stack(preset: str, device: str, config_dir: Path, log_dir: Path) -> RunningStack:
+    codec_port, tower_port, backbone_port, http_port = free_ports(4)
+    python = [sys.executable, "-m"]
+    stage = ["--random-weights", preset, "--device", device, "--host", LOOPBACK]
+    addrs = {"codec": f"{LOOPBACK}:{codec_port}", "tower": f"{LOOPBACK}:{tower_port}",
+             "backbone": f"{LOOPBACK}:{backbone_port}"}
+    argv = {
+        "codec": python + ["services.codec", *stage, "--port", str(codec_port)],
+        "tower": python + ["services.tower", *stage, "--port", str(tower_port)],
+        "backbone": python + ["services.backbone", *stage, "--port", str(backbone_port),
+                              "--tower", addrs["tower"]],
+        "gateway": python + ["gateway", "--checkpoint", str(config_dir), "--host", LOOPBACK,
+                             "--port", str(http_port), "--backbone", addrs["backbone"],
+                             "--codec", addrs["codec"]],
+    }
+    env = stage_env()
+    stack = RunningStack({}, addrs, f"http://{LOOPBACK}:{http_port}", {})
+    for name, command in argv.items():
+        stack.processes[name] = ManagedProcess(name, command, log_dir / f"{name}.log").start(env)
+        stack.spawned[name] = time.monotonic()
+    return stack
+
+
+def wait_stack_ready(stack: RunningStack, timeout_s: float) -> None:
+    """Wait for the gateway's /ready and every stage's SERVING, timing each one's first."""
+    from services.common.grpcutil import check_health
+
+    deadline = time.monotonic() + timeout_s
+    done = threading.Event()
+
+    def poll_stages():
+        while not done.is_set() and len(stack.ready_s) < len(STAGES):
+            for name in STAGES:
+                if name not in stack.ready_s and asyncio.run(check_health(stack.addrs[name])) == "SERVING":
+                    stack.ready_s[name] = time.monotonic() - stack.spawned[name]
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=poll_stages, daemon=True)
+    poller.start()
+    try:
+        wait_ready(stack.url, list(stack.processes.values()), timeout_s, poll_s=0.1)
+        stack.ready_s["gateway"] = time.monotonic() - stack.spawned["gateway"]
+        poller.join(timeout=max(0.0, deadline - time.monotonic()))   # /ready may come first
+    finally:
+        done.set()
+    missing = [name for name in STAGES if name not in stack.ready_s]
+    if missing:
+        raise StackError(f"not SERVING after {timeout_s:.0f} s: {', '.join(missing)}")
+
+
+class GpuMemorySampler:
+    """Peak `used_memory` per PID from nvidia-smi every `period_s` (nothing without nvidia-smi)."""
+
+    def __init__(self, pids: dict[int, str], period_s: float = 0.5):
+        self.pids, self.period_s = pids, period_s
+        self.peak_mib: dict[str, float] = {}
+        self.peak_total_mib = 0.0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "GpuMemorySampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def sample(self) -> None:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        apps = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
+        for line in apps.strip().splitlines():
+            pid, used = (part.strip() for part in line.split(","))
+            name = self.pids.get(int(pid), f"pid {pid}")
+            self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), float(used))
+        total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+        self.peak_total_mib = max(self.peak_total_mib, float(total.split()[0]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample()
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
+            self._stop.wait(self.period_s)
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------
+
+def make_text(words: int) -> str:
+    """`words` words in sentences of ten, always the same."""
+    out = []
+    for i in range(words):
+        word = WORDS[(7 * i) % len(WORDS)]
+        out.append((word.capitalize() if i % 10 == 0 else word) + ("." if i % 10 == 9 or i == words - 1 else ""))
+    return " ".join(out)
+
+
+def count_chunks(text: str, chunk_size: int) -> int:
+    """How many text chunks the gateway cuts `text` into (gateway/prompt.py PromptBuilder.build)."""
+    from gateway.chunking import split_text
+    from gateway.prompt import with_speaker
+
+    return len(split_text(with_speaker(text, 0), chunk_size))
+
+
+@dataclass
+class Spoken:
+    words: int
+    chunks: int
+    max_new_tokens: int
+    frames: float
+    audio_s: float
+    ttfa_ms: float
+    wall_ms: float
+    steady_ms_per_frame: float | None
+
+    @property
+    def rtf(self) -> float:
+        return self.wall_ms / 1000 / self.audio_s if self.audio_s else float("inf")
+
+
+def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samples: int,
+          sample_rate: int) -> Spoken:
+    text = make_text(words)
+    chunks = count_chunks(text, chunk_size)
+    max_new_tokens = max(1, math.ceil(frames / chunks))
+    body = {"model": "drama-3", "input": text, "voice": VOICE, "response_format": "pcm", "stream": True,
+            "sample_rate": sample_rate, "seed": SEED, "max_new_tokens": max_new_tokens, "latency": "low"}
+    pieces: list[tuple[float, int]] = []                   # (seconds since sent, bytes)
+    started = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:500]!r}")
+        rate = int(response.headers.get("x-sample-rate") or sample_rate)
+        for piece in response.iter_bytes():
+            if piece:
+                pieces.append((time.perf_counter() - started, len(piece)))
+    wall = time.perf_counter() - started
+    if not pieces:
+        raise RuntimeError(f"{words}-word request returned no audio")
+    total = sum(n for _, n in pieces)
+    bytes_per_frame = 2 * frame_samples * rate / sample_rate     # int16 mono at the response's rate
+    later = (total - pieces[0][1]) / bytes_per_frame
+    steady = (pieces[-1][0] - pieces[0][0]) * 1000 / later if later >= 1 else None
+    return Spoken(words, chunks, max_new_tokens, total / bytes_per_frame, total / 2 / rate,
+                  pieces[0][0] * 1000, wall * 1000, steady)
+
+
+def plan_frames(frames: list[int], warmup: Spoken, budget_s: float | None) -> tuple[list[int], str | None]:
+    """Frame counts that fit `budget_s` at the warm-up's ms per frame (with its prefill)."""
+    if not budget_s:
+        return frames, None
+    per_frame_s = warmup.wall_ms / 1000 / max(warmup.frames, 1)
+    predicted = sum(frames) * per_frame_s
+    if predicted <= budget_s:
+        return frames, None
+    scale = budget_s / predicted
+    reduced = [max(8, int(f * scale)) for f in frames]
+    return reduced, (f"frames reduced from {frames[0]}/{frames[1]}: the warm-up ran "
+                     f"{per_frame_s * 1000:.0f} ms per frame, {predicted:.0f} s predicted, budget {budget_s:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# per-stage compute, in this process
+# --------------------------------------------------------------------------------------------
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def micro_backbone(preset: str, device: torch.device, context: int, steps: int) -> float:
+    from bench.backbone import bench_decode
+    from services.backbone.engine import BackboneEngine
+    from services.common.random_weights import random_backbone_stage
+
+    model = random_backbone_stage(preset, device)
+    engine = BackboneEngine(model, max_sessions=1, max_context=context + steps + 16)
+    args = SimpleNamespace(context=context, warmup=3, steps=steps)
+    with torch.inference_mode():
+        result = bench_decode(engine, 1, args, torch.Generator().manual_seed(0), device)
+    del engine, model
+    _free(device)
+    return result["median_ms"]
+
+
+def micro_tower(preset: str, device: torch.device, context: int, steps: int) -> float:
+    from bench.tower import bench_batch
+    from services.common.random_weights import random_tower_stage
+    from services.tower.engine import TowerEngine
+
+    model, cfg = random_tower_stage(preset, device)
+    engine = TowerEngine(model, cfg, max_sessions=1, max_context=context + steps + 8)
+    args = SimpleNamespace(context=context, warmup=3, steps=steps)
+    with torch.inference_mode():
+        result = bench_batch(engine, 1, args, torch.Generator().manual_seed(0))
+    del engine, model
+    _free(device)
+    return result["median_ms"]
+
+
+def micro_codec(preset: str, device: torch.device, history: int, repeats: int) -> float:
+    from bench.codec import random_codes, timed
+    from services.common.random_weights import random_codec_stage
+
+    codec = random_codec_stage(preset, device)
+    with torch.inference_mode():
+        state = codec.new_state()
+        codec.decode_streams([state], [random_codes(codec, history)[0]])
+        chunk = random_codes(codec, 4)[0]
+
+        def one_chunk():
+            fresh = type(state)(state.position.clone(), {k: v.clone() for k, v in state.tensors.items()})
+            codec.decode_streams([fresh], [chunk])
+
+        times = timed(one_chunk, device, repeats, warmup=2)
+    del codec
+    _free(device)
+    return statistics.median(times)
+
+
+def micro_timings(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)          # as the servers' model threads run on CPU
+    out, errors = {}, {}
+    cases = {
+        "backbone_step_ms_b1": lambda: micro_backbone(args.preset, device, args.micro_context, args.micro_steps),
+        "tower_step_ms_b1": lambda: micro_tower(args.preset, device, args.micro_context, args.micro_steps),
+        "codec_chunk_ms_4f": lambda: micro_codec(args.preset, device, 200 if device.type == "cuda" else 16,
+                                                 args.micro_steps),
+    }
+    for key, run in cases.items():
+        started = time.perf_counter()
+        try:
+            out[key] = run()
+        except Exception as exc:           # one stage failing must not cost the others' figures
+            errors[key] = f"{type(exc).__name__}: {exc}"
+            out[key] = None
+        print(f"  {key}: {_fmt(out[key], 2)} ({time.perf_counter() - started:.0f} s)", flush=True)
+    out["errors"] = errors
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+def transformers_peer(preset: str, device: str) -> tuple[float | None, str | None]:
+    """transformers' decode step at batch 1 from bench/kernels.py's saved run (fla GDN kernels)."""
+    if preset != "full" or not device.startswith("cuda") or not KERNELS_JSON.is_file():
+        return None, None
+    data = json.loads(KERNELS_JSON.read_text())
+    peer = data.get("peers", {}).get("fla")
+    if not peer:
+        return None, None
+    source = (f"docs/perf/kernels-latest.json peers.fla: bench/kernels.py --peer, {peer.get('transformers')}, "
+              f"GDN through fla, {data.get('device')}, {data.get('date')}")
+    return peer["decode_ms_median"], source
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):     # a copy without .git (the device machine)
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def _fmt(value, digits=1, unit="") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def build_table(r: dict) -> str:
+    """The figures as one markdown table (printed as is)."""
+    short, long = r["requests"]["short"], r["requests"]["long"]
+    ms = lambda v, d=2: _fmt(v, d, " ms")   # noqa: E731
+    rows = [
+        (f"TTFA, {short['words']} words ({short['chunks']} text chunk(s))", ms(r["ttfa_ms_20w"], 0),
+         TARGETS["ttfa_ms_20w"] + " ms"),
+        (f"TTFA, {long['words']} words ({long['chunks']} text chunks)", ms(r["ttfa_ms_200w"], 0), ""),
+        (f"RTF, {short['words']} words ({short['frames']:.0f} frames, {short['audio_s']:.1f} s audio)",
+         _fmt(short["rtf"], 3), ""),
+        (f"RTF, {long['words']} words ({long['frames']:.0f} frames, {long['audio_s']:.1f} s audio) = rtf_single",
+         _fmt(r["rtf_single"], 3), TARGETS["rtf_single"]),
+        (f"E2E ms per frame, {short['words']} words (steady decode)", ms(r["e2e_ms_per_frame"]),
+         "46.4 ms = real time"),
+        (f"E2E ms per frame, {long['words']} words (text-chunk prefills included)",
+         ms(long["steady_ms_per_frame"]), ""),
+        ("backbone step, batch 1 (in-process)", ms(r["backbone_step_ms_b1"]), ""),
+        ("tower step, batch 1 (in-process)", ms(r["tower_step_ms_b1"]), ""),
+        ("codec 4-frame chunk (in-process)", ms(r["codec_chunk_ms_4f"]), TARGETS["codec_chunk_ms_4f"] + " ms"),
+        ("gRPC/IPC + scheduling per frame (E2E - stage sum)", ms(r["overhead_ms_per_frame"]), ""),
+        ("transformers decode step, batch 1 (kernels-latest.json)", ms(r["transformers_step_ms_b1"], 1),
+         "" if r["transformers_step_ms_b1"] else "full preset on CUDA only"),
+        ("backbone speed-up vs transformers", _fmt(r["backbone_speedup_vs_transformers_b1"], 1, "x"),
+         TARGETS["speedup"]),
+    ]
+    rows += [(f"peak GPU memory, {name} (nvidia-smi)", _fmt(gb, 2, " GB"), "")
+             for name, gb in r["peak_gpu_gb"].items()]
+    rows += [(f"start to ready, {name}", _fmt(r["start_to_ready_s"].get(name), 1, " s"),
+              TARGETS["backbone_start_s"] + " s" if name == "backbone" else "")
+             for name in (*STAGES, "gateway")]
+    lines = ["| metric | value | target (issue #7) |", "|---|---|---|"]
+    lines += [f"| {metric} | {value} | {target} |" for metric, value, target in rows]
+    return "\n".join(lines)
+
+
+def summarise(args, stack: RunningStack, sampler, short: Spoken, long: Spoken, warmup: Spoken,
+              note: str | None, micro: dict) -> dict:
+    peer_ms, peer_source = transformers_peer(args.preset, args.device)
+    backbone_ms = micro.get("backbone_step_ms_b1")
+    stage_sum = None
+    if None not in (backbone_ms, micro.get("tower_step_ms_b1"), micro.get("codec_chunk_ms_4f")):
+        stage_sum = backbone_ms + micro["tower_step_ms_b1"] + micro["codec_chunk_ms_4f"] / 4
+    e2e = short.steady_ms_per_frame
+    peak = {}
+    if sampler is not None:
+        peak = {name: sampler.peak_mib[name] / 1024 for name in (*STAGES, "gateway") if name in sampler.peak_mib}
+        peak.update({name: mib / 1024 for name, mib in sampler.peak_mib.items() if name not in peak})
+        if sampler.peak_total_mib:
+            peak["total (memory.used)"] = sampler.peak_total_mib / 1024
+
+    def request(s: Spoken) -> dict:
+        return {"words": s.words, "chunks": s.chunks, "max_new_tokens_per_chunk": s.max_new_tokens,
+                "frames": s.frames, "audio_s": s.audio_s, "ttfa_ms": s.ttfa_ms, "wall_ms": s.wall_ms,
+                "rtf": s.rtf, "steady_ms_per_frame": s.steady_ms_per_frame}
+
+    return {
+        "rtf_single": long.rtf,
+        "ttfa_ms_20w": short.ttfa_ms,
+        "ttfa_ms_200w": long.ttfa_ms,
+        "backbone_step_ms_b1": backbone_ms,
+        "transformers_step_ms_b1": peer_ms,
+        "transformers_step_source": peer_source,
+        "backbone_speedup_vs_transformers_b1": peer_ms / backbone_ms if peer_ms and backbone_ms else None,
+        "tower_step_ms_b1": micro.get("tower_step_ms_b1"),
+        "codec_chunk_ms_4f": micro.get("codec_chunk_ms_4f"),
+        "stage_compute_source": "in-process micro-timing at batch 1 after the stack stopped "
+                                "(the stages expose no step timings)",
+        "e2e_ms_per_frame": e2e,
+        "stage_sum_ms_per_frame": stage_sum,
+        "overhead_ms_per_frame": e2e - stage_sum if e2e is not None and stage_sum is not None else None,
+        "peak_gpu_gb": peak,
+        "peak_gpu_source": "nvidia-smi --query-compute-apps used_memory every 0.5 s, CUDA context included"
+                           + (f"; sampler error: {sampler.error}" if sampler and sampler.error else ""),
+        "start_to_ready_s": stack.ready_s,
+        "requests": {"warmup": request(warmup), "short": request(short), "long": request(long)},
+        "frames_note": note,
+        "micro_errors": micro.get("errors", {}),
+        "settings": {"preset": args.preset, "device": args.device, "seed": SEED, "voice": VOICE,
+                     "latency": "low", "response_format": "pcm", "stream": True,
+                     "sample_rate": preset_config(args.preset).codec.sample_rate,
+                     "DRAMA_MAX_ROWS": stage_env()["DRAMA_MAX_ROWS"],
+                     "DRAMA_MAX_CONTEXT_TOKENS": stage_env()["DRAMA_MAX_CONTEXT_TOKENS"],
+                     "micro_context": args.micro_context, "micro_steps": args.micro_steps},
+        "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+        "torch": torch.__version__,
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def run(args) -> dict:
+    import httpx
+
+    from services.common.make_checkpoint import make_checkpoint
+
+    cfg = preset_config(args.preset)
+    chunk_size, frame_samples = cfg.text_chunking.text_chunk_size, cfg.codec.frame_samples
+    audio = (chunk_size, frame_samples, cfg.codec.sample_rate)
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        config_dir = Path(tmp) / "config"
+        with contextlib.redirect_stdout(io.StringIO()):          # the dry run prints the shard plan
+            make_checkpoint(config_dir, preset=args.preset, dry_run=True)
+        log_dir = args.log_dir or Path(tmp) / "logs"
+        print(f"starting the stack ({args.preset} on {args.device}, logs in {log_dir}) ...", flush=True)
+        stack = start_stack(args.preset, args.device, config_dir, log_dir)
+        sampler = None
+        try:
+            if args.device.startswith("cuda"):
+                sampler = GpuMemorySampler({p.popen.pid: name for name, p in stack.processes.items()}).start()
+            wait_stack_ready(stack, args.ready_timeout)
+            print("ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in stack.ready_s.items()), flush=True)
+            with httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
+                warmup = speak(client, stack.url, args.words[0], 8, *audio)
+                print(f"warm-up: {warmup.frames:.0f} frames in {warmup.wall_ms:.0f} ms", flush=True)
+                frames, note = plan_frames(list(args.frames), warmup, args.budget_s)
+                if note:
+                    print(note, flush=True)
+                short = speak(client, stack.url, args.words[0], frames[0], *audio)
+                print(f"{short.words} words: TTFA {short.ttfa_ms:.0f} ms, RTF {short.rtf:.3f}", flush=True)
+                long = speak(client, stack.url, args.words[1], frames[1], *audio)
+                print(f"{long.words} words: TTFA {long.ttfa_ms:.0f} ms, RTF {long.rtf:.3f}", flush=True)
+        except BaseException:
+            for process in stack.processes.values():
+                print(f"--- {process.name} ---\n{process.log_tail(20)}", file=sys.stderr)
+            raise
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            stack.stop()
+    micro = {"errors": {}}
+    if not args.skip_micro:
+        print("per-stage compute in this process (batch 1):", flush=True)
+        micro = micro_timings(args)
+    return summarise(args, stack, sampler, short, long, warmup, note, micro)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python -m bench.e2e " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    try:
+        result = run(args)
+    except StackError as exc:
+        print(f"bench.e2e: the stack did not start: {exc}", file=sys.stderr)
+        return 1
+    result["command"] = command
+    table = build_table(result)
+    header = (f"bench.e2e: preset {args.preset} on {args.device}"
+              f"{' (' + result['gpu'] + ')' if result['gpu'] else ''}, {result['date']}, commit {result['commit'][:10]}"
+              + (f"\nnote: {result['frames_note']}" if result["frames_note"] else ""))
+    print(f"\n{header}\n\n{table}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(f"Command: `{command}`\n\n{header}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
