@@ -171,6 +171,8 @@ class Recorder:
         self.work: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
         self.steps: list[TowerStep] = []
         self.inject = None         # optional failure injection: (step, result) -> result
+        self.outstanding: list[asyncio.Future] = []   # steps at the tower now
+        self.max_outstanding = 0
 
     def __getattr__(self, name):   # everything else is the real engine's
         return getattr(self.engine, name)
@@ -182,8 +184,8 @@ class Recorder:
     async def tower_send(self, step: TowerStep) -> asyncio.Future:
         self.steps.append(step)
         future = await self.tower.send(step)
-        self.outstanding = [f for f in getattr(self, "outstanding", []) if not f.done()] + [future]
-        self.max_outstanding = max(getattr(self, "max_outstanding", 0), len(self.outstanding))
+        self.outstanding = [f for f in self.outstanding if not f.done()] + [future]
+        self.max_outstanding = max(self.max_outstanding, len(self.outstanding))
         if self.inject is None:
             return future
         injected = asyncio.get_running_loop().create_future()
