@@ -203,6 +203,15 @@ class GpuMemorySampler:
                                capture_output=True, text=True, timeout=10, check=True).stdout
         self.peak_total_mib = max(self.peak_total_mib, float(total.split()[0]))
 
+    def peak_gb(self) -> dict[str, float]:
+        """Per stage (in STAGES order, then anything else seen), and the whole card's memory.used."""
+        order = [n for n in (*STAGES, "gateway") if n in self.peak_mib]
+        order += [n for n in self.peak_mib if n not in order]
+        peak = {name: self.peak_mib[name] / 1024 for name in order}
+        if self.peak_total_mib:
+            peak["card total (memory.used)"] = self.peak_total_mib / 1024
+        return peak
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -277,18 +286,22 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
                   pieces[0][0] * 1000, wall * 1000, steady)
 
 
-def plan_frames(frames: list[int], warmup: Spoken, budget_s: float | None) -> tuple[list[int], str | None]:
-    """Frame counts that fit `budget_s` at the warm-up's ms per frame (with its prefill)."""
-    if not budget_s:
+def plan_frames(frames: list[int], chunks: list[int], warmup: Spoken,
+                budget_s: float | None) -> tuple[list[int], str | None]:
+    """Frame counts that fit `budget_s`, predicted from the warm-up: its TTFA for each text
+    chunk's prefill, its steady ms per frame for each frame."""
+    if not budget_s or warmup.steady_ms_per_frame is None:
         return frames, None
-    per_frame_s = warmup.wall_ms / 1000 / max(warmup.frames, 1)
-    predicted = sum(frames) * per_frame_s
+    prefill_s = sum(chunks) * warmup.ttfa_ms / 1000
+    frame_s = warmup.steady_ms_per_frame / 1000
+    predicted = prefill_s + sum(frames) * frame_s
     if predicted <= budget_s:
         return frames, None
-    scale = budget_s / predicted
+    scale = max(0.0, budget_s - prefill_s) / (sum(frames) * frame_s)
     reduced = [max(8, int(f * scale)) for f in frames]
-    return reduced, (f"frames reduced from {frames[0]}/{frames[1]}: the warm-up ran "
-                     f"{per_frame_s * 1000:.0f} ms per frame, {predicted:.0f} s predicted, budget {budget_s:.0f} s")
+    return reduced, (f"frames reduced from {frames[0]}/{frames[1]} to {reduced[0]}/{reduced[1]} to fit "
+                     f"{budget_s:.0f} s: the warm-up ran {warmup.ttfa_ms:.0f} ms to the first audio and "
+                     f"{warmup.steady_ms_per_frame:.0f} ms per frame, {predicted:.0f} s predicted")
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,20 +418,22 @@ def _fmt(value, digits=1, unit="") -> str:
 
 def build_table(r: dict) -> str:
     """The figures as one markdown table (printed as is)."""
-    short, long = r["requests"]["short"], r["requests"]["long"]
+    words = r["settings"]["words"]
+    short, long = r["requests"].get("short") or {}, r["requests"].get("long") or {}
     ms = lambda v, d=2: _fmt(v, d, " ms")   # noqa: E731
+
+    def audio(req: dict) -> str:
+        return f"{req['frames']:.0f} frames, {req['audio_s']:.1f} s audio" if req else "not run"
+
     rows = [
-        (f"TTFA, {short['words']} words ({short['chunks']} text chunk(s))", ms(r["ttfa_ms_20w"], 0),
+        (f"TTFA, {words[0]} words ({short.get('chunks', '-')} text chunk(s))", ms(r["ttfa_ms_20w"], 0),
          TARGETS["ttfa_ms_20w"] + " ms"),
-        (f"TTFA, {long['words']} words ({long['chunks']} text chunks)", ms(r["ttfa_ms_200w"], 0), ""),
-        (f"RTF, {short['words']} words ({short['frames']:.0f} frames, {short['audio_s']:.1f} s audio)",
-         _fmt(short["rtf"], 3), ""),
-        (f"RTF, {long['words']} words ({long['frames']:.0f} frames, {long['audio_s']:.1f} s audio) = rtf_single",
-         _fmt(r["rtf_single"], 3), TARGETS["rtf_single"]),
-        (f"E2E ms per frame, {short['words']} words (steady decode)", ms(r["e2e_ms_per_frame"]),
-         "46.4 ms = real time"),
-        (f"E2E ms per frame, {long['words']} words (text-chunk prefills included)",
-         ms(long["steady_ms_per_frame"]), ""),
+        (f"TTFA, {words[1]} words ({long.get('chunks', '-')} text chunks)", ms(r["ttfa_ms_200w"], 0), ""),
+        (f"RTF, {words[0]} words ({audio(short)})", _fmt(short.get("rtf"), 3), ""),
+        (f"RTF, {words[1]} words ({audio(long)}) = rtf_single", _fmt(r["rtf_single"], 3), TARGETS["rtf_single"]),
+        (f"E2E ms per frame, {words[0]} words (steady decode)", ms(r["e2e_ms_per_frame"]), "46.4 ms = real time"),
+        (f"E2E ms per frame, {words[1]} words (text-chunk prefills included)",
+         ms(long.get("steady_ms_per_frame")), ""),
         ("backbone step, batch 1 (in-process)", ms(r["backbone_step_ms_b1"]), ""),
         ("tower step, batch 1 (in-process)", ms(r["tower_step_ms_b1"]), ""),
         ("codec 4-frame chunk (in-process)", ms(r["codec_chunk_ms_4f"]), TARGETS["codec_chunk_ms_4f"] + " ms"),
@@ -438,49 +453,42 @@ def build_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def summarise(args, stack: RunningStack, sampler, short: Spoken, long: Spoken, warmup: Spoken,
-              note: str | None, micro: dict) -> dict:
+def summarise(args, stack: StackRun, micro: dict) -> dict:
+    """Every figure by its JSON key (None where it was not measured)."""
+    requests = {name: {"words": q.words, "chunks": q.chunks, "max_new_tokens_per_chunk": q.max_new_tokens,
+                       "frames": q.frames, "audio_s": q.audio_s, "ttfa_ms": q.ttfa_ms, "wall_ms": q.wall_ms,
+                       "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame}
+                for name, q in stack.requests.items()}
+    short, long = requests.get("short", {}), requests.get("long", {})
+    backbone, tower, codec = (micro.get(k) for k in ("backbone_step_ms_b1", "tower_step_ms_b1", "codec_chunk_ms_4f"))
+    stage_sum = backbone + tower + codec / 4 if None not in (backbone, tower, codec) else None
+    e2e = short.get("steady_ms_per_frame")
     peer_ms, peer_source = transformers_peer(args.preset, args.device)
-    backbone_ms = micro.get("backbone_step_ms_b1")
-    stage_sum = None
-    if None not in (backbone_ms, micro.get("tower_step_ms_b1"), micro.get("codec_chunk_ms_4f")):
-        stage_sum = backbone_ms + micro["tower_step_ms_b1"] + micro["codec_chunk_ms_4f"] / 4
-    e2e = short.steady_ms_per_frame
-    peak = {}
-    if sampler is not None:
-        peak = {name: sampler.peak_mib[name] / 1024 for name in (*STAGES, "gateway") if name in sampler.peak_mib}
-        peak.update({name: mib / 1024 for name, mib in sampler.peak_mib.items() if name not in peak})
-        if sampler.peak_total_mib:
-            peak["total (memory.used)"] = sampler.peak_total_mib / 1024
-
-    def request(s: Spoken) -> dict:
-        return {"words": s.words, "chunks": s.chunks, "max_new_tokens_per_chunk": s.max_new_tokens,
-                "frames": s.frames, "audio_s": s.audio_s, "ttfa_ms": s.ttfa_ms, "wall_ms": s.wall_ms,
-                "rtf": s.rtf, "steady_ms_per_frame": s.steady_ms_per_frame}
-
     return {
-        "rtf_single": long.rtf,
-        "ttfa_ms_20w": short.ttfa_ms,
-        "ttfa_ms_200w": long.ttfa_ms,
-        "backbone_step_ms_b1": backbone_ms,
+        "rtf_single": long.get("rtf"),
+        "ttfa_ms_20w": short.get("ttfa_ms"),
+        "ttfa_ms_200w": long.get("ttfa_ms"),
+        "backbone_step_ms_b1": backbone,
         "transformers_step_ms_b1": peer_ms,
         "transformers_step_source": peer_source,
-        "backbone_speedup_vs_transformers_b1": peer_ms / backbone_ms if peer_ms and backbone_ms else None,
-        "tower_step_ms_b1": micro.get("tower_step_ms_b1"),
-        "codec_chunk_ms_4f": micro.get("codec_chunk_ms_4f"),
+        "backbone_speedup_vs_transformers_b1": peer_ms / backbone if peer_ms and backbone else None,
+        "tower_step_ms_b1": tower,
+        "codec_chunk_ms_4f": codec,
         "stage_compute_source": "in-process micro-timing at batch 1 after the stack stopped "
                                 "(the stages expose no step timings)",
         "e2e_ms_per_frame": e2e,
         "stage_sum_ms_per_frame": stage_sum,
         "overhead_ms_per_frame": e2e - stage_sum if e2e is not None and stage_sum is not None else None,
-        "peak_gpu_gb": peak,
+        "peak_gpu_gb": stack.peak_gpu_gb,
         "peak_gpu_source": "nvidia-smi --query-compute-apps used_memory every 0.5 s, CUDA context included"
-                           + (f"; sampler error: {sampler.error}" if sampler and sampler.error else ""),
+                           + (f"; sampler error: {stack.peak_gpu_note}" if stack.peak_gpu_note else ""),
         "start_to_ready_s": stack.ready_s,
-        "requests": {"warmup": request(warmup), "short": request(short), "long": request(long)},
-        "frames_note": note,
+        "requests": requests,
+        "frames_note": stack.frames_note,
+        "stack_error": stack.error,
         "micro_errors": micro.get("errors", {}),
-        "settings": {"preset": args.preset, "device": args.device, "seed": SEED, "voice": VOICE,
+        "settings": {"preset": args.preset, "device": args.device, "words": list(args.words),
+                     "frames_asked": list(args.frames), "budget_s": args.budget_s, "seed": SEED, "voice": VOICE,
                      "latency": "low", "response_format": "pcm", "stream": True,
                      "sample_rate": preset_config(args.preset).codec.sample_rate,
                      "DRAMA_MAX_ROWS": stage_env()["DRAMA_MAX_ROWS"],
@@ -497,14 +505,28 @@ def summarise(args, stack: RunningStack, sampler, short: Spoken, long: Spoken, w
 # main
 # --------------------------------------------------------------------------------------------
 
-def run(args) -> dict:
+@dataclass
+class StackRun:
+    """What the stack part measured; `error` says why anything is missing."""
+    ready_s: dict[str, float] = field(default_factory=dict)
+    requests: dict[str, Spoken] = field(default_factory=dict)     # warmup, short, long
+    peak_gpu_gb: dict[str, float] = field(default_factory=dict)
+    peak_gpu_note: str | None = None
+    frames_note: str | None = None
+    error: str | None = None
+
+
+def run_stack(args) -> StackRun:
+    """Steps 1-3: start the stack, time the requests, stop it. Failures are recorded, not raised,
+    so that the per-stage timings still run."""
     import httpx
 
     from services.common.make_checkpoint import make_checkpoint
 
     cfg = preset_config(args.preset)
-    chunk_size, frame_samples = cfg.text_chunking.text_chunk_size, cfg.codec.frame_samples
-    audio = (chunk_size, frame_samples, cfg.codec.sample_rate)
+    chunk_size = cfg.text_chunking.text_chunk_size
+    audio = (chunk_size, cfg.codec.frame_samples, cfg.codec.sample_rate)
+    out = StackRun()
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         config_dir = Path(tmp) / "config"
         with contextlib.redirect_stdout(io.StringIO()):          # the dry run prints the shard plan
@@ -512,50 +534,53 @@ def run(args) -> dict:
         log_dir = args.log_dir or Path(tmp) / "logs"
         print(f"starting the stack ({args.preset} on {args.device}, logs in {log_dir}) ...", flush=True)
         stack = start_stack(args.preset, args.device, config_dir, log_dir)
+        out.ready_s = stack.ready_s
         sampler = None
+        if args.device.startswith("cuda"):
+            sampler = GpuMemorySampler({p.popen.pid: name for name, p in stack.processes.items()}).start()
         try:
-            if args.device.startswith("cuda"):
-                sampler = GpuMemorySampler({p.popen.pid: name for name, p in stack.processes.items()}).start()
             wait_stack_ready(stack, args.ready_timeout)
             print("ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in stack.ready_s.items()), flush=True)
             with httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
-                warmup = speak(client, stack.url, args.words[0], 8, *audio)
-                print(f"warm-up: {warmup.frames:.0f} frames in {warmup.wall_ms:.0f} ms", flush=True)
-                frames, note = plan_frames(list(args.frames), warmup, args.budget_s)
-                if note:
-                    print(note, flush=True)
-                short = speak(client, stack.url, args.words[0], frames[0], *audio)
-                print(f"{short.words} words: TTFA {short.ttfa_ms:.0f} ms, RTF {short.rtf:.3f}", flush=True)
-                long = speak(client, stack.url, args.words[1], frames[1], *audio)
-                print(f"{long.words} words: TTFA {long.ttfa_ms:.0f} ms, RTF {long.rtf:.3f}", flush=True)
-        except BaseException:
+                warmup = out.requests["warmup"] = speak(client, stack.url, args.words[0], 8, *audio)
+                print(f"warm-up: TTFA {warmup.ttfa_ms:.0f} ms, {warmup.frames:.0f} frames in "
+                      f"{warmup.wall_ms:.0f} ms", flush=True)
+                chunks = [count_chunks(make_text(w), chunk_size) for w in args.words]
+                frames, out.frames_note = plan_frames(list(args.frames), chunks, warmup, args.budget_s)
+                if out.frames_note:
+                    print(out.frames_note, flush=True)
+                for name, words, n in (("short", args.words[0], frames[0]), ("long", args.words[1], frames[1])):
+                    r = out.requests[name] = speak(client, stack.url, words, n, *audio)
+                    print(f"{words} words: TTFA {r.ttfa_ms:.0f} ms, {r.frames:.0f} frames, RTF {r.rtf:.3f}, "
+                          f"{_fmt(r.steady_ms_per_frame, 2)} ms per frame", flush=True)
+        except Exception as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            print(f"bench.e2e: {out.error}", file=sys.stderr)
             for process in stack.processes.values():
                 print(f"--- {process.name} ---\n{process.log_tail(20)}", file=sys.stderr)
-            raise
         finally:
             if sampler is not None:
                 sampler.stop()
+                out.peak_gpu_gb = sampler.peak_gb()
+                out.peak_gpu_note = sampler.error
             stack.stop()
-    micro = {"errors": {}}
-    if not args.skip_micro:
-        print("per-stage compute in this process (batch 1):", flush=True)
-        micro = micro_timings(args)
-    return summarise(args, stack, sampler, short, long, warmup, note, micro)
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python -m bench.e2e " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    try:
-        result = run(args)
-    except StackError as exc:
-        print(f"bench.e2e: the stack did not start: {exc}", file=sys.stderr)
-        return 1
+    stack = run_stack(args)
+    micro = {"errors": {}}
+    if not args.skip_micro:
+        print("per-stage compute in this process (batch 1):", flush=True)
+        micro = micro_timings(args)
+    result = summarise(args, stack, micro)
     result["command"] = command
     table = build_table(result)
     header = (f"bench.e2e: preset {args.preset} on {args.device}"
               f"{' (' + result['gpu'] + ')' if result['gpu'] else ''}, {result['date']}, commit {result['commit'][:10]}"
-              + (f"\nnote: {result['frames_note']}" if result["frames_note"] else ""))
+              + "".join(f"\nnote: {result[k]}" for k in ("frames_note", "stack_error") if result[k]))
     print(f"\n{header}\n\n{table}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -563,7 +588,7 @@ def main(argv=None) -> int:
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(f"Command: `{command}`\n\n{header}\n\n{table}\n")
-    return 0
+    return 1 if stack.error else 0
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ def test_make_text_has_the_word_count_and_is_stable():
 
 
 def test_plan_frames_shrinks_only_past_the_budget():
-    warmup = e2e.Spoken(words=20, chunks=1, max_new_tokens=8, frames=8, audio_s=0.37, ttfa_ms=50,
-                        wall_ms=800, steady_ms_per_frame=90)                # 100 ms per frame
-    assert e2e.plan_frames([100, 400], warmup, None) == ([100, 400], None)
-    assert e2e.plan_frames([100, 400], warmup, 60.0) == ([100, 400], None)  # 50 s predicted
-    frames, note = e2e.plan_frames([100, 400], warmup, 25.0)
+    warmup = e2e.Spoken(words=20, chunks=1, max_new_tokens=8, frames=8, audio_s=0.37, ttfa_ms=1000,
+                        wall_ms=1800, steady_ms_per_frame=100)
+    # predicted: 1 + 9 chunk prefills of 1 s, then 500 frames of 0.1 s = 60 s
+    assert e2e.plan_frames([100, 400], [1, 9], warmup, None) == ([100, 400], None)
+    assert e2e.plan_frames([100, 400], [1, 9], warmup, 60.0) == ([100, 400], None)
+    frames, note = e2e.plan_frames([100, 400], [1, 9], warmup, 35.0)
     assert frames == [50, 200] and "reduced" in note
+    assert e2e.plan_frames([100, 400], [1, 9], warmup, 5.0)[0] == [8, 8]      # never below 8
 
 
 def test_random_weights_flag_and_env(monkeypatch):
