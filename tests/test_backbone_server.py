@@ -171,32 +171,35 @@ class Recorder:
         self.work: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
         self.steps: list[TowerStep] = []
         self.inject = None         # optional failure injection: (step, result) -> result
-        self.outstanding: list[asyncio.Future] = []   # steps at the tower now
-        self.max_outstanding = 0
+        self.delay_s = 0.0         # optional slow tower: answers reach the scheduler this late
+        self.sent: list[asyncio.Future] = []   # the tower's answers, one per step
+        self.overlap = 0           # the most steps at the tower while the engine computed
 
     def __getattr__(self, name):   # everything else is the real engine's
         return getattr(self.engine, name)
 
-    def step(self, work):          # the engine side
+    def step(self, work):          # the engine side (on the engine thread)
         self.work.append(work)
+        self.overlap = max(self.overlap, sum(not f.done() for f in list(self.sent)))
         return self.engine.step(work)
 
     async def tower_send(self, step: TowerStep) -> asyncio.Future:
         self.steps.append(step)
         future = await self.tower.send(step)
-        self.outstanding = [f for f in self.outstanding if not f.done()] + [future]
-        self.max_outstanding = max(self.max_outstanding, len(self.outstanding))
-        if self.inject is None:
+        if self.inject is None and not self.delay_s:
+            self.sent.append(future)
             return future
-        injected = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        altered = loop.create_future()
 
         def alter(done: asyncio.Future) -> None:
             if done.exception() is not None:
-                injected.set_exception(done.exception())
+                altered.set_exception(done.exception())
             else:
-                injected.set_result(self.inject(step, done.result()))
-        future.add_done_callback(alter)
-        return injected
+                altered.set_result(self.inject(step, done.result()) if self.inject else done.result())
+        future.add_done_callback(lambda done: loop.call_later(self.delay_s, alter, done))
+        self.sent.append(altered)
+        return altered
 
 
 class _TowerSide:
@@ -334,11 +337,12 @@ async def test_pipelined_steps_give_each_session_the_frames_of_sequential_steps(
     runs = {}
     for inflight in (1, 2):
         scheduler, rec = await stage(max_inflight_steps=inflight)
+        rec.delay_s = 0.05         # a slow tower: the engine has time to compute the other group
         sessions = [scheduler.submit(_job(f"p{i}", seed=40 + i, turns=("one", "two"), max_new=6))
                     for i in range(POOL_ROWS)]
         results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
         runs[inflight] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
-        assert rec.max_outstanding == inflight
+        assert (rec.overlap > 0) == (inflight > 1)
     for sequential, pipelined in zip(runs[1], runs[2]):
         assert torch.equal(sequential, pipelined)
 
@@ -489,3 +493,16 @@ async def test_step_metrics_and_gauges_are_recorded(stage):
     assert points["drama_backbone_step_seconds"][0].count == len(rec.work)
     assert points["drama_backbone_queue_depth"][0].value == 0
     assert points["drama_backbone_kv_usage_ratio"][0].value == 0.0     # all released
+
+
+async def test_a_long_prompt_is_prefilled_in_pieces_back_to_back(stage):
+    """The next prefill piece is computed while the tower works on the previous one; the frames
+    equal those of a one-piece prefill."""
+    codes = {}
+    for piece, inflight in ((1000, 1), (6, 2)):
+        scheduler, rec = await stage(prefill_chunk_tokens=piece, max_inflight_steps=inflight)
+        rec.delay_s = 0.05
+        events = await _run(scheduler, scheduler.submit(_job("long-prompt", turns=("x",), max_new=4)))
+        codes[piece] = torch.cat([e.codes for e in events if isinstance(e, FramesOut)])
+        assert (rec.overlap > 0) == (inflight > 1)
+    assert torch.equal(codes[1000], codes[6])

@@ -16,10 +16,11 @@ A step of one group of sessions:
 
 Stage pipelining (API.md §3.5): up to `max_inflight_steps` groups are at the tower at once (the
 smaller of ours and the tower's). While one group is at the tower, the loop plans and computes the
-next from the sessions not waiting for a response, so backbone and tower work at the same time.
-A session is in at most one group (it waits for its own frame) and responses come back in request
-order, so each session sees the same rows in the same order as without pipelining; with one step
-in flight the loop is simply sequential.
+next from the sessions not waiting for a frame, so backbone and tower work at the same time. A
+decoding session is in at most one group (it waits for its own frame; a long prompt's prefill
+pieces may follow each other without waiting) and responses come back in request order, so each
+session sees the same rows in the same order as without pipelining; with one step in flight the
+loop is simply sequential.
 
 Every engine call (open, release, step) is made by the loop coroutine, and `engine.step` is
 awaited where it is made, so the engine never sees two calls at once; `cancel` and the tower's
@@ -305,7 +306,6 @@ class Session:
     cancelled: bool = False
     slot: int | None = None
     tower_open: bool = False               # the tower holds state for this timeline
-    in_flight: bool = False                # its last entry awaits the tower's response
     chunk_index: int = 0
     rows: Rows | None = None               # the current chunk's prompt rows
     targets: Tensor | None = None          # their targets [P, N]
@@ -592,7 +592,10 @@ class Scheduler:
         for session in self._active:
             if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
                 session.paused = False
-            if not session.paused and not session.in_flight and (session.decoding or session.prefilling):
+            # A decoding session's frame has come back; one waiting for its frame is neither.
+            # Prefill pieces need not wait for the previous piece's response: the stream keeps
+            # their order, and only the last piece draws.
+            if not session.paused and (session.decoding or session.prefilling):
                 runnable.append(session)
         limit = self.max_rows
         if self._inflight_limit() > 1 and not self._inflight:
@@ -655,7 +658,6 @@ class Scheduler:
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
-            s.in_flight = True
         targets = (torch.cat([e.targets for e in entries]) if entries
                    else torch.empty(0, self.engine.num_codebooks, dtype=torch.int64))
         release, self._release = self._release, []
@@ -671,8 +673,6 @@ class Scheduler:
         self._inflight.append(_InFlight(entries, result, span))
 
     def _finish_step(self, step: _InFlight) -> None:
-        for e in step.entries:
-            e.session.in_flight = False
         if step.span is not None:
             step.span.end()
         if step.result.cancelled() or isinstance(step.result.exception(), TowerUnavailable):
