@@ -154,10 +154,12 @@ def wait_stack_ready(stack: RunningStack, timeout_s: float) -> None:
     done = threading.Event()
 
     def poll_stages():
-        while not done.is_set() and len(stack.ready_s) < len(STAGES):
-            for name in STAGES:
-                if name not in stack.ready_s and asyncio.run(check_health(stack.addrs[name])) == "SERVING":
+        waiting = list(STAGES)
+        while waiting and not done.is_set():
+            for name in list(waiting):
+                if asyncio.run(check_health(stack.addrs[name])) == "SERVING":
                     stack.ready_s[name] = time.monotonic() - stack.spawned[name]
+                    waiting.remove(name)
             time.sleep(0.1)
 
     poller = threading.Thread(target=poll_stages, daemon=True)
