@@ -3,6 +3,7 @@
     python -m bench.load --concurrency 32 --duration 60                 a local CPU stack (tiny checkpoint)
     python -m bench.load --url http://127.0.0.1:8000 --concurrency 8   a running gateway
     python -m bench.load ... --json PATH                                also write the figures
+    python -m bench.load --requests 1000 --cancel-fraction 0.3          nothing lost (see below)
 
 Each of the N workers sends `POST /v1/audio/speech` (progressive body, `stream_format: audio`,
 formats taken in turn from --formats) and reads it to the end, then sends the next, until the
@@ -21,6 +22,13 @@ Per request it records:
 - audio seconds: PCM bytes / 2 / X-Sample-Rate (for wav after its 44-byte header).
 
 Throughput = audio seconds of all completed requests / wall seconds.
+
+With --requests N the run is counted instead of timed: N requests at --concurrency, a fraction
+(--cancel-fraction) of them cancelled by the client at a random point (before the status line,
+or after a random number of body bytes). Every request not cancelled must complete whole. On a
+local stack the stages' open sessions and free cache slots (GetInfo) and every process's RSS are
+read before (after a warm-up) and after; the run fails unless the sessions and slots are back to
+their start values.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import asyncio
 import collections
 import json
 import math
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -199,6 +208,162 @@ async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tok
         outcomes=outcomes)
 
 
+# --------------------------------------------------------------------------------------------
+# Nothing lost: cancelled requests, stage sessions, RSS
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class CancelResult:
+    requests: int
+    completed: int               # not cancelled, 200 with a whole body
+    cancelled_before_body: int   # cancelled before the first body byte
+    cancelled_mid_body: int
+    failed: list[str]            # not cancelled but not whole: status/error of each
+    wall_s: float
+
+
+async def _cancelled_request(client: httpx.AsyncClient, url: str, body: dict, rng: random.Random,
+                             by_bytes: bool) -> str:
+    """A request the client abandons: after a random delay (possibly before the status line) or,
+    with `by_bytes`, after a random number of body bytes. Returns where it was cut: 'before_body'
+    or 'mid_body'."""
+    received = 0
+    cut_after_bytes = rng.randint(1, 8192) if by_bytes else None
+
+    async def read():
+        nonlocal received
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+            async for piece in response.aiter_raw():
+                received += len(piece)
+                if cut_after_bytes is not None and received >= cut_after_bytes:
+                    return         # leaving the block closes the connection mid-body
+
+    task = asyncio.ensure_future(read())
+    if cut_after_bytes is None:
+        await asyncio.wait({task}, timeout=rng.uniform(0.0, 1.5))
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return "mid_body" if received else "before_body"
+
+
+async def run_with_cancellations(url: str, *, requests: int, cancel_fraction: float = 0.3,
+                                 concurrency: int = 8, max_new_tokens: int = 6, seed: int = 0,
+                                 request_timeout_s: float = 120.0) -> CancelResult:
+    """`requests` requests at `concurrency`, `cancel_fraction` of them cancelled at random points."""
+    url = url.rstrip("/")
+    rng = random.Random(seed)
+    cancelled = sorted(rng.sample(range(requests), round(requests * cancel_fraction)))
+    # Cancelled requests alternate between a cut by time and a cut by bytes.
+    plan = [None] * requests
+    for turn, index in enumerate(cancelled):
+        plan[index] = "bytes" if turn % 2 else "time"
+    counts = collections.Counter()
+    failed: list[str] = []
+    queue = iter(enumerate(plan))
+    started = time.monotonic()
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits) as client:
+        async def worker():
+            for index, cancel in queue:
+                body = request_body(index, ["pcm", "wav"], max_new_tokens)
+                if cancel is not None:
+                    counts[await _cancelled_request(client, url, body, rng, cancel == "bytes")] += 1
+                    continue
+                outcome = await one_request(client, url, body)
+                if outcome.status == 200 and not outcome.truncated:
+                    counts["completed"] += 1
+                else:
+                    failed.append(f"{outcome.status}:{outcome.error_code}")
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return CancelResult(requests=requests, completed=counts["completed"],
+                        cancelled_before_body=counts["before_body"], cancelled_mid_body=counts["mid_body"],
+                        failed=failed, wall_s=time.monotonic() - started)
+
+
+async def stage_counts(backbone_addr: str, tower_addr: str, codec_addr: str) -> dict[str, int]:
+    """Open sessions and free cache slots as each stage reports them (GetInfo)."""
+    import grpc
+
+    from drama.backbone.v1 import backbone_pb2, backbone_pb2_grpc
+    from drama.codec.v1 import codec_pb2, codec_pb2_grpc
+    from drama.tower.v1 import tower_pb2, tower_pb2_grpc
+
+    async with grpc.aio.insecure_channel(backbone_addr) as b, grpc.aio.insecure_channel(tower_addr) as t, \
+            grpc.aio.insecure_channel(codec_addr) as c:
+        backbone = await backbone_pb2_grpc.BackboneStub(b).GetInfo(backbone_pb2.GetInfoRequest(), timeout=5)
+        tower = await tower_pb2_grpc.TowerStub(t).GetInfo(tower_pb2.GetInfoRequest(), timeout=5)
+        codec = await codec_pb2_grpc.CodecStub(c).GetInfo(codec_pb2.GetInfoRequest(), timeout=5)
+    return {"backbone.open_sessions": backbone.open_sessions, "backbone.queued_sessions": backbone.queued_sessions,
+            "backbone.free_slots": backbone.free_slots, "tower.open_sessions": tower.open_sessions,
+            "tower.free_slots": tower.free_slots, "codec.open_sessions": codec.open_sessions}
+
+
+def stack_addresses(stack) -> dict[str, str]:
+    """{'backbone'|'tower'|'codec': 'host:port'} of a services.launcher.Stack, from its commands."""
+    addresses = {}
+    for process in stack.processes:
+        if process.name != "gateway":
+            argv = process.argv
+            addresses[process.name] = f"127.0.0.1:{argv[argv.index('--port') + 1]}"
+    return addresses
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def stack_rss_mb(stack) -> dict[str, float]:
+    return {process.name: rss_mb(process.popen.pid) for process in stack.processes}
+
+
+async def settled_counts(addresses: dict[str, str], expected: dict[str, int],
+                         timeout_s: float = 15.0) -> dict[str, int]:
+    """Poll GetInfo until the counts equal `expected` (sessions are freed at the next step) or
+    `timeout_s` passes; returns the last counts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = await stage_counts(addresses["backbone"], addresses["tower"], addresses["codec"])
+        if counts == expected or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.2)
+
+
+def nothing_lost(stack, *, requests: int, cancel_fraction: float, concurrency: int,
+                 max_new_tokens: int, warmup: int = 16) -> dict:
+    """The whole check on a running local Stack; returns a report (counts, RSS, outcome)."""
+    addresses = stack_addresses(stack)
+    start = asyncio.run(stage_counts(addresses["backbone"], addresses["tower"], addresses["codec"]))
+    # The warm-up lets lazy allocations (buffers, caches, allocator pools) happen before RSS is read.
+    asyncio.run(run_with_cancellations(stack.url, requests=warmup, cancel_fraction=cancel_fraction,
+                                       concurrency=concurrency, max_new_tokens=max_new_tokens, seed=1))
+    asyncio.run(settled_counts(addresses, start))
+    rss_before = stack_rss_mb(stack)
+    result = asyncio.run(run_with_cancellations(stack.url, requests=requests, cancel_fraction=cancel_fraction,
+                                                concurrency=concurrency, max_new_tokens=max_new_tokens))
+    after = asyncio.run(settled_counts(addresses, start))
+    rss_after = stack_rss_mb(stack)
+    return {"result": result, "start": start, "after": after, "rss_before_mb": rss_before,
+            "rss_after_mb": rss_after}
+
+
+def print_nothing_lost(report: dict) -> None:
+    result: CancelResult = report["result"]
+    print(f"{result.requests} requests in {result.wall_s:.1f} s: {result.completed} completed, "
+          f"{result.cancelled_before_body} cancelled before the body, {result.cancelled_mid_body} mid-body, "
+          f"{len(result.failed)} failed {result.failed[:5]}")
+    print("| stage figure | start | after |\n|---|---|---|")
+    for key, value in report["start"].items():
+        print(f"| {key} | {value} | {report['after'][key]} |")
+    print("| process | RSS before (MB) | RSS after (MB) |\n|---|---|---|")
+    for name, before in report["rss_before_mb"].items():
+        print(f"| {name} | {before:.0f} | {report['rss_after_mb'][name]:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="gateway URL (default: start a local CPU stack)")
@@ -209,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default="pcm,wav", help="comma-separated, taken in turn")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="nothing-lost mode: this many requests (local stack only)")
+    parser.add_argument("--cancel-fraction", type=float, default=0.3)
     args = parser.parse_args(argv)
+    if args.requests is not None and args.url is not None:
+        parser.error("--requests needs the local stack (it reads the stages' GetInfo and RSS)")
 
     stack = None
     url = args.url
@@ -222,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         url = stack.url
     try:
+        if args.requests is not None:
+            report = nothing_lost(stack, requests=args.requests, cancel_fraction=args.cancel_fraction,
+                                  concurrency=args.concurrency, max_new_tokens=args.max_new_tokens)
+            print_nothing_lost(report)
+            return 0 if not report["result"].failed and report["after"] == report["start"] else 1
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
         result = asyncio.run(run_load(url, concurrency=args.concurrency, duration_s=args.duration,
                                       max_new_tokens=args.max_new_tokens,

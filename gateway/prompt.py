@@ -45,6 +45,9 @@ RESERVED_TOKENS = frozenset({
     "<|audio_end|>", "<|audio_pad|>",
 })
 SEMANTIC_TAG = re.compile(r"<\|semantic:\d+\|>")
+# A JSON string may escape a lone UTF-16 surrogate ("\ud800"); it is no character, and the
+# tokenizer raises TypeError on it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Template strings of MODEL.md §8.2, each tokenized as its own part.
 SYSTEM_OPEN = "<|im_start|>system\n"
@@ -168,6 +171,9 @@ def validate_text(text: str, param: str, *, allow_blank: bool = False,
     """
     if not allow_blank and not text.strip():
         raise PromptError("empty_string", param, f"Invalid '{param}': expected a non-empty string.")
+    if LONE_SURROGATE.search(text):   # the message must not echo it: it cannot be encoded as UTF-8
+        raise PromptError("invalid_value", param, f"Invalid '{param}': the string holds a lone UTF-16 "
+                          f"surrogate (U+D800..U+DFFF), which is not a character.")
     for match in SPECIAL_TAG.finditer(text):
         tag = match.group()
         if speaker := SPEAKER_TAG.fullmatch(tag):
