@@ -485,6 +485,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
         "peak_gpu_source": "nvidia-smi --query-compute-apps used_memory every 0.5 s, CUDA context included"
                            + (f"; sampler error: {stack.peak_gpu_note}" if stack.peak_gpu_note else ""),
         "start_to_ready_s": stack.ready_s,
+        "backbone_memory_report": stack.backbone_memory,
         "requests": requests,
         "frames_note": stack.frames_note,
         "stack_error": stack.error,
@@ -515,6 +516,7 @@ class StackRun:
     peak_gpu_gb: dict[str, float] = field(default_factory=dict)
     peak_gpu_note: str | None = None
     frames_note: str | None = None
+    backbone_memory: str | None = None                              # the backbone's own report line
     error: str | None = None
 
 
@@ -566,6 +568,8 @@ def run_stack(args) -> StackRun:
                 out.peak_gpu_gb = sampler.peak_gb()
                 out.peak_gpu_note = sampler.error
             stack.stop()
+            log = stack.processes["backbone"].log_tail(200).splitlines()
+            out.backbone_memory = next((line for line in log if line.startswith("backbone memory:")), None)
     return out
 
 
