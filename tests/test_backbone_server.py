@@ -506,3 +506,17 @@ async def test_a_long_prompt_is_prefilled_in_pieces_back_to_back(stage):
         codes[piece] = torch.cat([e.codes for e in events if isinstance(e, FramesOut)])
         assert (rec.overlap > 0) == (inflight > 1)
     assert torch.equal(codes[1000], codes[6])
+
+
+async def test_a_mismatched_tower_is_never_served(tower_addr, tiny_config):
+    from services.backbone.tower_client import TowerClient
+
+    client = TowerClient(tower_addr, hidden_dim=32, hidden_dtype=torch.float32,
+                         codebooks=tiny_config.num_codebooks, max_rows=POOL_ROWS,
+                         max_context_tokens=POOL_CONTEXT)
+    client.start()
+    try:
+        assert not await client.wait_ready(1.0)
+        assert "refused" in client.last_error and "hidden_dim" in client.last_error
+    finally:
+        await client.close()
