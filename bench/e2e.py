@@ -12,15 +12,15 @@ What it does, in order:
    process: from its spawn to its first SERVING health answer (the gateway: `GET /ready` 200).
    The four start together, as `dramaturg up` starts them, so they share the CPU and the GPU
    while loading; the backbone turns SERVING only once the tower is.
-2. Through the gateway (`POST /v1/audio/speech`, stream, pcm, voice `alloy` (seeded, no
-   reference to encode), the codec's own 44.1 kHz (no resampling), latency `low`, fixed seed): a warm-up request, then a 20-word and a
-   200-word request. Random weights rarely end on their own, so `max_new_tokens` caps the frames
-   of each text chunk: the target frame count divided over the chunks the gateway cuts the text
-   into. TTFA = request sent -> first audio byte. RTF = request wall time / audio seconds.
-   E2E ms per frame = (last byte - first byte) / frames after the first piece: for the short
-   request (one text chunk) the steady decode, for the long one with its text-chunk prefills.
-   With --budget-s, the frame counts shrink when the warm-up says
-   the two requests would not finish in that time (the table says so).
+2. Through the gateway (`POST /v1/audio/speech`, stream, pcm at the codec's own 44.1 kHz (no
+   resampling), voice `alloy` (seeded, no reference to encode), latency `low`, fixed seed): a
+   warm-up request, then a 20-word and a 200-word request. Random weights rarely end on their
+   own, so `max_new_tokens` caps the frames of each text chunk: the target frame count divided
+   over the chunks the gateway cuts the text into. TTFA = request sent -> first audio byte.
+   RTF = request wall time / audio seconds. E2E ms per frame = (last byte - first byte) / frames
+   after the first piece: for the short request (one text chunk) the steady decode, for the long
+   one with its text-chunk prefills. With --budget-s, the frame counts shrink when the warm-up
+   says the two requests would not finish in that time (the table says so).
 3. GPU memory per process: `nvidia-smi --query-compute-apps` sampled every 0.5 s while the stack
    runs (CUDA context included); the peak per stage.
 4. The stack is stopped, then each stage's compute is timed IN THIS PROCESS at batch 1 (the
@@ -584,8 +584,9 @@ def main(argv=None) -> int:
     result = summarise(args, stack, micro)
     result["command"] = command
     table = build_table(result)
-    header = (f"bench.e2e: preset {args.preset} on {args.device}"
-              f"{' (' + result['gpu'] + ')' if result['gpu'] else ''}, {result['date']}, commit {result['commit'][:10]}"
+    gpu = f" ({result['gpu']})" if result["gpu"] else ""
+    header = (f"bench.e2e: preset {args.preset} on {args.device}{gpu}, {result['date']}, "
+              f"commit {result['commit'][:10]}"
               + "".join(f"\nnote: {result[k]}" for k in ("frames_note", "stack_error") if result[k]))
     print(f"\n{header}\n\n{table}")
     if args.json:
