@@ -199,6 +199,9 @@ class GpuMemorySampler:
         apps = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
         for line in apps.strip().splitlines():
             pid, used = (part.strip() for part in line.split(","))
+            if not (pid.isdigit() and used.isdigit()):        # "[N/A]" where the VM hides it
+                self.error = f"nvidia-smi compute-apps line {line!r}"
+                continue
             name = self.pids.get(int(pid), f"pid {pid}")
             self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), float(used))
         total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -206,7 +209,7 @@ class GpuMemorySampler:
         self.peak_total_mib = max(self.peak_total_mib, float(total.split()[0]))
 
     def peak_gb(self) -> dict[str, float]:
-        """Per stage (in STAGES order, then anything else seen), and the whole card's memory.used."""
+        """GiB per stage (in STAGES order, then anything else seen), and the card's memory.used."""
         order = [n for n in (*STAGES, "gateway") if n in self.peak_mib]
         order += [n for n in self.peak_mib if n not in order]
         peak = {name: self.peak_mib[name] / 1024 for name in order}
@@ -445,7 +448,7 @@ def build_table(r: dict) -> str:
         ("backbone speed-up vs transformers", _fmt(r["backbone_speedup_vs_transformers_b1"], 1, "x"),
          TARGETS["speedup"]),
     ]
-    rows += [(f"peak GPU memory, {name} (nvidia-smi)", _fmt(gb, 2, " GB"), "")
+    rows += [(f"peak GPU memory, {name} (nvidia-smi)", _fmt(gb, 2, " GiB"), "")
              for name, gb in r["peak_gpu_gb"].items()]
     rows += [(f"start to ready, {name}", _fmt(r["start_to_ready_s"].get(name), 1, " s"),
               TARGETS["backbone_start_s"] + " s" if name == "backbone" else "")
