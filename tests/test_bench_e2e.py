@@ -49,6 +49,16 @@ def test_random_weights_flag_and_env(monkeypatch):
         codec_args([])                                       # neither a checkpoint nor a preset
 
 
+def test_backbone_random_weights_gets_the_preset_config(monkeypatch):
+    from services.backbone.__main__ import parse_args_and_preset
+    from services.common.config import load_config
+
+    monkeypatch.delenv("DRAMA_CHECKPOINT", raising=False)
+    settings, preset = parse_args_and_preset(["--random-weights", "full"])
+    assert preset == "full"
+    assert load_config(settings.checkpoint) == random_weights.preset_config("full")
+
+
 def test_random_codec_stage_is_seeded_and_decodes():
     first = random_weights.random_codec_stage("tiny", "cpu", seed=3)
     second = random_weights.random_codec_stage("tiny", "cpu", seed=3)
