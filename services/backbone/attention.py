@@ -8,9 +8,16 @@ h // (n_q/n_kv)), d head dim, r rotary dims, L keys visible to a row (its positi
     attend_rows(q [n, n_q, d], keys, values [n_kv, L, d], start, scale) -> [n, n_q, d]   batched, masked
     naive_attention(q [T, n_q, d], k, v [T, n_kv, d], scale)  -> [T, n_q, d]   float64 causal reference
 
+    attend_slots(q [B, n_q, d], k_pool, v_pool [S, n_kv, L_max, d], slots, positions [B], context, scale)
+        -> [B, n_q, d]   one row per session, each over its own slot's keys ≤ its position (SDPA + mask)
+    attend_segment(q [n, n_q, d], keys, values [n_kv, L_max, d], start, scale) -> [n, n_q, d]  SDPA, causal
+
 The exact (CPU) path attends one query row at a time over exactly its L keys, so the shapes a row
 sees (and with them the reduction order) depend only on its position, never on how many rows
-arrived in the same call; the batched form is for the GPU path.
+arrived in the same call; the batched form is for the GPU path. The kernel path (Backbone.kernels)
+fuses q|k|v into one GEMM, does q/k norm + RoPE + the KV write in one Triton launch
+(kernels/decode_graph.attention_prologue) and attends through SDPA: a decode step as one call
+over the gathered slots with a per-row length mask (`attend_slots`), other steps per segment.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import TextConfig
 
-from .layers import Linear, RowBatch, Weight, per_row, rms_norm_plus
+from .kernels import decode_graph as dg
+from .layers import Linear, RowBatch, Weight, fuse_linears, per_row, rms_norm_plus
 from .rope import apply_rope
 
 
@@ -77,6 +86,41 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out
 
 
+def attend_slots(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+    """One query row per session, all in one SDPA call: row b (slot slots[b], position
+    positions[b]) attends over keys 0..positions[b] of its slot. Keys [0, context) of the batch's
+    slots are gathered ([B, n_kv, context, d]); a boolean mask hides each row's keys past its
+    position. GQA as n_kv query blocks of n_q/n_kv heads (head h uses KV head h // (n_q/n_kv))."""
+    b, n_q, d = q.shape
+    n_kv = k_pool.shape[1]
+    keys = k_pool[:, :, :context].index_select(0, slots)
+    values = v_pool[:, :, :context].index_select(0, slots)
+    visible = torch.arange(context, device=q.device)[None, :] <= positions[:, None]       # [B, context]
+    o = F.scaled_dot_product_attention(q.view(b, n_kv, n_q // n_kv, d), keys, values,
+                                       attn_mask=visible[:, None, None, :], scale=scale)
+    return o.reshape(b, n_q, d)
+
+
+def attend_segment(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
+                   ) -> torch.Tensor:
+    """n query rows at positions start..start+n−1 of one session over its keys [n_kv, L_max, d]
+    (rows 0..start+n−1 valid), causal, through SDPA (KV heads repeated to n_q)."""
+    n, n_q, d = q.shape
+    end = start + n
+    group = n_q // keys.shape[0]
+    k = keys[:, :end].repeat_interleave(group, dim=0)[None]                                # [1, n_q, end, d]
+    v = values[:, :end].repeat_interleave(group, dim=0)[None]
+    qh = q.transpose(0, 1)[None]                                                          # [1, n_q, n, d]
+    if start == 0:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(start, end, device=q.device)[:, None]
+        mask = torch.arange(end, device=q.device)[None, :] <= pos                          # [n, end]
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
 # --------------------------------------------------------------------------------------------
 # cache and module
 # --------------------------------------------------------------------------------------------
@@ -115,6 +159,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, **kw)
         self.q_norm = Weight(d, **kw)
         self.k_norm = Weight(d, **kw)
+        self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
 
     def _project(self, u, cos, sin):
         """u [R, H] -> q [R, n_q, d], gate [R, n_q·d], k, v [R, n_kv, d] (q, k normed and rotated)."""
@@ -146,3 +191,26 @@ class GatedAttention(nn.Module):
             else:
                 outs.append(attend_rows(q[seg.rows], keys, values, seg.start, self.scale))
         return per_row(self._output, torch.cat(outs), gate, exact=batch.exact)
+
+    # kernel path (Backbone.kernels) ----------------------------------------------------------
+    def pack_kernels(self) -> None:
+        """Load-time layout of the kernel path: [q_proj | k_proj | v_proj] as one weight, o_proj dense."""
+        self.qkv_fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.o_weight = self.o_proj.dense_weight()
+
+    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: KVCache) -> torch.Tensor:
+        """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
+        plan = batch.plan
+        rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
+        qkv = u @ self.qkv_fused.T                                        # [R, 2·n_q·d + 2·n_kv·d]
+        q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
+                                  plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
+                                  rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
+        if plan.decode:
+            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.context, self.scale)
+        else:
+            o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
+                           for seg in batch.segments])
+        gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
+        y = (o * torch.sigmoid(gate)).reshape(rows, n_q * d)
+        return torch.addmm(x, y, self.o_weight.T)

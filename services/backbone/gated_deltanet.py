@@ -28,7 +28,13 @@ through exact zeros of the causal masks.
 The batched path (`Backbone.exact` False, the GPU default, chosen once) keeps the state after the
 last row instead, and runs the recurrence for a one-row call and the chunk form from the call's
 first row otherwise: the same math (tests/test_backbone_parts.py holds the two forms equal), not
-the same bits across splits. fla's kernels (services/backbone/kernels/gdn.py) drop in there.
+the same bits across splits.
+
+The kernel path (`Backbone.kernels`: CUDA, Triton, BF16) is the batched path on the GPU kernels
+of services/backbone/kernels/gdn.py: one fused [qkv | z | b | a] GEMM; a decode step (one row per
+session) runs the conv update and the in-place recurrence on the slot pool directly (conv state
+[S, c, K_c−1] BF16, state [S, H, K, V] F32); any other step packs all sessions' rows into one
+varlen conv (`varlen_causal_conv`) and one fla chunk call with cu_seqlens.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from torch import nn
 
 from services.common.config import TextConfig
 
-from .layers import Linear, RowBatch, Segment, Weight, per_row, rms_norm
+from .kernels import gdn as kgdn
+from .layers import Linear, RowBatch, Segment, StepPlan, Weight, fuse_linears, per_row, rms_norm
 
 CHUNK = 64
 L2_EPS = 1e-6   # fixed in the kernel, whatever rms_norm_eps is (§4.2)
@@ -216,6 +223,31 @@ def naive_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_siz
     return out, state
 
 
+def varlen_causal_conv(m: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, plan: StepPlan
+                       ) -> torch.Tensor:
+    """The §4.3 step-2 conv + silu for the rows of all segments of a step at once (kernel path).
+
+    m [R, c] pre-activation inputs (segments packed in order); weight [c, K_c]; conv_state
+    [S, c, K_c−1] slot pool, read for each segment's slot and replaced by its last K_c−1 inputs.
+    Rows are laid out in a packed buffer, per segment its K_c−1 state rows then its new rows, so
+    tap j of row r is packed row conv_base[r] + j. F32 math, taps summed in order (as
+    kernels.gdn.causal_conv1d). Returns [R, c] in m's dtype.
+    """
+    rows, channels = m.shape
+    taps = weight.shape[1]
+    segs = plan.seg_slots.shape[0]
+    packed = m.new_empty(rows + segs * (taps - 1), channels)
+    packed[plan.conv_state_rows] = conv_state[plan.seg_slots].transpose(1, 2).reshape(-1, channels).to(m.dtype)
+    packed[plan.conv_base + taps - 1] = m
+    w = weight.float()
+    out = packed[plan.conv_base].float() * w[:, 0]
+    for j in range(1, taps):
+        out = out + packed[plan.conv_base + j].float() * w[:, j]
+    tail = packed[plan.conv_tail_rows].view(segs, taps - 1, channels).transpose(1, 2)
+    conv_state[plan.seg_slots] = tail.to(conv_state.dtype)
+    return F.silu(out).to(m.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # cache and module
 # --------------------------------------------------------------------------------------------
@@ -224,7 +256,8 @@ def naive_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_siz
 class GDNCache:
     """Per-slot state of one GDN layer (all preallocated, indexed by slot).
 
-    conv   [S, K_c−1, c]      the last K_c−1 pre-activation conv inputs m (time-major)
+    conv   [S, K_c−1, c]      the last K_c−1 pre-activation conv inputs m (time-major; the kernel
+                              path keeps [S, c, K_c−1], channels first)
     state  [S, H, K, V]       F32 recurrent state: exact path, at the start of the current 64-row
                               chunk; batched path, after the last row
     k, g   [S, 64, n_k, K], [S, 64, H]   the current chunk's earlier rows: k̂ and the log decay
@@ -239,13 +272,18 @@ class GDNCache:
     solved: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: TextConfig, slots: int, dtype: torch.dtype, device, exact: bool = True) -> "GDNCache":
+    def allocate(cls, cfg: TextConfig, slots: int, dtype: torch.dtype, device, exact: bool = True,
+                 channels_first: bool = False) -> "GDNCache":
+        """channels_first: conv as [S, c, K_c−1] (the kernel path's layout) instead of [S, K_c−1, c]."""
         f32 = dict(dtype=torch.float32, device=device)
+        taps = cfg.linear_conv_kernel_dim - 1
+        conv = (torch.zeros(slots, cfg.conv_dim, taps, dtype=dtype, device=device) if channels_first
+                else torch.zeros(slots, taps, cfg.conv_dim, dtype=dtype, device=device))
         hv, hk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
         kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         rows = slots if exact else 0
         return cls(
-            conv=torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim, dtype=dtype, device=device),
+            conv=conv,
             state=torch.zeros(slots, hv, kd, vd, **f32),
             k=torch.zeros(rows, CHUNK, hk, kd, **f32),
             g=torch.zeros(rows, CHUNK, hv, **f32),
@@ -364,3 +402,44 @@ class GatedDeltaNet(nn.Module):
         o = torch.cat([delta_rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows], beta[seg.rows], seg, cache)
                        for seg in batch.segments])
         return per_row(self._output, o, z, exact=batch.exact)
+
+    # kernel path (Backbone.kernels) ----------------------------------------------------------
+    def pack_kernels(self) -> None:
+        """Load-time layout of the kernel path: [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
+        as one weight (one GEMM per step), the conv kernel as [c, K_c], out_proj dense."""
+        self.in_proj_fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.conv_weight = self.conv1d.weight[:, 0, :].contiguous()
+        self.out_weight = self.out_proj.dense_weight()
+
+    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: GDNCache) -> torch.Tensor:
+        """x + out_proj(GDN(u)) [R, H_model] for u = RMSNorm⁺(x), BF16; advances the slot pool."""
+        plan = batch.plan
+        rows, channels = u.shape[0], self.conv_weight.shape[0]
+        hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
+        proj = u @ self.in_proj_fused.T                                   # [R, c + n_v·d_v + 2·n_v]
+        z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
+        b = proj[:, channels + hv * dv:channels + hv * dv + hv]
+        a = proj[:, channels + hv * dv + hv:]
+        if plan.decode:       # one row per session: conv and recurrence in place on the pool
+            mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
+            q, k, v = self._heads(mixed)
+            o = kgdn.gdn_decode_inplace(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, slots=plan.seg_slots)
+        else:                 # all sessions' rows packed: one varlen conv, one varlen chunk call
+            mixed = varlen_causal_conv(proj[:, :channels], self.conv_weight, cache.conv, plan)
+            q, k, v = self._heads(mixed)
+            g, beta = kgdn.gdn_gates(a, b, self.A_log, self.dt_bias)
+            o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
+                                                   initial_state=cache.state[plan.seg_slots],
+                                                   cu_seqlens=plan.cu_seqlens)
+            cache.state[plan.seg_slots] = state
+            o = o[0]
+        y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps)
+        return torch.addmm(x, y.view(rows, hv * dv), self.out_weight.T)
+
+    def _heads(self, mixed: torch.Tensor):
+        """Conv output [R, c] -> q, k [R, n_k, d_k], v [R, n_v, d_v] (views; l2 norm and scale in the kernels)."""
+        rows, key_dim = mixed.shape[0], self.num_k_heads * self.k_dim
+        q = mixed[:, :key_dim].view(rows, self.num_k_heads, self.k_dim)
+        k = mixed[:, key_dim:2 * key_dim].view(rows, self.num_k_heads, self.k_dim)
+        v = mixed[:, 2 * key_dim:].view(rows, self.num_v_heads, self.v_dim)
+        return q, k, v

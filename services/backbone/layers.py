@@ -96,6 +96,19 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.weight.dtype}"
 
 
+def fuse_linears(linears: list[Linear]) -> torch.Tensor:
+    """[W_1; W_2; ..] [Σ out, in] in the compute dtype: one GEMM for several projections of one
+    input (kernel path). FP8-stored parts are dequantised once here. When no part is FP8, each
+    Linear's weight becomes a view into the fused tensor, so the weights are held once."""
+    fused = torch.cat([lin.dense_weight() for lin in linears]).contiguous()
+    if not any(lin.is_fp8 for lin in linears):
+        offset = 0
+        for lin in linears:
+            lin.weight = nn.Parameter(fused[offset:offset + lin.out_features], requires_grad=False)
+            offset += lin.out_features
+    return fused
+
+
 class Weight(nn.Module):
     """A module holding only `.weight` (norm gains, the conv kernel), so parameter names equal
     checkpoint names (`input_layernorm.weight`, `conv1d.weight`) without an nn.Conv1d or norm class."""
@@ -120,9 +133,35 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """Device-side index tensors of a step for the kernel path (Backbone.kernels), built once per
+    step and shared by every layer. N segments, R rows.
+
+    row_slots, positions  int64 [R]    cache slot and absolute position of each row
+    seg_slots             int64 [N]    each segment's slot
+    cu_seqlens            int64 [N+1]  row offsets of the segments (fla's varlen layout)
+    decode                bool         every segment has one row (R = N): the batched decode kernels
+    context               int          keys an attention row may need to read: max position + 1
+                                       (a captured graph uses max_context, fixed)
+    """
+    row_slots: torch.Tensor
+    positions: torch.Tensor
+    seg_slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    decode: bool
+    context: int
+    # non-decode steps only (the packed varlen conv, see gated_deltanet.varlen_causal_conv):
+    conv_base: torch.Tensor | None = None        # int64 [R]: packed row of each row's first conv tap
+    conv_state_rows: torch.Tensor | None = None  # int64 [N·(K_c−1)]: where each segment's conv state goes
+    conv_tail_rows: torch.Tensor | None = None   # int64 [N·(K_c−1)]: each segment's new conv state
+
+
+@dataclass(frozen=True)
 class RowBatch:
     """What every layer needs to know about a step: its segments, each row's absolute position
-    (int64 [R]) and whether row-wise work runs on the exact per-row path (see `per_row`)."""
+    (int64 [R]) and whether row-wise work runs on the exact per-row path (see `per_row`).
+    `plan` is set on the kernel path only."""
     segments: tuple[Segment, ...]
     positions: torch.Tensor
     exact: bool
+    plan: "StepPlan | None" = None

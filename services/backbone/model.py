@@ -11,7 +11,14 @@ layer) over text and audio rows (MODEL.md §4). Outer to inner:
 
 Rows of several sessions run in one call as `Segment`s of a `RowBatch`; row-wise work goes
 through `per_row`, which on the exact (CPU) path gives every row the same arithmetic however the
-rows were grouped (see layers.py). The choice is made once, in __init__ (`exact`).
+rows were grouped (see layers.py). Three paths, chosen once in __init__:
+
+    exact     CPU default: per-row arithmetic, bit-identical however rows are batched (issue #4)
+    batched   plain torch over whole tensors, a loop over sessions for the mixers (reference-speed)
+    kernels   CUDA + Triton + BF16 default (issue #7): fused projections, the FP8 MoE, GDN and
+              norm kernels of services/backbone/kernels, slot-pool caches updated in place; a
+              decode step (one row per session) is one batched forward with no per-session work,
+              optionally replayed from a CUDA graph per batch bucket (`decode_graphs`)
 """
 
 from __future__ import annotations
@@ -27,9 +34,14 @@ from services.common.config import TextConfig
 
 from .attention import GatedAttention, KVCache
 from .gated_deltanet import GatedDeltaNet, GDNCache
-from .layers import Linear, RowBatch, Segment, Weight, per_row, rms_norm_plus
+from .kernels import HAS_TRITON
+from .kernels import decode_graph as dg
+from .layers import Linear, RowBatch, Segment, StepPlan, Weight, per_row, rms_norm_plus
 from .moe import SparseMoE
 from .rope import RotaryTable
+
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (decode_graphs)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg, dtype, device)
 
     def forward(self, x, batch: RowBatch, cache, cos, sin):
+        if batch.plan is not None:
+            return self._forward_kernels(x, batch, cache)
         u = per_row(lambda r: rms_norm_plus(r, self.input_layernorm.weight, self.eps), x, exact=batch.exact)
         if self.layer_type == "linear_attention":
             h = x + self.linear_attn(u, batch, cache)
@@ -82,15 +96,37 @@ class DecoderLayer(nn.Module):
                     exact=batch.exact)
         return h + self.mlp(u, batch.exact)
 
+    def _forward_kernels(self, x, batch: RowBatch, cache):
+        """The kernel path: residual adds fused into the mixers' out-projection GEMM and the MoE combine."""
+        u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        h = mixer.forward_kernels(u, x, batch, cache)
+        return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h)
+
+
+def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:
+    """The kernel path is the default on CUDA with Triton, in BF16, off the exact path."""
+    return torch.device(device).type == "cuda" and HAS_TRITON and dtype == torch.bfloat16 and not exact
+
 
 class Backbone(nn.Module):
-    """The backbone stage. `exact=None` picks the exact per-row path on CPU, batched elsewhere."""
+    """The backbone stage. `exact=None` picks the exact per-row path on CPU, batched elsewhere;
+    `kernels=None` picks the kernel path where `default_kernels` says so (pass it explicitly when
+    building on meta). kernels=True on CPU runs the same code through the kernels' torch references
+    (tests). `decode_graphs`: replay decode steps from CUDA graphs (kernel path on CUDA only)."""
 
     def __init__(self, cfg: TextConfig, audio: AudioSpec | None = None, *, dtype=torch.float32,
-                 device="cpu", lm_head: bool = True, exact: bool | None = None):
+                 device="cpu", lm_head: bool = True, exact: bool | None = None, kernels: bool | None = None,
+                 decode_graphs: bool = False):
         super().__init__()
         self.config, self.audio, self.dtype = cfg, audio, dtype
         self.exact = (torch.device(device).type == "cpu") if exact is None else exact
+        self.kernels = default_kernels(device, dtype, self.exact) if kernels is None else kernels
+        if self.kernels and (self.exact or dtype != torch.bfloat16):
+            raise ValueError("the kernel path computes in bfloat16 and is not the exact path")
+        self.decode_graphs = decode_graphs and self.kernels
+        self._packed = False
+        self._graphs: dict = {}
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
@@ -134,10 +170,21 @@ class Backbone(nn.Module):
 
     def allocate_caches(self, slots: int, max_context: int) -> BackboneCaches:
         cfg, device = self.config, self.device
-        layers = [GDNCache.allocate(cfg, slots, self.dtype, device, self.exact) if t == "linear_attention"
-                  else KVCache.allocate(cfg, slots, max_context, self.dtype, device)
+        # decode graphs pad a batch to its bucket with rows that write into one spare slot
+        pool = slots + 1 if self.decode_graphs else slots
+        layers = [GDNCache.allocate(cfg, pool, self.dtype, device, self.exact, channels_first=self.kernels)
+                  if t == "linear_attention" else KVCache.allocate(cfg, pool, max_context, self.dtype, device)
                   for t in cfg.layer_types]
         return BackboneCaches(layers, slots, max_context)
+
+    def prepare(self) -> None:
+        """Build the kernel path's load-time layouts (fused projections, stacked FP8 experts) once,
+        after the weights are in; a no-op on the other paths or when done."""
+        if self.kernels and not self._packed:
+            for layer in self.layers:
+                (layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn).pack_kernels()
+                layer.mlp.pack_kernels()
+            self._packed = True
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
@@ -145,6 +192,8 @@ class Backbone(nn.Module):
 
         Each segment's rows must continue its slot's sequence (segment.start = rows held).
         """
+        if self.kernels:
+            return self._forward_kernels(x, segments, caches)
         positions = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]).to(self.device)
         batch = RowBatch(tuple(segments), positions, self.exact)
         cos, sin = self.rotary().lookup(positions)
@@ -152,6 +201,76 @@ class Backbone(nn.Module):
             x = layer(x, batch, cache, cos, sin)
         return per_row(lambda r: rms_norm_plus(r, self.norm.weight, self.config.rms_norm_eps), x,
                        exact=batch.exact)
+
+    # kernel path ------------------------------------------------------------------------------
+    def _forward_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
+        self.prepare()
+        if self.decode_graphs and x.device.type == "cuda" and all(s.count == 1 for s in segments) \
+                and len(segments) <= DECODE_BUCKETS[-1]:
+            return self._decode_graphed(x, segments, caches)
+        return self._layers_kernels(x, RowBatch(tuple(segments), None, False, self.plan(segments)), caches)
+
+    def _layers_kernels(self, x: torch.Tensor, batch: RowBatch, caches: BackboneCaches) -> torch.Tensor:
+        x = x.to(self.dtype)
+        for layer, cache in zip(self.layers, caches.layers):
+            x = layer(x, batch, cache, None, None)
+        return dg.rms_norm_plus(x, self.norm.weight, self.config.rms_norm_eps)
+
+    def plan(self, segments: list[Segment], context: int | None = None) -> StepPlan:
+        """The step's index tensors (layers.StepPlan), built on the host and copied in one transfer."""
+        counts = [s.count for s in segments]
+        decode = all(c == 1 for c in counts)
+        parts = [torch.cat([torch.full((s.count,), s.slot, dtype=torch.int64) for s in segments]),
+                 torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]),
+                 torch.tensor([s.slot for s in segments], dtype=torch.int64),
+                 torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)]
+        if not decode:    # packed conv rows: per segment K_c−1 state rows, then its rows
+            taps = self.config.linear_conv_kernel_dim - 1
+            base, state_rows, tail_rows, packed = [], [], [], 0
+            for s in segments:
+                state_rows.append(torch.arange(packed, packed + taps))
+                base.append(torch.arange(packed, packed + s.count))
+                tail_rows.append(torch.arange(packed + s.count, packed + s.count + taps))
+                packed += s.count + taps
+            parts += [torch.cat(base), torch.cat(state_rows), torch.cat(tail_rows)]
+        sizes = [p.numel() for p in parts]
+        tensors = torch.cat(parts).to(self.device).split(sizes)
+        context = max(s.start + s.count for s in segments) if context is None else context
+        return StepPlan(*tensors[:4], decode=decode, context=context, **dict(zip(
+            ("conv_base", "conv_state_rows", "conv_tail_rows"), tensors[4:])))
+
+    def _decode_graphed(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
+        """A decode step replayed from the CUDA graph of its batch bucket (captured on first use).
+
+        Static inputs: the rows x and the plan's slots and positions, refreshed before each replay.
+        Padding rows use the spare slot caches.slots at position 0 (their outputs are dropped; the
+        decode path is row-wise, so they never touch a real row). The capture itself, and the
+        warm-up runs before it, see only padding rows, so they change nothing but the spare slot.
+        Attention reads keys [0, max_context) under a length mask, so one graph serves every
+        position. Returns a view of the graph's output (valid until the next replay)."""
+        from .kernels.decode_graph import GraphedStep
+
+        rows = len(segments)
+        bucket = next(b for b in DECODE_BUCKETS if b >= rows)
+
+        def padded(real: list[Segment]) -> list[Segment]:
+            return real + [Segment(caches.slots, 0, 1, len(real) + i) for i in range(bucket - len(real))]
+
+        key = (bucket, id(caches))
+        if key not in self._graphs:
+            plan = self.plan(padded([]), context=caches.max_context)
+            static_x = torch.zeros(bucket, x.shape[1], dtype=self.dtype, device=x.device)
+            batch = RowBatch(tuple(padded([])), None, False, plan)
+            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches))
+            self._graphs[key] = (graph, static_x, plan)
+        graph, static_x, plan = self._graphs[key]
+        fresh = self.plan(padded(list(segments)), context=caches.max_context)
+        plan.row_slots.copy_(fresh.row_slots)
+        plan.positions.copy_(fresh.positions)
+        plan.seg_slots.copy_(fresh.seg_slots)
+        static_x[:rows].copy_(x)
+        static_x[rows:].zero_()
+        return graph.replay()[:rows]
 
     @torch.inference_mode()
     def forward_tokens(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,12 @@ Routed expert weights are kept as stacked tensors `gate_proj`/`up_proj` [E, I, H
 [E, H, I], each either in the compute dtype (BF16/F32 checkpoints, per-expert or fused) or
 float8_e4m3fn with `*_scale_inv` [E, ⌈N/b0⌉, ⌈K/b1⌉] exactly as stored. FP8 experts are
 dequantised on the fly, once per step for each expert the step routes to.
+
+The kernel path (Backbone.kernels) stacks gate|up at load (`w_gate_up` [E, 2I, H] FP8 +
+`s_gate_up`, kernels/fp8_moe.pack_gate_up; gate_proj/up_proj become views into it), routes with
+the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert kernels (decode
+block table for T·k <= 1024 pairs, grouped prefill above); the shared expert's gate, up and its
+scalar gate are one BF16 GEMM, and one combine kernel adds everything to the residual.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from torch import nn
 from services.common.config import TextConfig
 from services.common.fp8 import dequantize_block_fp8
 
-from .layers import Linear, per_row
+from .kernels import decode_graph as dg
+from .kernels import fp8_moe
+from .kernels import use_triton
+from .layers import Linear, fuse_linears, per_row
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,3 +157,48 @@ class SparseMoE(nn.Module):
             out[rows] = out[rows] + y.float() * weights[rows, rank, None]
         out = out + per_row(self._shared, u, exact=exact)
         return out.to(u.dtype)
+
+    # kernel path (Backbone.kernels) ----------------------------------------------------------
+    def pack_kernels(self) -> None:
+        """Load-time layout of the kernel path (see the module docstring); FP8 stays FP8."""
+        ex = self.experts
+        self.fp8_kernels = ex.is_fp8
+        if ex.is_fp8:
+            inter = ex.gate_proj.shape[1]
+            scale_rows = ex.gate_proj_scale_inv.shape[1]
+            self.w_gate_up, self.s_gate_up = fp8_moe.pack_gate_up(ex.gate_proj, ex.gate_proj_scale_inv,
+                                                                  ex.up_proj, ex.up_proj_scale_inv)
+            # the checkpoint tensors become views of the stacked ones: the experts are held once
+            ex.gate_proj = nn.Parameter(self.w_gate_up[:, :inter], requires_grad=False)
+            ex.up_proj = nn.Parameter(self.w_gate_up[:, inter:], requires_grad=False)
+            ex.gate_proj_scale_inv = self.s_gate_up[:, :scale_rows]
+            ex.up_proj_scale_inv = self.s_gate_up[:, scale_rows:]
+            self.w_down = ex.down_proj.contiguous()
+            self.s_down = ex.down_proj_scale_inv.float().contiguous()
+        shared = self.shared_expert
+        self.shared_fused = fuse_linears([shared.gate_proj, shared.up_proj, self.shared_expert_gate])
+        self.shared_down = shared.down_proj.dense_weight()
+
+    def forward_kernels(self, u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
+        rounded once, then added to the residual (decode_graph.moe_combine)."""
+        i_s = self.shared_down.shape[1]
+        logits = F.linear(u.float(), self.gate.weight)                   # router in F32 (§4.6)
+        fused = u @ self.shared_fused.T                                  # [R, 2·I_s + 1]
+        shared = dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]) @ self.shared_down.T
+        gate_logit = fused[:, 2 * i_s]
+        if self.fp8_kernels:
+            ids, weights = fp8_moe.router_topk(logits, self.top_k)
+            args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
+            if use_triton(u, self.w_gate_up):
+                pairs = fp8_moe.moe_fp8_pairs(*args)                      # [R, k, H] F32, weighted
+            else:
+                pairs = fp8_moe.naive_moe_fp8(*args)[:, None]
+        else:                 # BF16/F32 experts: the batched path's loop over routed experts
+            weights, experts = route(logits, self.top_k)
+            pairs = torch.zeros(u.shape[0], 1, u.shape[1], dtype=torch.float32, device=u.device)
+            for e in torch.unique(experts).tolist():
+                rows, rank = torch.nonzero(experts == e, as_tuple=True)
+                y = swiglu(u[rows], *self.experts.weights(e)).float()
+                pairs[rows, 0] += y * weights[rows, rank, None]
+        return dg.moe_combine(pairs, h, shared, gate_logit)

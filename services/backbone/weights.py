@@ -36,7 +36,7 @@ from services.common.config import is_flat_text_config, load_config, load_text_c
 from services.common.fp8 import dequantize_block_fp8
 from services.common.inventory import TOWER_PREFIX, TensorSpec, backbone_inventory, tower_inventory
 
-from .model import AudioSpec, Backbone
+from .model import AudioSpec, Backbone, default_kernels
 
 CODEBOOK_EMBEDDINGS = f"{TOWER_PREFIX}codebook_embeddings.weight"
 
@@ -87,13 +87,16 @@ def _assign(model: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
 
 
 def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  *, lm_head: bool = True, exact: bool | None = None) -> Backbone:
+                  *, lm_head: bool = True, exact: bool | None = None, kernels: bool | None = None,
+                  decode_graphs: bool = False) -> Backbone:
     """The backbone of checkpoint directory `path`, on `device`, computing in `dtype`.
 
     lm_head=False skips the [V, H] LM head (the service never computes logits; §2.5 rule 6); it
     is still checked. exact: force the exact per-row path on or off (default: on for CPU; see
-    model.py). Raises ConfigError for config problems and one WeightError for all tensor
-    problems.
+    model.py). kernels: force the GPU kernel path on or off (default: on for CUDA + Triton +
+    BF16; its load-time layouts are built here, see Backbone.prepare). decode_graphs: replay
+    decode steps from CUDA graphs. Raises ConfigError for config problems and one WeightError
+    for all tensor problems.
     """
     path, device = Path(path), torch.device(device)
     ckpt = open_safetensors(path)
@@ -103,8 +106,10 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     text = load_text_config(path)
 
     # Build on meta (no memory, no init), then put real tensors in; nothing is computed on meta.
-    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head,
-                     exact=device.type == "cpu" if exact is None else exact)
+    exact = device.type == "cpu" if exact is None else exact
+    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head, exact=exact,
+                     kernels=default_kernels(device, dtype, exact) if kernels is None else kernels,
+                     decode_graphs=decode_graphs)
     for module in model.modules():
         if hasattr(module, "block_size"):
             module.block_size = block
@@ -173,19 +178,23 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     unfilled = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if unfilled:
         raise WeightError([f"not filled from the checkpoint: {n}" for n in unfilled], f"checkpoint {path}")
+    model.prepare()
     return model.eval()
 
 
 def random_backbone(text, audio: AudioSpec | None = None, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, seed: int = 0, fp8_experts: bool = True,
-                    lm_head: bool = False) -> Backbone:
+                    lm_head: bool = False, kernels: bool | None = None, decode_graphs: bool = False) -> Backbone:
     """A backbone with random weights made directly on `device` (benchmarks, no checkpoint), in
     MODEL.md §10.2's spirit: zero-centred norm gains N(0, 0.3²), plain gains 1 + N(0, 0.3²),
     A_log ~ U(−1, 1), dt_bias ~ N(0, 0.5²), conv N(0, 0.4²), embeddings N(0, 1), matrices
     N(0, 1/fan_in). fp8_experts: experts stored float8_e4m3fn (values N(0, 1)) with constant
     block scales fan_in^−1/2, as a real Drama 3 checkpoint stores them."""
     device = torch.device(device)
-    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head, exact=device.type == "cpu")
+    exact = device.type == "cpu"
+    model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head, exact=exact,
+                     kernels=default_kernels(device, dtype, exact) if kernels is None else kernels,
+                     decode_graphs=decode_graphs)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape, std=1.0, mean=0.0, dtype=dtype):
@@ -212,4 +221,5 @@ def random_backbone(text, audio: AudioSpec | None = None, *, device: str | torch
         else:
             t = normal(shape, shape[-1] ** -0.5, dtype=p.dtype)
         _assign(model, name, t)
+    model.prepare()
     return model.eval()

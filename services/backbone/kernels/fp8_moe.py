@@ -375,6 +375,7 @@ if HAS_TRITON:
         for j in range(0, K):
             best = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == best, offs, BE), axis=0)
+            idx = tl.minimum(idx, E - 1)   # a NaN row matches nothing: keep its ids in range anyway
             ids = tl.where(slots == j, idx, ids)
             ws = tl.where(slots == j, best, ws)
             p = tl.where(offs == idx, -1.0, p)

@@ -87,12 +87,19 @@ def naive_causal_conv1d(x, weight, conv_state=None):
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decode row: x [B, C] (row stride free, unit channel stride), weight [C, Kc],
-    conv_state [B, C, Kc-1] contiguous, updated in place. Returns silu(conv) [B, C] in x.dtype."""
+    conv_state [B, C, Kc-1] contiguous, updated in place. Returns silu(conv) [B, C] in x.dtype.
+
+    slots: int [B], the row of conv_state that x row b continues (conv_state is then a slot pool
+    [S, C, Kc-1]); None means row b."""
     if not use_triton(x, conv_state):
-        y, new_state = causal_conv1d(x[:, None], weight, conv_state)
-        conv_state.copy_(new_state)
+        state = conv_state if slots is None else conv_state[slots.long()]
+        y, new_state = causal_conv1d(x[:, None], weight, state)
+        if slots is None:
+            conv_state.copy_(new_state)
+        else:
+            conv_state[slots.long()] = new_state
         return y[:, 0] if out is None else out.copy_(y[:, 0])
     b, c = x.shape
     taps = weight.shape[1]
@@ -100,7 +107,8 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         out = torch.empty(b, c, dtype=x.dtype, device=x.device)
     block = 1024
     _conv_update_kernel[(b, triton.cdiv(c, block))](
-        x, weight, conv_state, out, c, x.stride(0), out.stride(0), TAPS=taps, BLOCK=block, num_warps=4)
+        x, weight, conv_state, out, slots if slots is not None else x, c, x.stride(0), out.stride(0),
+        TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, num_warps=4)
     return out
 
 
@@ -143,15 +151,29 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = Non
     return o, state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True,
+                           cu_seqlens: torch.Tensor | None = None):
     """Prefill: fla's chunk kernel on CUDA (native GVA, l2 norm in kernel), else the reference.
-    Same arguments and layout as naive_recurrent_gated_delta_rule; o comes back in v.dtype."""
+    Same arguments and layout as naive_recurrent_gated_delta_rule; o comes back in v.dtype.
+
+    cu_seqlens: int64 [N+1] row offsets of N sequences packed along T (B must be 1; fla's varlen
+    mode, chunks start at each sequence's first row); initial_state is then [N, Hv, K, V]."""
     ops = _fla() if q.is_cuda else None
     if ops is None:
-        o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
-        return o.to(v.dtype), s
+        if cu_seqlens is None:
+            o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
+            return o.to(v.dtype), s
+        bounds = cu_seqlens.tolist()
+        outs, states = [], []
+        for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            h0 = None if initial_state is None else initial_state[n:n + 1]
+            o, s = naive_recurrent_gated_delta_rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi],
+                                                    beta[:, lo:hi], scale, h0)
+            outs.append(o.to(v.dtype))
+            states.append(s)
+        return torch.cat(outs, dim=1), torch.cat(states)
     return ops[0](q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
@@ -167,21 +189,28 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None,
 
 
 def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None = None,
-                       out: torch.Tensor | None = None, block_v: int = 16) -> torch.Tensor:
+                       out: torch.Tensor | None = None, block_v: int = 16,
+                       slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decode row per sequence with the gates fused and the state updated where it lies.
 
     q, k [B, Hk, K] and v [B, Hv, V] (any batch stride, heads contiguous: views of the conv
     output are fine); a, b [B, Hv] raw projections (any batch stride); A_log, dt_bias [Hv];
     state [B, Hv, K, V] float32 contiguous. Returns o [B, Hv, V] in v.dtype.
+    slots: int [B], the row of `state` that sequence b continues (state is then a slot pool
+    [S, Hv, K, V]); None means row b.
     """
     bsz, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     scale = dk ** -0.5 if scale is None else scale
     if not use_triton(q, state):
         g, beta = gdn_gates(a, b, A_log, dt_bias)
+        rows = state if slots is None else state[slots.long()]
         o, s = naive_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                                                scale, state)
-        state.copy_(s)
+                                                scale, rows)
+        if slots is None:
+            state.copy_(s)
+        else:
+            state[slots.long()] = s
         return o[:, 0].to(v.dtype)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
@@ -191,9 +220,10 @@ def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None
     if out is None:
         out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
     _gdn_decode_kernel[(bsz * hv, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, state, out, scale,
+        q, k, v, a, b, A_log, dt_bias, state, out, slots if slots is not None else out, scale,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=2)
+        HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, HAS_SLOTS=slots is not None,
+        num_warps=2)
     return out
 
 
@@ -229,13 +259,17 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 if HAS_TRITON:
 
     @triton.jit
-    def _conv_update_kernel(x_ptr, w_ptr, state_ptr, out_ptr, C, stride_x, stride_o,
-                            TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_update_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slot_ptr, C, stride_x, stride_o,
+                            TAPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = ch < C
         x_new = tl.load(x_ptr + b * stride_x + ch, mask=ok, other=0.0)
-        s_base = state_ptr + (b * C + ch) * (TAPS - 1)
+        if HAS_SLOTS:
+            row = tl.load(slot_ptr + b).to(tl.int64)
+        else:
+            row = b.to(tl.int64)
+        s_base = state_ptr + (row * C + ch) * (TAPS - 1)
         # taps in order 0..Kc-2 from the state, then the new input (same sum order as the reference)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TAPS - 1):
@@ -249,10 +283,10 @@ if HAS_TRITON:
         tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, scale,
+    def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, slot_ptr, scale,
                            stride_q, stride_k, stride_v, stride_a, stride_b,
                            HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr):
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr):
         """fla's fused_recurrent_gated_delta_rule_fwd_kernel for T = 1, gates fused, state in place."""
         i_bh, i_v = tl.program_id(0), tl.program_id(1)
         i_b, i_hv = i_bh // HV, i_bh % HV
@@ -269,7 +303,11 @@ if HAS_TRITON:
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
         g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
         beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_b + i_hv).to(tl.float32))
-        p_h = h_ptr + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        if HAS_SLOTS:
+            i_sh = tl.load(slot_ptr + i_b).to(tl.int64) * HV + i_hv
+        else:
+            i_sh = i_bh.to(tl.int64)
+        p_h = h_ptr + i_sh * K * V + o_k[:, None] * V + o_v[None, :]
         mh = mk[:, None] & mv[None, :]
         bh = tl.load(p_h, mask=mh, other=0.0) * tl.exp(g)
         bv = beta * (bv - tl.sum(bh * bk[:, None], 0))
