@@ -13,9 +13,11 @@ into steps and whatever other sessions share the step (tests/test_backbone_engin
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
+from .attention import KVCache
 from .layers import Segment
 from .model import Backbone
 
@@ -26,6 +28,20 @@ class CapacityError(RuntimeError):
 
 class ContextFullError(RuntimeError):
     """A session's rows plus the rows of this step would exceed max_context."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's cache state after its first `length` rows, copied out of the pool (same device
+    and dtypes): for each per-slot cache tensor, in `BackboneCaches` order, the slot's part; an
+    attention layer's keys and values only for rows [0, length). See `BackboneEngine.snapshot`."""
+
+    length: int
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class BackboneEngine:
@@ -66,6 +82,49 @@ class BackboneEngine:
         with self._lock:
             if 0 <= slot < self.max_sessions:
                 self._open[slot], self._lengths[slot] = False, 0
+
+    def snapshot(self, slot: int) -> Snapshot:
+        """Copy an open slot's state out of the pool (the voice-prefix cache, prefix_cache.py).
+
+        Generic over the cache layout: every per-slot tensor of every layer's cache is copied
+        along the slot dimension, attention KV cut to the rows held (the rows past a slot's
+        length are never read). On the exact path the GDN cache holds the state at the start of
+        the current 64-row chunk plus that chunk's earlier rows, so a restored slot continues
+        bit-identically to one that never left the pool.
+        """
+        with self._lock:
+            self._check_slot(slot)
+            length = self._lengths[slot]
+            return Snapshot(length, tuple(view.clone() for view in self._slot_views(slot, length)))
+
+    def restore(self, snapshot: Snapshot) -> int:
+        """Open the lowest free slot with the snapshot's state and length (CapacityError when
+        none is free). The snapshot is copied, so it can be dropped or evicted at any time."""
+        slot = self.open()
+        with self._lock:
+            views = self._slot_views(slot, snapshot.length)
+            if snapshot.length > self.max_context or len(views) != len(snapshot.tensors) or any(
+                    v.shape != t.shape or v.dtype != t.dtype for v, t in zip(views, snapshot.tensors)):
+                self._open[slot] = False
+                raise ValueError("the snapshot does not fit this engine's cache layout")
+            for view, saved in zip(views, snapshot.tensors):
+                view.copy_(saved)
+            self._lengths[slot] = snapshot.length
+            return slot
+
+    def _slot_views(self, slot: int, length: int) -> list[torch.Tensor]:
+        """Views of one slot's state in every per-slot cache tensor (tensors allocated with no
+        slots, such as the exact-path chunk buffers on the batched path, are left out)."""
+        views = []
+        for cache in self.caches.layers:
+            for tensor in cache.tensors():
+                if tensor.shape[0] == 0:
+                    continue
+                if isinstance(cache, KVCache):      # [S, n_kv, max_context, d]
+                    views.append(tensor[slot, :, :length])
+                else:
+                    views.append(tensor[slot])
+        return views
 
     def length(self, slot: int) -> int:
         """Rows held by an open slot."""

@@ -14,6 +14,16 @@ A step of one group of sessions:
     5. when its StepResponse comes back, route the drawn frames: buffer and emit them, end chunks
        on `stop` (STOP) or at `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
 
+Voice-prefix cache (issue #8, prefix_cache.py): every chunk's timeline starts with the rows of
+`system`. With a cache, a chunk whose prefix is cached opens its slot from the snapshot
+(`engine.restore`), tells the tower to restore too (the first entry's `prefix_key`) and prefills
+only the rest; on a miss the first prefill piece ends exactly at the prefix, and after that step
+the engine's slot is snapshotted and the tower told to store its own (`snapshot_key`). If the
+tower no longer holds its snapshot (FAILED_PRECONDITION), the chunk starts over from row 0 as a
+new timeline; the answers to the abandoned timeline's entries still in flight are ignored. The
+frames do not depend on the cache: on the CPU exact path a session's state is bit-identical
+however its rows were split into steps (tests/test_prefix_cache.py).
+
 Stage pipelining (API.md §3.5): up to `max_inflight_steps` groups are at the tower at once (the
 smaller of ours and the tower's). While one group is at the tower, the loop plans and computes the
 next from the sessions not waiting for a frame, so backbone and tower work at the same time. A
@@ -50,6 +60,8 @@ from typing import AsyncIterator, Protocol
 import torch
 from opentelemetry import metrics, propagate, trace
 from torch import Tensor
+
+from .prefix_cache import PrefixCache, prefix_key
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("services.backbone")
@@ -261,6 +273,9 @@ class TowerEntry:
     take_index: int = 0
     frame_index: int = 0
     sampling: Sampling | None = None
+    prefix_key: str = ""          # restore the tower state stored under this key (first_row = prefix_rows)
+    prefix_rows: int = 0
+    snapshot_key: str = ""        # store the tower state after this entry under this key
 
 
 @dataclass(frozen=True)
@@ -318,6 +333,10 @@ class Session:
     buffered_frames: int = 0               # emitted frames the caller has not taken yet
     paused: bool = False
     prefill_start_ns: int = 0
+    timeline: int = 0                      # counts the timelines opened (chunks, prefix fallbacks)
+    prefix: tuple[str, int] | None = None  # (key, rows) of the cacheable prefix, once computed
+    restore_prefix: bool = False           # the next entry restores the tower from the prefix
+    store_prefix: bool = False             # cut a piece at the prefix and store both stages' state
     text_tokens: int = 0
     audio_tokens: int = 0
     output_tokens: int = 0
@@ -343,6 +362,9 @@ class _Entry:
     rows: Rows
     targets: Tensor
     draw: bool
+    timeline: int
+    restore: bool = False          # the tower starts this session from the prefix snapshot
+    store: bool = False            # both stages store their state after this entry
 
 
 @dataclass
@@ -361,7 +383,10 @@ class Scheduler:
                  max_rows: int = 64, max_queue: int = 256, prefill_chunk_tokens: int = 2048,
                  step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
                  step_span_sample: float = 0.01, max_inflight_steps: int = 2,
-                 idle_poll_s: float = 0.05, meter: metrics.Meter | None = None):
+                 idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
+                 prefix_cache: PrefixCache | None = None, model_identity: str = ""):
+        """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
+        goes into its keys, so snapshots of different weights or numerics never mix."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -375,6 +400,10 @@ class Scheduler:
         self.step_span_sample = step_span_sample
         self.max_inflight_steps = max_inflight_steps
         self.idle_poll_s = idle_poll_s
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        self.model_identity = model_identity
+        self.prefix_rows_skipped = 0               # prompt rows restored instead of prefilled
+        self.prefix_fallbacks = 0                  # restores the tower could not serve
         self.accepting = True
         self._queue: collections.deque[Session] = collections.deque()
         self._active: list[Session] = []           # admission order
@@ -577,13 +606,52 @@ class Scheduler:
                                   row_budget=self.engine.max_context - job.sampling.max_new_tokens,
                                   semantic_start_token_id=self.semantic_start_token_id)
         session.targets = row_targets(session.rows.frames)
-        session.slot = self.engine.open()
-        session.sent = 0
+        session.prefill_start_ns = 0
+        self._open_timeline(session, restore=True)
         session.chunk_frames = []
         session.next_row = None
         session.emitted_in_chunk = 0
         session.text_tokens += session.rows.n_text
         session.audio_tokens += session.rows.n_audio
+
+    def _open_timeline(self, session: Session, *, restore: bool) -> None:
+        """A fresh slot for the current chunk's rows: from the prefix snapshot when `restore` and
+        the cache holds it, else empty (then the prefix is stored on the way, when cacheable)."""
+        session.timeline += 1
+        session.sent = 0
+        session.restore_prefix = session.store_prefix = False
+        prefix = self._cacheable_prefix(session)
+        if prefix is not None:
+            key, rows = prefix
+            snapshot = self.prefix_cache.get(key) if restore else None
+            if snapshot is not None and snapshot.length == rows:
+                session.slot = self.engine.restore(snapshot)
+                session.sent = rows
+                session.restore_prefix = True
+                self.prefix_rows_skipped += rows
+                return
+            session.store_prefix = True
+        session.slot = self.engine.open()
+
+    def _cacheable_prefix(self, session: Session) -> tuple[str, int] | None:
+        """(key, rows) of the chunk's `system` rows if the cache may hold them: some rows, a
+        prompt that goes on after them, and no target on their last row (the tower's state then
+        does not depend on the rows after the prefix, MODEL.md §5.4)."""
+        system = session.job.prompt.system
+        rows = len(system)
+        if (self.prefix_cache is None or rows == 0 or rows >= len(session.rows)
+                or (session.targets[rows - 1] >= 0).any()):
+            return None
+        if session.prefix is None:
+            session.prefix = (prefix_key(self.model_identity, system.token_ids, system.frames), rows)
+        return session.prefix
+
+    def _prefill_without_restore(self, session: Session) -> None:
+        """The tower lost the prefix snapshot: start the chunk over as a full prefill."""
+        log.info("session %s: tower prefix snapshot gone, prefilling the whole prompt", session.id)
+        self.prefix_fallbacks += 1
+        self.engine.release(session.slot)
+        self._open_timeline(session, restore=False)
 
     def _plan(self) -> list[_Entry]:
         """This step's entries: decode rows first (cadence), then prefill pieces FIFO."""
@@ -606,16 +674,23 @@ class Scheduler:
             if session.decoding and len(entries) < limit:
                 frame = session.next_row.unsqueeze(0)
                 row = Rows(frame[:, 0] + self.semantic_start_token_id, frame)
-                entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True))
+                entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True,
+                                      timeline=session.timeline))
         budget = self.step_prefill_rows
         for session in runnable:
             if session.prefilling and len(entries) < limit and budget > 0:
                 n = min(len(session.rows) - session.sent, self.prefill_chunk_tokens, budget)
+                prefix_rows = session.prefix[1] if session.prefix else 0
+                if session.store_prefix and session.sent < prefix_rows:
+                    n = min(n, prefix_rows - session.sent)   # a piece ends where the prefix does
                 budget -= n
                 end = session.sent + n
                 entries.append(_Entry(session, session.rows[session.sent:end],
                                       session.targets[session.sent:end],
-                                      draw=end == len(session.rows)))
+                                      draw=end == len(session.rows), timeline=session.timeline,
+                                      restore=session.restore_prefix,
+                                      store=session.store_prefix and end == prefix_rows))
+                session.restore_prefix = False
         return entries
 
     async def _start_step(self, entries: list[_Entry]) -> None:
@@ -632,9 +707,10 @@ class Scheduler:
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         if work:
             started = time.perf_counter()
+            store = [e for e in entries if e.store]
             try:
-                hidden = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.engine.step, work)
+                hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._compute, work, [e.session.slot for e in store])
             except Exception as exc:
                 log.exception("engine step failed")
                 for e in entries:
@@ -642,6 +718,9 @@ class Scheduler:
                 if span is not None:
                     span.end()
                 return
+            for e, snapshot in zip(store, snapshots):
+                self.prefix_cache.put(e.session.prefix[0], snapshot)
+                e.session.store_prefix = False
             self._step_seconds.record(time.perf_counter() - started)
             self._batch_rows.record(sum(len(e.rows) for e in entries))
             hidden = torch.cat(hidden)
@@ -650,11 +729,14 @@ class Scheduler:
         tower_entries = []
         for e in entries:
             s = e.session
-            if s.sent == 0:
+            if s.prefill_start_ns == 0:
                 s.prefill_start_ns = time.time_ns()
+            key, rows = s.prefix if e.restore or e.store else ("", 0)
             tower_entries.append(TowerEntry(
                 s.id, first_row=s.sent, n_rows=len(e.rows), draw=e.draw, take_index=s.chunk_index,
-                frame_index=len(s.chunk_frames), sampling=s.job.sampling))
+                frame_index=len(s.chunk_frames), sampling=s.job.sampling,
+                prefix_key=key if e.restore else "", prefix_rows=rows if e.restore else 0,
+                snapshot_key=key if e.store else ""))
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
@@ -672,6 +754,11 @@ class Scheduler:
             result.set_exception(exc)
         self._inflight.append(_InFlight(entries, result, span))
 
+    def _compute(self, work, store_slots: list[int]):
+        """On the engine thread: the step, then snapshots of the slots that just ended a prefix."""
+        hidden = self.engine.step(work)
+        return hidden, [self.engine.snapshot(slot) for slot in store_slots]
+
     def _finish_step(self, step: _InFlight) -> None:
         if step.span is not None:
             step.span.end()
@@ -688,8 +775,16 @@ class Scheduler:
             if session.cancelled:          # left while its rows were in flight
                 self._end(session, None)
                 continue
+            if e.timeline != session.timeline:   # abandoned by a prefix fallback
+                continue
             if index in result.row_errors:
-                self._end(session, result.row_errors[index])
+                error = result.row_errors[index]
+                if error.status == "FAILED_PRECONDITION":
+                    if e.restore:
+                        self._prefill_without_restore(session)
+                        continue
+                    error = GenerateError("INTERNAL", error.message)
+                self._end(session, error)
                 continue
             if not e.draw:
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,12 +25,14 @@ import torch
 from opentelemetry import trace
 
 from drama.backbone.v1 import backbone_pb2, backbone_pb2_grpc
+from services.backbone.prefix_cache import PrefixCache, default_capacity_mb
 from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job, PrefillDone, Prompt,
                                          Rows, Sampling, Scheduler, Started, Usage, audio_rows,
                                          text_rows)
 from services.backbone.tower_client import TowerClient
 from services.common import grpcutil
 from services.common.config import DramaConfig, load_config
+from services.common.grpcutil import env_default
 from services.common.tensors import codes_to_wire, codes_from_wire, ids_from_bytes
 
 log = logging.getLogger(__name__)
@@ -281,6 +284,9 @@ class Settings:
     session_buffer_frames: int = 1024
     step_span_sample: float = 0.01
     max_inflight_steps: int = 2      # Step requests at the tower at once (also capped by the tower's)
+    # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
+    # (prefix_cache.default_capacity_mb); 0: off
+    prefix_cache_mb: float | None = None
     grace_s: float = 30.0
 
 
@@ -338,6 +344,19 @@ def memory_report(engine, budget_gb: float | None, device: str) -> str:
         raise MemoryBudgetError(line + " -> does not fit; lower DRAMA_MAX_ROWS or "
                                 "DRAMA_MAX_CONTEXT_TOKENS, or raise the budget")
     return line
+
+
+def prefix_cache_for(settings: Settings) -> PrefixCache:
+    mb = settings.prefix_cache_mb
+    if mb is None:
+        mb = env_default("DRAMA_PREFIX_CACHE_MB", default_capacity_mb(settings.device), float)
+    return PrefixCache.from_mb(mb)
+
+
+def model_identity(settings: Settings, model) -> str:
+    """What a cached prefix state depends on besides its rows: the weights and the numerics."""
+    return "|".join([MODEL_ID, os.path.realpath(settings.checkpoint), str(model.dtype), str(model.device),
+                     f"exact={model.exact}", f"kernels={getattr(model, 'kernels', False)}"])
 
 
 def check_step_message(*, rows: int, hidden_size: int, hidden_dtype: torch.dtype,
@@ -402,7 +421,9 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
-                          max_inflight_steps=settings.max_inflight_steps)
+                          max_inflight_steps=settings.max_inflight_steps,
+                          prefix_cache=prefix_cache_for(settings),
+                          model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost
     running.scheduler, running.tower = scheduler, tower
     servicer.attach(config, scheduler, tower)

@@ -38,7 +38,8 @@ def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> to
     rows = []
     for entry in step.entries:
         row = tower_pb2.RowEntry(session_id=entry.session_id, first_row=entry.first_row,
-                                 n_rows=entry.n_rows, draw=entry.draw)
+                                 n_rows=entry.n_rows, draw=entry.draw, prefix_key=entry.prefix_key,
+                                 prefix_rows=entry.prefix_rows, snapshot_key=entry.snapshot_key)
         if entry.draw:
             s = entry.sampling
             row.take_index, row.frame_index, row.seed = entry.take_index, entry.frame_index, s.seed
@@ -63,6 +64,9 @@ def step_result(response: tower_pb2.StepResponse, n_entries: int, codebooks: int
         # the backbone built a bad row, which is our bug: INTERNAL.
         if err.code == grpc.StatusCode.NOT_FOUND.value[0]:
             errors[err.row_index] = GenerateError("NOT_FOUND", f"tower: {err.message}")
+        elif err.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+            # a voice-prefix snapshot the tower no longer holds: the scheduler prefills instead
+            errors[err.row_index] = GenerateError("FAILED_PRECONDITION", f"tower: {err.message}")
         else:
             errors[err.row_index] = GenerateError("INTERNAL", f"tower row error {err.code}: {err.message}")
     return TowerResult(codes=codes, stop=list(response.stop), row_errors=errors)

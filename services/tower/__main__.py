@@ -4,8 +4,9 @@ geometry with random values made on the device, services/common/random_weights.p
 
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, DRAMA_DEVICE;
 the cache pool reads DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each),
-the same variables the backbone sizes its pool with (API.md §3.5), and DRAMA_GRACE_S (30) bounds
-the SIGTERM drain.
+the same variables the backbone sizes its pool with (API.md §3.5), DRAMA_PREFIX_CACHE_MB the
+voice-prefix snapshots (default 64 on the CPU, 1024 on a GPU; 0 turns them off) and
+DRAMA_GRACE_S (30) bounds the SIGTERM drain.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint (or DRAMA_CHECKPOINT) is required, unless --random-weights")
     args.max_sessions = env_default("DRAMA_MAX_ROWS", 64, int)
     args.max_context = env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int)
+    args.prefix_cache_mb = env_default("DRAMA_PREFIX_CACHE_MB", None, float)
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     return args
 
@@ -43,7 +45,8 @@ async def run(args: argparse.Namespace) -> None:
         model, cfg = random_weights.random_tower_stage(args.random_weights, args.device)
     server, _, health, servicer = await serve(
         args.checkpoint, host=args.host, port=args.port, device=args.device,
-        max_sessions=args.max_sessions, max_context=args.max_context, model=model, cfg=cfg)
+        max_sessions=args.max_sessions, max_context=args.max_context,
+        prefix_cache_mb=args.prefix_cache_mb, model=model, cfg=cfg)
     await serve_until_signalled(server, health, grace_s=args.grace_s)
     servicer.worker.shutdown(wait=False)
 

@@ -8,6 +8,13 @@ then the bookkeeping. Row errors use gRPC status names; the server maps them.
 
 Sessions are keyed by (owner, session_id): the owner is the Step stream, so two backbone
 workers never see each other's sessions and a closed stream frees exactly its own.
+
+Voice-prefix snapshots (issue #8, services/backbone/prefix_cache.py): an entry with
+`snapshot_key` leaves, after the step, a copy of its session's KV rows in every layer under that
+key; an entry with `prefix_key` starts its session (first_row == prefix_rows) from that copy
+instead of an empty cache. Snapshots are not per stream: the key names the backbone model and the
+exact prefix rows, so any stream may use them. A restore whose snapshot was evicted is the row
+error FAILED_PRECONDITION (the backbone then prefills the whole prompt).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from services.backbone.prefix_cache import PrefixCache, default_capacity_mb
 from services.common.config import DramaConfig
 from services.tower import sampling
 from services.tower.model import RowBatch, TowerModel, forward_rows
@@ -39,6 +47,21 @@ class StepEntry:
     top_p: float = 0.9
     top_k: int = 0
     repetition_penalty: float = 1.0   # 0 (proto3's unset value) also means off
+    prefix_key: str = ""              # start the session from this snapshot (first_row == prefix_rows)
+    prefix_rows: int = 0
+    snapshot_key: str = ""            # after this entry, store the session's state under this key
+
+
+@dataclass(frozen=True)
+class PrefixSnapshot:
+    """A session's first `rows` KV entries in every layer (shared, then residual), copied out."""
+    rows: int
+    keys: tuple[Tensor, ...]          # per layer [K, rows, d]
+    values: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 @dataclass
@@ -75,7 +98,10 @@ class _EntryError(Exception):
 
 
 class TowerEngine:
-    def __init__(self, model: TowerModel, cfg: DramaConfig, *, max_sessions: int, max_context: int):
+    def __init__(self, model: TowerModel, cfg: DramaConfig, *, max_sessions: int, max_context: int,
+                 prefix_cache_mb: float | None = None):
+        """prefix_cache_mb: the voice-prefix snapshot budget (None: prefix_cache.default_capacity_mb
+        for the device; 0: off, every restore is FAILED_PRECONDITION)."""
         self.model = model
         self.cfg = cfg
         self.max_sessions = max_sessions
@@ -90,6 +116,9 @@ class TowerEngine:
         # The last ras_window semantic codes drawn in each slot's take, right-aligned, -1 = empty.
         self._ras_history = torch.full((max_sessions, cfg.sampling.ras_window), -1, dtype=torch.int64,
                                        device=self.device)
+        if prefix_cache_mb is None:
+            prefix_cache_mb = default_capacity_mb(self.device.type)
+        self.prefixes: PrefixCache[PrefixSnapshot] = PrefixCache.from_mb(prefix_cache_mb)
 
     # ---------------------------------------------------------------- pool
     @property
@@ -170,6 +199,8 @@ class TowerEngine:
                 stop[index] = is_stopped
             for _, entry, session, _ in accepted:
                 session.rows += entry.n_rows
+                if entry.snapshot_key:
+                    self.prefixes.put(entry.snapshot_key, self._snapshot(session))
         return StepResult(codes, stop, errors, _elapsed_us(started))
 
     def _check_entry(self, entry: StepEntry, entry_targets: Tensor) -> None:
@@ -185,6 +216,11 @@ class TowerEngine:
             raise _EntryError("INVALID_ARGUMENT", "a target frame mixes -1 and codes")
         if (entry_targets >= self._code_limits).any():
             raise _EntryError("INVALID_ARGUMENT", "a target code is out of its codebook's range")
+        if entry.prefix_key and entry.prefix_rows != entry.first_row:
+            raise _EntryError("INVALID_ARGUMENT", f"a restore starts at prefix_rows ({entry.prefix_rows}), "
+                                                  f"got first_row {entry.first_row}")
+        if entry.snapshot_key and entry.draw:
+            raise _EntryError("INVALID_ARGUMENT", "a draw entry cannot store a prefix snapshot")
         if entry.draw:
             if known[-1].any():
                 raise _EntryError("INVALID_ARGUMENT", "the draw row's target must be -1")
@@ -196,6 +232,13 @@ class TowerEngine:
 
     def _admit(self, entry: StepEntry, owner) -> _Session:
         key = (owner, entry.session_id)
+        if entry.prefix_key:
+            snapshot = self.prefixes.get(entry.prefix_key)
+            if snapshot is None or snapshot.rows != entry.prefix_rows:
+                raise _EntryError("FAILED_PRECONDITION", f"no prefix snapshot {entry.prefix_key[:16]} of "
+                                                         f"{entry.prefix_rows} rows (evicted or never stored)")
+            self.release([entry.session_id], owner)   # a new timeline replaces any old one
+            return self._restore(key, snapshot)
         if entry.first_row == 0:
             self.release([entry.session_id], owner)   # a new timeline replaces any old one
             return self._create(key)
@@ -205,6 +248,22 @@ class TowerEngine:
         if entry.first_row != session.rows:
             raise _EntryError("INVALID_ARGUMENT", f"first_row {entry.first_row} but the tower holds "
                                                   f"{session.rows} rows of {entry.session_id!r}")
+        return session
+
+    def _snapshot(self, session: _Session) -> PrefixSnapshot:
+        attention = [layer.self_attn for layer in self.model.layers()]
+        rows = session.rows
+        return PrefixSnapshot(rows, tuple(a.k_cache[session.slot, :, :rows].clone() for a in attention),
+                              tuple(a.v_cache[session.slot, :, :rows].clone() for a in attention))
+
+    def _restore(self, key, snapshot: PrefixSnapshot) -> _Session:
+        """A new session holding the snapshot's rows (copied: the snapshot may be evicted later).
+        Its RAS window starts empty, as after `_create`: a prefix holds no draws."""
+        session = self._create(key)
+        for layer, keys, values in zip(self.model.layers(), snapshot.keys, snapshot.values):
+            layer.self_attn.k_cache[session.slot, :, :snapshot.rows] = keys
+            layer.self_attn.v_cache[session.slot, :, :snapshot.rows] = values
+        session.rows = snapshot.rows
         return session
 
     @torch.inference_mode()

@@ -11,7 +11,9 @@ Rules a client codes against (API.md §3.5, with our reading where it is silent)
   entry's last row is the draw row: its target must be -1 and its frame is drawn here;
 - so the last prefill piece of a timeline is the entry that draws the first frame;
 - `first_row == 0` starts a new timeline for that session id (replacing any old one);
-- `repetition_penalty` 0 (unset) means 1.0, off.
+- `repetition_penalty` 0 (unset) means 1.0, off;
+- `prefix_key`/`snapshot_key` restore/store voice-prefix snapshots (engine.py), which any stream
+  may use; an evicted one is the row error FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def entries_from_request(request: tower_pb2.StepRequest) -> list[StepEntry]:
     return [StepEntry(session_id=r.session_id, first_row=r.first_row, n_rows=r.n_rows, draw=r.draw,
                       take_index=r.take_index, frame_index=r.frame_index, seed=r.seed,
                       temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                      repetition_penalty=r.repetition_penalty)
+                      repetition_penalty=r.repetition_penalty, prefix_key=r.prefix_key,
+                      prefix_rows=r.prefix_rows, snapshot_key=r.snapshot_key)
             for r in request.rows]
 
 
@@ -161,11 +164,13 @@ def build_string(device: str) -> str:
 
 async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, device: str = "cpu",
                 max_sessions: int = 64, max_context: int = 8192, max_inflight_steps: int = 2,
-                ready: asyncio.Event | None = None, model=None, cfg=None):
+                prefix_cache_mb: float | None = None, ready: asyncio.Event | None = None,
+                model=None, cfg=None):
     """Start listening (NOT_SERVING), load and warm the tower, then SERVING.
 
     Returns (server, port, health, servicer). `model`/`cfg` skip loading from `checkpoint`
-    (tests with random weights).
+    (tests with random weights). `prefix_cache_mb`: the voice-prefix snapshot budget (None: the
+    device's default, 0: off).
     """
     servicer = TowerServicer(max_inflight_steps=max_inflight_steps, build=build_string(device))
     server, bound, health = await grpcutil.start_server(
@@ -181,7 +186,8 @@ async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, 
         if model is None:
             model = load_tower(checkpoint, device=device)
             cfg = load_config(checkpoint)
-        engine = TowerEngine(model, cfg, max_sessions=max_sessions, max_context=max_context)
+        engine = TowerEngine(model, cfg, max_sessions=max_sessions, max_context=max_context,
+                             prefix_cache_mb=prefix_cache_mb)
         engine.warm_up()
         return engine
 

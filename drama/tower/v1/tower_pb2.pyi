@@ -33,7 +33,7 @@ class TowerInfo(_message.Message):
     def __init__(self, hidden_dim: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., codebooks: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ...) -> None: ...
 
 class RowEntry(_message.Message):
-    __slots__ = ("session_id", "first_row", "n_rows", "draw", "take_index", "frame_index", "seed", "temperature", "top_p", "top_k", "repetition_penalty")
+    __slots__ = ("session_id", "first_row", "n_rows", "draw", "take_index", "frame_index", "seed", "temperature", "top_p", "top_k", "repetition_penalty", "prefix_key", "prefix_rows", "snapshot_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
     N_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,9 @@ class RowEntry(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_row: int
     n_rows: int
@@ -56,7 +59,10 @@ class RowEntry(_message.Message):
     top_p: float
     top_k: int
     repetition_penalty: float
-    def __init__(self, session_id: _Optional[str] = ..., first_row: _Optional[int] = ..., n_rows: _Optional[int] = ..., draw: _Optional[bool] = ..., take_index: _Optional[int] = ..., frame_index: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+    prefix_key: str
+    prefix_rows: int
+    snapshot_key: str
+    def __init__(self, session_id: _Optional[str] = ..., first_row: _Optional[int] = ..., n_rows: _Optional[int] = ..., draw: _Optional[bool] = ..., take_index: _Optional[int] = ..., frame_index: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., prefix_key: _Optional[str] = ..., prefix_rows: _Optional[int] = ..., snapshot_key: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "rows", "hidden", "targets", "release", "trace_context")
