@@ -319,19 +319,27 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def micro_backbone(preset: str, device: torch.device, context: int, steps: int) -> float:
+def micro_backbone(preset: str, device: torch.device, context: int, steps: int) -> dict[str, float]:
+    """Decode step at batch 1 as the server runs it; on the kernel path also replayed from CUDA
+    graphs (Backbone.decode_graphs, which the server does not turn on yet)."""
     from bench.backbone import bench_decode
     from services.backbone.engine import BackboneEngine
     from services.common.random_weights import random_backbone_stage
 
-    model = random_backbone_stage(preset, device)
-    engine = BackboneEngine(model, max_sessions=1, max_context=context + steps + 16)
+    model = random_backbone_stage(preset, device, decode_graphs=device.type == "cuda")
+    engine = BackboneEngine(model, max_sessions=1, max_context=context + 2 * steps + 16)
     args = SimpleNamespace(context=context, warmup=3, steps=steps)
+    out = {}
     with torch.inference_mode():
-        result = bench_decode(engine, 1, args, torch.Generator().manual_seed(0), device)
+        for key, graphs in (("backbone_step_ms_b1", False), ("backbone_step_ms_b1_graphs", True)):
+            if graphs and not model.decode_graphs:
+                continue
+            model.decode_graphs = graphs
+            out[key] = bench_decode(engine, 1, args, torch.Generator().manual_seed(0), device)["median_ms"]
+    out["backbone_path"] = f"kernels={model.kernels}, exact={model.exact}"
     del engine, model
     _free(device)
-    return result["median_ms"]
+    return out
 
 
 def micro_tower(preset: str, device: torch.device, context: int, steps: int) -> float:
@@ -375,19 +383,22 @@ def micro_timings(args) -> dict:
         torch.set_num_threads(1)          # as the servers' model threads run on CPU
     out, errors = {}, {}
     cases = {
-        "backbone_step_ms_b1": lambda: micro_backbone(args.preset, device, args.micro_context, args.micro_steps),
-        "tower_step_ms_b1": lambda: micro_tower(args.preset, device, args.micro_context, args.micro_steps),
-        "codec_chunk_ms_4f": lambda: micro_codec(args.preset, device, 200 if device.type == "cuda" else 16,
-                                                 args.micro_steps),
+        "backbone": lambda: micro_backbone(args.preset, device, args.micro_context, args.micro_steps),
+        "tower": lambda: {"tower_step_ms_b1": micro_tower(args.preset, device, args.micro_context,
+                                                          args.micro_steps)},
+        "codec": lambda: {"codec_chunk_ms_4f": micro_codec(args.preset, device, 200 if device.type == "cuda"
+                                                           else 16, args.micro_steps)},
     }
-    for key, run in cases.items():
+    for stage, run in cases.items():
         started = time.perf_counter()
         try:
-            out[key] = run()
+            figures = run()
         except Exception as exc:           # one stage failing must not cost the others' figures
-            errors[key] = f"{type(exc).__name__}: {exc}"
-            out[key] = None
-        print(f"  {key}: {_fmt(out[key], 2)} ({time.perf_counter() - started:.0f} s)", flush=True)
+            errors[stage] = f"{type(exc).__name__}: {exc}"
+            figures = {}
+        out.update(figures)
+        shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+        print(f"  {stage}: {shown or errors[stage]} ({time.perf_counter() - started:.0f} s)", flush=True)
     out["errors"] = errors
     return out
 
@@ -439,7 +450,9 @@ def build_table(r: dict) -> str:
         (f"E2E ms per frame, {words[0]} words (steady decode)", ms(r["e2e_ms_per_frame"]), "46.4 ms = real time"),
         (f"E2E ms per frame, {words[1]} words (text-chunk prefills included)",
          ms(long.get("steady_ms_per_frame")), ""),
-        ("backbone step, batch 1 (in-process)", ms(r["backbone_step_ms_b1"]), ""),
+        (f"backbone step, batch 1 (in-process; {r['backbone_path']})", ms(r["backbone_step_ms_b1"]), ""),
+        ("backbone step, batch 1, CUDA-graph replay (in-process; not on in the server)",
+         ms(r["backbone_step_ms_b1_graphs"]), ""),
         ("tower step, batch 1 (in-process)", ms(r["tower_step_ms_b1"]), ""),
         ("codec 4-frame chunk (in-process)", ms(r["codec_chunk_ms_4f"]), TARGETS["codec_chunk_ms_4f"] + " ms"),
         ("gRPC/IPC + scheduling per frame (E2E - stage sum)", ms(r["overhead_ms_per_frame"]), ""),
@@ -477,6 +490,8 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
         "transformers_step_ms_b1": peer_ms,
         "transformers_step_source": peer_source,
         "backbone_speedup_vs_transformers_b1": peer_ms / backbone if peer_ms and backbone else None,
+        "backbone_step_ms_b1_graphs": micro.get("backbone_step_ms_b1_graphs"),
+        "backbone_path": micro.get("backbone_path"),
         "tower_step_ms_b1": tower,
         "codec_chunk_ms_4f": codec,
         "stage_compute_source": "in-process micro-timing at batch 1 after the stack stopped "

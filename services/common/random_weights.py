@@ -64,8 +64,9 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def random_backbone_stage(preset: str, device: str | torch.device, seed: int = 0):
-    """The backbone as the server loads it (no LM head; FP8 experts when the preset quantises)."""
+def random_backbone_stage(preset: str, device: str | torch.device, seed: int = 0, decode_graphs: bool = False):
+    """The backbone as the server loads it (no LM head; FP8 experts when the preset quantises;
+    the kernel path where `default_kernels` picks it). decode_graphs: see Backbone."""
     from services.backbone.model import AudioSpec
     from services.backbone.weights import random_backbone
 
@@ -74,7 +75,8 @@ def random_backbone_stage(preset: str, device: str | torch.device, seed: int = 0
     audio = AudioSpec(cfg.semantic_start_token_id, cfg.num_codebooks, cfg.codebook_vocab_size,
                       cfg.semantic_codebook_size, cfg.residual_codebook_size)
     return random_backbone(cfg.text_config, audio, device=device, dtype=_compute_dtype(device), seed=seed,
-                           fp8_experts=cfg.quantization_config is not None, lm_head=False)
+                           fp8_experts=cfg.quantization_config is not None, lm_head=False,
+                           decode_graphs=decode_graphs)
 
 
 def random_tower_stage(preset: str, device: str | torch.device, seed: int = 0):
