@@ -21,7 +21,7 @@ from services.backbone.engine import BackboneEngine
 from services.backbone.prefix_cache import PrefixCache, default_capacity_mb, prefix_key
 from services.common import grpcutil
 from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, _free_port, _start_backbone, collect, make_request
-from test_tower_model import TINY, _engine, _entry
+from test_tower_model import TINY, _engine, _entry, _layer_caches
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,17 +157,25 @@ def _frames_after(engine, session, hidden, targets, first_row, frames=3, **prefi
     return out
 
 
-def test_tower_restore_gives_the_frames_of_a_full_prefill():
-    prefix, rows = 12, 20
+def test_tower_restore_gives_the_frames_and_caches_of_a_full_prefill():
+    prefix, rows, frames = 12, 20, 3
     hidden, targets = _tower_prompt(rows, prefix)
-    full = _frames_after(_engine(context=64), "a", hidden, targets, 0)
+    full_engine = _engine(context=64)
+    full = _frames_after(full_engine, "a", hidden, targets, 0, frames)
 
     engine = _engine(context=64)
     stored = engine.step([_entry("first", 0, prefix, snapshot_key="voice")], hidden[:prefix], targets[:prefix])
     assert not stored.row_errors and "voice" in engine.prefixes
-    engine.release(["first"])
-    restored = _frames_after(engine, "a", hidden, targets, prefix, prefix_key="voice", prefix_rows=prefix)
+    engine.step([_entry("other", 0, 30)], torch.randn(30, TINY.tower.hidden_size),
+                 torch.full((30, TINY.num_codebooks), -1))     # other rows in the slot "a" will get
+    engine.release(["other"])
+    restored = _frames_after(engine, "a", hidden, targets, prefix, frames, prefix_key="voice", prefix_rows=prefix)
     assert restored == full
+    slot = engine._sessions[(None, "a")].slot
+    assert slot == 1
+    for layer, (got, want) in enumerate(zip(_layer_caches(engine, slot, rows + frames - 1),
+                                            _layer_caches(full_engine, 0, rows + frames - 1))):
+        assert torch.equal(got, want), f"layer {layer} cache differs"
 
 
 def test_tower_restore_of_an_evicted_snapshot_is_failed_precondition():
