@@ -6,9 +6,9 @@ GenerateResponses, and a `GenerateError` becomes the call's status with `drama-e
 `drama-error-param` in trailing metadata. Batching, chunks and the tower live in `scheduler.py`
 and `tower_client.py`.
 
-`start(settings)` listens at once (health NOT_SERVING), loads the weights, sizes the cache pool,
-connects the tower and reports SERVING while the tower stream is up; `serve(settings)` also
-waits for SIGTERM and drains.
+`start(settings)` listens at once (health NOT_SERVING), loads the weights, sizes the cache pool
+and the voice-prefix cache (`DRAMA_PREFIX_CACHE_MB`, prefix_cache.py), connects the tower and
+reports SERVING while the tower stream is up; `serve(settings)` also waits for SIGTERM and drains.
 """
 
 from __future__ import annotations
@@ -412,6 +412,9 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
             grpcutil.set_serving(health, serving)))
         running.scheduler.wake()
 
+    prefix_cache = prefix_cache_for(settings)
+    print(f"backbone voice-prefix cache: {prefix_cache.capacity_bytes / 2 ** 20:.0f} MiB"
+          + ("" if prefix_cache.enabled else " (off)"), flush=True)
     tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
                         hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
                         max_rows=settings.max_rows, max_context_tokens=max_context,
@@ -422,7 +425,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
-                          prefix_cache=prefix_cache_for(settings),
+                          prefix_cache=prefix_cache,
                           model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost
     running.scheduler, running.tower = scheduler, tower
