@@ -92,10 +92,13 @@ def restart(stack: Stack, name: str) -> float:
     pytest.fail(f"{name} not ready {READY_TIMEOUT_S:.0f} s after restart:\n{fresh.log_tail()}")
 
 
-def kill9(stack: Stack, name: str) -> None:
+def kill9(stack: Stack, name: str) -> float:
+    """SIGKILL `name` and reap it; returns the monotonic time the signal was sent."""
     victim = process(stack, name)
+    sent_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     victim.popen.wait(10)
+    return sent_at
 
 
 def wait_stack_ready(stack: Stack, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -194,8 +197,7 @@ def test_kill9_stage_mid_stream(stack, stage):
     raw.wait_mid_stream(min_bytes=4096)
     sse.wait_mid_stream(min_bytes=200)
 
-    kill9(stack, stage)
-    killed_at = time.monotonic()
+    killed_at = kill9(stack, stage)
     assert raw.done.wait(END_WITHIN_S + 0.5) and sse.done.wait(END_WITHIN_S + 0.5), "in-flight request hangs"
     assert raw.ended_at - killed_at <= END_WITHIN_S and sse.ended_at - killed_at <= END_WITHIN_S
 
@@ -208,8 +210,10 @@ def test_kill9_stage_mid_stream(stack, stage):
 
     if stage != "codec":          # the codec case is test_request_while_codec_down_is_503
         assert_refused_while_down(stack)
-    restart(stack, stage)
-    first_success_within(stack, RECOVER_WITHIN_S)
+    ready_s = restart(stack, stage)
+    recovered_s = first_success_within(stack, RECOVER_WITHIN_S)
+    print(f"\nkill -9 {stage}: raw ended {raw.ended_at - killed_at:.2f} s, sse {sse.ended_at - killed_at:.2f} s "
+          f"after the kill; restarted {stage} ready in {ready_s:.1f} s; first success {recovered_s:.2f} s later")
 
 
 def assert_refused_while_down(stack: Stack) -> None:
@@ -240,14 +244,15 @@ def test_kill9_gateway_mid_stream(stack):
     wait_stack_ready(stack)
     raw = InFlight(stack.url, {**LONG, "response_format": "pcm"})
     raw.wait_mid_stream(min_bytes=4096)
-    kill9(stack, "gateway")
-    killed_at = time.monotonic()
+    killed_at = kill9(stack, "gateway")
     assert raw.done.wait(END_WITHIN_S + 0.5), "in-flight request hangs"
     assert raw.ended_at - killed_at <= END_WITHIN_S
     assert isinstance(raw.error, httpx.HTTPError), repr(raw.error)
 
-    restart(stack, "gateway")
-    first_success_within(stack, RECOVER_WITHIN_S)
+    ready_s = restart(stack, "gateway")
+    recovered_s = first_success_within(stack, RECOVER_WITHIN_S)
+    print(f"\nkill -9 gateway: client saw {type(raw.error).__name__} {raw.ended_at - killed_at:.2f} s after the "
+          f"kill; restarted gateway ready in {ready_s:.1f} s; first success {recovered_s:.2f} s later")
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,10 +276,14 @@ def test_sigterm_drains_in_flight_stream(stack, name):
     assert stream.done.wait(GRACE_S), "in-flight stream did not finish within the grace period"
     assert stream.error is None, repr(stream.error)
     assert stream.status == 200 and len(stream.data) % 2 == 0 and len(stream.data) > 4096
+    drained_s = stream.ended_at - signalled_at
     victim.popen.wait(GRACE_S + 5)
-    assert time.monotonic() - signalled_at <= GRACE_S + 5
+    exited_s = time.monotonic() - signalled_at
+    assert exited_s <= GRACE_S + 5
     restart(stack, name)
     first_success_within(stack, RECOVER_WITHIN_S)
+    print(f"\nSIGTERM {name}: stream completed whole {drained_s:.2f} s after the signal "
+          f"({len(stream.data)} bytes); process exited after {exited_s:.2f} s")
 
 
 # --------------------------------------------------------------------------------------------
