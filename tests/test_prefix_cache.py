@@ -319,6 +319,7 @@ async def test_a_lost_tower_snapshot_falls_back_to_a_full_prefill(tiny_checkpoin
         for seed, codes in zip(SEEDS, got):
             assert all(torch.equal(a, b) for a, b in zip(codes, uncached[seed])), seed
         assert backbone.scheduler.prefix_fallbacks >= len(SEEDS)
+        assert backbone.scheduler.prefix_rows_skipped == 0
         assert backbone.scheduler.engine.free_slots == MAX_ROWS
     finally:
         await backbone.close()

@@ -39,7 +39,9 @@ loss callback only set flags and wake the loop.
 
 Metrics (API.md §1.7, OpenTelemetry): `drama_backbone_batch_rows` and `drama_backbone_step_seconds`
 (engine time) per step, `drama_backbone_queue_depth` and `drama_backbone_kv_usage_ratio` (rows held
-over the pool's rows) as gauges.
+over the pool's rows) as gauges, `drama_backbone_prefix_rows_skipped` (prompt rows restored from
+the voice-prefix cache) and `drama_backbone_prefix_fallbacks` (restores the tower could not serve)
+as counters.
 
 Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
 the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
@@ -304,6 +306,12 @@ class Scheduler:
         meter.create_observable_gauge(
             "drama_backbone_kv_usage_ratio", [lambda _: [metrics.Observation(self.kv_usage_ratio)]],
             description="rows held over the cache pool's rows")
+        self._rows_skipped = meter.create_counter(
+            "drama_backbone_prefix_rows_skipped", unit="{row}",
+            description="prompt rows restored from the voice-prefix cache instead of prefilled")
+        self._fallbacks = meter.create_counter(
+            "drama_backbone_prefix_fallbacks", unit="{restore}",
+            description="voice-prefix restores the tower could not serve (full prefill instead)")
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -479,7 +487,8 @@ class Scheduler:
                 prompt_text_tokens=session.rows.n_text, prompt_audio_frames=session.rows.n_audio))
 
     def _start_chunk(self, session: Session, previous_frames: Tensor | None) -> None:
-        """Open a fresh timeline (engine slot, rows from position 0) for the session's chunk."""
+        """Open a fresh timeline (engine slot, rows from position 0, or from the end of the cached
+        voice prefix) for the session's chunk."""
         job = session.job
         session.rows = plan_chunk(job.prompt, session.chunk_index, previous_frames,
                                   row_budget=self.engine.max_context - job.sampling.max_new_tokens,
@@ -507,7 +516,6 @@ class Scheduler:
                 session.slot = self.engine.restore(snapshot)
                 session.sent = rows
                 session.restore_prefix = True
-                self.prefix_rows_skipped += rows
                 return
             session.store_prefix = True
         session.slot = self.engine.open()
@@ -529,6 +537,7 @@ class Scheduler:
         """The tower lost the prefix snapshot: start the chunk over as a full prefill."""
         log.info("session %s: tower prefix snapshot gone, prefilling the whole prompt", session.id)
         self.prefix_fallbacks += 1
+        self._fallbacks.add(1)
         self.engine.release(session.slot)
         self._open_timeline(session, restore=False)
 
@@ -665,6 +674,9 @@ class Scheduler:
                     error = GenerateError("INTERNAL", error.message)
                 self._end(session, error)
                 continue
+            if e.restore:                      # the tower restored too: these rows were skipped
+                self.prefix_rows_skipped += session.prefix[1]
+                self._rows_skipped.add(session.prefix[1])
             if not e.draw:
                 continue
             if not session.chunk_frames:   # the draw that ends the prefill
