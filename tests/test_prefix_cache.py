@@ -204,7 +204,7 @@ def test_tower_refuses_inconsistent_prefix_fields(entry):
 # Through Generate: identical frames with and without the cache
 # --------------------------------------------------------------------------------------------
 
-REFERENCE_FRAMES = 80          # system = 13 text rows + 80 audio rows + <|im_end|>: over one GDN chunk
+REFERENCE_FRAMES = 80          # system = 16 text rows + 80 audio rows + <|im_end|>: over one GDN chunk
 
 
 async def _tower(checkpoint, **env):
@@ -243,6 +243,7 @@ class _Backbone:
         return self.running.scheduler
 
     async def codes(self, name: str, seed: int, **kw) -> list[torch.Tensor]:
+        """Each chunk's frames [N, T] of `_request(name, seed, **kw)`."""
         result = await collect(self.stub, _request(name, seed, **kw))
         return [result.codes(c) for c in range(len(result.chunk_ends))]
 
@@ -255,8 +256,8 @@ async def _backbone(checkpoint, tower_addr, cache_mb: float, **options) -> _Back
     return _Backbone(await _start_backbone(checkpoint, tower_addr, prefix_cache_mb=cache_mb, **options))
 
 
-def _request(name: str, seed: int, texts=("hello there", "and more words")):
-    return make_request(name, seed=seed, texts=texts, max_new=5, references=REFERENCE_FRAMES, history=1,
+def _request(name: str, seed: int, texts=("hello there", "and more words"), references=REFERENCE_FRAMES):
+    return make_request(name, seed=seed, texts=texts, max_new=5, references=references, history=1,
                         temperature=1.0)
 
 
@@ -321,6 +322,31 @@ async def test_a_lost_tower_snapshot_falls_back_to_a_full_prefill(tiny_checkpoin
         assert backbone.scheduler.prefix_fallbacks >= len(SEEDS)
         assert backbone.scheduler.prefix_rows_skipped == 0
         assert backbone.scheduler.engine.free_slots == MAX_ROWS
+    finally:
+        await backbone.close()
+        proc.kill()
+        proc.wait(10)
+
+
+async def test_a_voice_evicted_from_the_tower_only_is_prefilled_again(tiny_checkpoint, uncached):
+    """The tower's budget holds one voice, the backbone's several: a second voice evicts the
+    first from the tower alone, so the first voice's next restore falls back, with the same
+    frames, and stores the voice in the tower again."""
+    proc, addr = await _tower(tiny_checkpoint, DRAMA_PREFIX_CACHE_MB="0.3")   # a 97-row voice: 0.24 MiB
+    backbone = await _backbone(tiny_checkpoint, addr, 64)
+    seed = SEEDS[0]
+    try:
+        scheduler = backbone.scheduler
+        await backbone.codes("voice-a", seed, texts=("hello there",))
+        await backbone.codes("voice-b", seed, texts=("hello there",), references=REFERENCE_FRAMES - 20)
+        assert len(scheduler.prefix_cache) == 2 and scheduler.prefix_fallbacks == 0
+        again = await backbone.codes("voice-a-again", seed)
+        assert scheduler.prefix_fallbacks == 1
+        assert all(torch.equal(a, b) for a, b in zip(again, uncached[seed]))
+        skipped = scheduler.prefix_rows_skipped
+        assert skipped > 0                        # its second chunk restored the stored voice again
+        assert all(torch.equal(a, b) for a, b in zip(await backbone.codes("voice-a-3", seed), uncached[seed]))
+        assert scheduler.prefix_fallbacks == 1 and scheduler.prefix_rows_skipped == 3 * skipped
     finally:
         await backbone.close()
         proc.kill()
