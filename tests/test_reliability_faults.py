@@ -255,6 +255,18 @@ def test_kill9_gateway_mid_stream(stack):
           f"kill; restarted gateway ready in {ready_s:.1f} s; first success {recovered_s:.2f} s later")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "services/common/grpcutil.py client_options sets no grpc.max_reconnect_backoff_ms, so a channel "
+    "to a stage that was down for a while keeps gRPC's default backoff (1 s x 1.6 per attempt, up to "
+    "120 s): after a 45 s backbone outage the gateway's first success came 23.4 s after the restarted "
+    "backbone was SERVING (limit 5 s); test_kill9_stage_mid_stream only passes because its outage is short"))
+def test_channels_retry_a_lost_stage_at_least_every_5_s():
+    """Every gRPC client channel caps its reconnect backoff at 5 s, so a restarted stage is used
+    within 5 s however long it was away."""
+    options = dict(grpcutil.client_options())
+    assert options.get("grpc.max_reconnect_backoff_ms", 120_000) <= 5_000
+
+
 # --------------------------------------------------------------------------------------------
 # SIGTERM drains
 # --------------------------------------------------------------------------------------------
