@@ -22,8 +22,8 @@ What it does, in order:
    after the first piece: for the short request (one text chunk) the steady decode, for the long
    one with its text-chunk prefills. With --budget-s, the frame counts shrink when the warm-up
    says the two requests would not finish in that time (the table says so).
-3. GPU memory per process: `nvidia-smi --query-compute-apps` sampled every 0.5 s while the stack
-   runs (CUDA context included); the peak per stage.
+3. GPU memory per process: `nvidia-smi --query-compute-apps` sampled every --smi-period seconds
+   while the stack runs (CUDA context included); the peak per stage.
 4. The stack is stopped, then each stage's compute is timed IN THIS PROCESS at batch 1 (the
    stages expose no timings): backbone `BackboneEngine.step` of one row (bench/backbone.py),
    tower `TowerEngine.step` of one frame (bench/tower.py), codec `decode_streams` of a 4-frame
@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-steps", type=int, help="timed steps per stage in step 4 (default 20 cuda, 4 cpu)")
     parser.add_argument("--micro-context", type=int, help="rows before the timed steps (default 256 cuda, 32 cpu)")
     parser.add_argument("--skip-micro", action="store_true", help="leave out step 4")
+    parser.add_argument("--smi-period", type=float, default=0.5,
+                        help="seconds between nvidia-smi samples (each one costs the host some CPU)")
     parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--markdown", type=Path, help="write the command and the table here")
@@ -504,7 +506,8 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
         "stage_sum_ms_per_frame": stage_sum,
         "overhead_ms_per_frame": e2e - stage_sum if e2e is not None and stage_sum is not None else None,
         "peak_gpu_gb": stack.peak_gpu_gb,
-        "peak_gpu_source": "nvidia-smi --query-compute-apps used_memory every 0.5 s, CUDA context included"
+        "peak_gpu_source": f"nvidia-smi --query-compute-apps used_memory every {args.smi_period:g} s, "
+                           "CUDA context included"
                            + (f"; sampler error: {stack.peak_gpu_note}" if stack.peak_gpu_note else ""),
         "start_to_ready_s": stack.ready_s,
         "backbone_memory_report": stack.backbone_memory,
@@ -563,7 +566,8 @@ def run_stack(args) -> StackRun:
         out.ready_s = stack.ready_s
         sampler = None
         if args.device.startswith("cuda"):
-            sampler = GpuMemorySampler({p.popen.pid: name for name, p in stack.processes.items()}).start()
+            pids = {p.popen.pid: name for name, p in stack.processes.items()}
+            sampler = GpuMemorySampler(pids, args.smi_period).start()
         try:
             wait_stack_ready(stack, args.ready_timeout)
             print("ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in stack.ready_s.items()), flush=True)
