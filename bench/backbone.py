@@ -10,8 +10,9 @@ through `BackboneEngine.step`, i.e. what the server runs per step, host ids in a
 out: prefill of one session with 256 and 1024 text rows, then for each batch size B, B sessions
 prefilled with `--context` rows and `--steps` decode steps of one row per session (median and
 p90 ms, rows/s). Peak memory is the device's max allocated bytes during each measurement.
-This times the model code of services/backbone as it is; the GPU fast paths (issue #7 kernels)
-plug in later and this script will time them unchanged.
+This times the model code of services/backbone as it is: on CUDA in BF16 that is the kernel path
+(issue #7); --decode-graphs times each batch size eagerly and then replayed from CUDA graphs (the
+first graphed step of each batch bucket captures, so keep --warmup >= 1).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--peer", action="store_true", help="also time transformers at batch 1")
+    parser.add_argument("--decode-graphs", action="store_true",
+                        help="replay decode steps from CUDA graphs (kernel path on CUDA; captured on first use)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
                         "per-row path is many tiny ops that threads only slow down)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -174,13 +177,15 @@ def main(argv=None) -> dict:
     audio = AudioSpec(cfg.semantic_start_token_id, cfg.num_codebooks, cfg.codebook_vocab_size,
                       cfg.semantic_codebook_size, cfg.residual_codebook_size)
     started = time.perf_counter()
-    model = random_backbone(cfg.text_config, audio, device=device, dtype=dtype, seed=0)
+    model = random_backbone(cfg.text_config, audio, device=device, dtype=dtype, seed=0,
+                            decode_graphs=args.decode_graphs)
     build_s = time.perf_counter() - started
     max_context = max(max(args.prefill), args.context + args.warmup + args.steps) + 8
     engine = BackboneEngine(model, max_sessions=max(args.batch), max_context=max_context)
     mem = engine.memory_bytes()
     gen = torch.Generator().manual_seed(0)
-    print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}): "
+    print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}, kernels: {model.kernels}, "
+          f"decode graphs: {model.decode_graphs}): "
           f"weights {mem['weights'] / 2**30:.2f} GiB, cache pool {mem['cache'] / 2**30:.2f} GiB "
           f"({engine.max_sessions} x {max_context} rows), built in {build_s:.1f} s")
     results = {"prefill": [], "decode": [], "peer": None}
@@ -189,11 +194,15 @@ def main(argv=None) -> dict:
         r = bench_prefill(engine, n, gen, device)
         results["prefill"].append(r)
         print(f"{n:>12} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} {_fmt(r['peak_gib']):>9}")
-    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
+    print(f"{'batch':>5} {'graphs':>6} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
     for batch in args.batch:
-        r = bench_decode(engine, batch, args, gen, device)
-        results["decode"].append(r)
-        print(f"{batch:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} {_fmt(r['peak_gib']):>9}")
+        for graphs in ((False, True) if model.decode_graphs else (False,)):   # eager, then graphed
+            model.decode_graphs = graphs
+            r = bench_decode(engine, batch, args, gen, device)
+            r["graphs"] = graphs
+            results["decode"].append(r)
+            print(f"{batch:>5} {str(graphs):>6} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} "
+                  f"{_fmt(r['peak_gib']):>9}")
     if args.peer:
         del engine, model
         if device.type == "cuda":

@@ -162,7 +162,7 @@ class SparseMoE(nn.Module):
     def pack_kernels(self) -> None:
         """Load-time layout of the kernel path (see the module docstring); FP8 stays FP8."""
         ex = self.experts
-        self.fp8_kernels = ex.is_fp8
+        self.fp8_kernels = ex.is_fp8 and tuple(ex.block_size) == (fp8_moe.GROUP, fp8_moe.GROUP)   # the kernels' block
         if ex.is_fp8:
             inter = ex.gate_proj.shape[1]
             scale_rows = ex.gate_proj_scale_inv.shape[1]

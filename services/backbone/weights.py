@@ -184,14 +184,15 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
 
 def random_backbone(text, audio: AudioSpec | None = None, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, seed: int = 0, fp8_experts: bool = True,
-                    lm_head: bool = False, kernels: bool | None = None, decode_graphs: bool = False) -> Backbone:
+                    lm_head: bool = False, exact: bool | None = None, kernels: bool | None = None,
+                    decode_graphs: bool = False) -> Backbone:
     """A backbone with random weights made directly on `device` (benchmarks, no checkpoint), in
     MODEL.md §10.2's spirit: zero-centred norm gains N(0, 0.3²), plain gains 1 + N(0, 0.3²),
     A_log ~ U(−1, 1), dt_bias ~ N(0, 0.5²), conv N(0, 0.4²), embeddings N(0, 1), matrices
     N(0, 1/fan_in). fp8_experts: experts stored float8_e4m3fn (values N(0, 1)) with constant
     block scales fan_in^−1/2, as a real Drama 3 checkpoint stores them."""
     device = torch.device(device)
-    exact = device.type == "cpu"
+    exact = device.type == "cpu" if exact is None else exact
     model = Backbone(text, audio, dtype=dtype, device="meta", lm_head=lm_head, exact=exact,
                      kernels=default_kernels(device, dtype, exact) if kernels is None else kernels,
                      decode_graphs=decode_graphs)
