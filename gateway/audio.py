@@ -474,27 +474,52 @@ def encode_all(pcm: np.ndarray, fmt: str, sample_rate: int, **kwargs) -> bytes:
 # Decoding uploads and references to check them (the codec does the real encode)
 # --------------------------------------------------------------------------------------------
 
-def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
-    """Any file soundfile or FFmpeg reads -> (mono float32 samples, rate). Raises ValueError."""
+class AudioTooLong(ValueError):
+    """The clip runs past the allowed length; decoding stopped there."""
+
+    def __init__(self, max_seconds: float):
+        super().__init__(f"audio longer than {max_seconds:g} s")
+        self.max_seconds = max_seconds
+
+
+def decode_audio_file(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """Any file soundfile or FFmpeg reads -> (mono float32 samples, rate). Raises ValueError, or
+    AudioTooLong as soon as more than `max_seconds` have been decoded: a small file can declare
+    (or hide) hours of audio, so decoding never runs past the limit (issue #9)."""
+    def limit(rate: int) -> int | None:
+        return None if max_seconds is None else int(max_seconds * rate) + 1
+
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        return samples.mean(axis=1), int(rate)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            cap = limit(f.samplerate)
+            samples = f.read(frames=-1 if cap is None else cap, dtype="float32", always_2d=True)
+            rate = int(f.samplerate)
     except Exception:
-        pass
+        samples = None
+    if samples is not None:
+        if cap is not None and len(samples) >= cap:
+            raise AudioTooLong(max_seconds)
+        return samples.mean(axis=1), rate
     try:
         import av
 
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.audio[0]
             resampler = av.AudioResampler(format="flt", layout="mono")
-            chunks, rate = [], stream.codec_context.sample_rate
+            chunks, rate, total = [], stream.codec_context.sample_rate, 0
+            cap = limit(rate) if rate else None
             for frame in container.decode(stream):
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
+                    total += chunks[-1].size
+                if cap is not None and total >= cap:
+                    raise AudioTooLong(max_seconds)
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
         if not chunks or not rate:
             raise ValueError("no audio")
         return np.concatenate(chunks).astype(np.float32), int(rate)
+    except AudioTooLong:
+        raise
     except Exception as exc:
         raise ValueError(f"undecodable audio: {exc}") from None

@@ -7,6 +7,7 @@ replace FastAPI's 422 validation body (400 instead), its 404/405 bodies and anyt
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("gateway.errors")
+
+
+class EnvelopeResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote the caller's value, and a lone
+    surrogate in it (legal in JSON input) cannot be encoded as UTF-8 output."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class ApiError(Exception):
@@ -41,7 +50,7 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return EnvelopeResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"

@@ -29,7 +29,7 @@ from opentelemetry import trace
 from drama.backbone.v1 import backbone_pb2
 from drama.codec.v1 import codec_pb2
 from gateway import errors
-from gateway.audio import decode_audio_file
+from gateway.audio import AudioTooLong, decode_audio_file
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelInfo
@@ -247,7 +247,10 @@ def encode_request(audio: bytes, param: str, max_seconds: float) -> codec_pb2.En
     except (sf.LibsndfileError, RuntimeError, TypeError):
         pass
     try:
-        samples, rate = decode_audio_file(audio)
+        samples, rate = decode_audio_file(audio, max_seconds=max_seconds)
+    except AudioTooLong:
+        raise ApiError(400, "audio_too_long",
+                       f"Invalid '{param}': audio is longer than {max_seconds:g} s.", param) from None
     except ValueError:
         raise ApiError(400, "audio_undecodable", f"Invalid '{param}': the audio could not be decoded.",
                        param) from None

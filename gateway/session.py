@@ -130,6 +130,27 @@ class SpeechSession:
     async def start(self) -> backbone_pb2.Started:
         """Open Generate and wait for `started`; one retry on UNAVAILABLE. Raises ApiError."""
         stages = self.orch.stages
+        # The status line goes out right after admission, so the codec must be known to answer
+        # by then: a cheap GetInfo runs beside the admission wait (issue #9: codec down -> 503).
+        codec_check = asyncio.create_task(self._codec_reachable())
+        try:
+            return await self._admit(stages, codec_check)
+        finally:
+            codec_check.cancel()
+
+    async def _codec_reachable(self) -> None:
+        for attempt in (0, 1):
+            try:
+                await self.orch.stages.codec.GetInfo(codec_pb2.GetInfoRequest(),
+                                                     timeout=min(2.0, self._remaining()))
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt == 0:
+                    await asyncio.sleep(0.2)
+                    continue
+                raise
+
+    async def _admit(self, stages, codec_check: asyncio.Task) -> backbone_pb2.Started:
         with trace.use_span(self.span, end_on_exit=False):
             for attempt in (0, 1):
                 self._gen_call = stages.backbone.Generate(self.job.generate, timeout=self._remaining(),
@@ -147,6 +168,12 @@ class SpeechSession:
                 err = ApiError(500, "internal_error", "The backbone did not admit the session.")
                 await self.aclose(err)
                 raise err
+            try:
+                await codec_check
+            except grpc.aio.AioRpcError as exc:
+                err = grpc_error(exc, "codec", self.job.request.text_param)
+                await self.aclose(err)
+                raise err from None
             started = first.started
             self._t_started = time.monotonic()
             self.job.timings["queue"] = float(started.queue_wait_ms)

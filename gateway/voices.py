@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway import errors
-from gateway.audio import decode_audio_file
+from gateway.audio import AudioTooLong, decode_audio_file
 from gateway.errors import ApiError
 from gateway.validation import OPENAI_VOICES, VOICE_ID_RE
 
@@ -70,7 +70,10 @@ class ResolvedVoice:
 def check_clip(data: bytes, param: str, max_seconds: float = MAX_SECONDS) -> float:
     """Decode to check a clip; returns its duration (API.md §1.5 limits)."""
     try:
-        samples, rate = decode_audio_file(data)
+        samples, rate = decode_audio_file(data, max_seconds=max_seconds)
+    except AudioTooLong:
+        raise ApiError(400, "audio_too_long",
+                       f"Invalid '{param}': audio is longer than {max_seconds:g} s.", param) from None
     except ValueError:
         raise ApiError(400, "audio_undecodable", f"Invalid '{param}': the audio could not be decoded.",
                        param) from None

@@ -224,10 +224,6 @@ def assert_refused_while_down(stack: Stack) -> None:
     assert down.json()["error"]["code"] in ("upstream_unavailable", "not_ready")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway bug: the status line goes out right after the backbone's `started` (routes/speech.py "
-    "synthesize -> SpeechResponse), before the codec Decode stream has answered, so with the codec "
-    "down a new request gets 200 and then a cut body instead of 503 upstream_unavailable"))
 def test_request_while_codec_down_is_503(stack):
     """With the codec process gone, a new request is refused before its first byte (503)."""
     wait_stack_ready(stack)
@@ -255,11 +251,6 @@ def test_kill9_gateway_mid_stream(stack):
           f"kill; restarted gateway ready in {ready_s:.1f} s; first success {recovered_s:.2f} s later")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "services/common/grpcutil.py client_options sets no grpc.max_reconnect_backoff_ms, so a channel "
-    "to a stage that was down for a while keeps gRPC's default backoff (1 s x 1.6 per attempt, up to "
-    "120 s): after a 45 s backbone outage the gateway's first success came 23.4 s after the restarted "
-    "backbone was SERVING (limit 5 s); test_kill9_stage_mid_stream only passes because its outage is short"))
 def test_channels_retry_a_lost_stage_at_least_every_5_s():
     """Every gRPC client channel caps its reconnect backoff at 5 s, so a restarted stage is used
     within 5 s however long it was away."""

@@ -312,11 +312,6 @@ def test_wav_header_claiming_gigabytes_is_not_trusted(stack):
         assert response.json()["error"]["code"] in ("audio_undecodable", "audio_too_long")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway bug (gateway/audio.py decode_audio_file, used by orchestrator.encode_request for "
-    "formats libsndfile cannot read): the whole file is decoded with FFmpeg before any length "
-    "check, so 10 minutes of Opus silence in 270 kB of WebM become ~115 MB of float32 PCM, which "
-    "then exceeds the 32 MiB gRPC limit to the codec (500 instead of 400 audio_too_long)"))
 def test_webm_bomb_is_refused_quickly(stack):
     clip = base64.b64encode(silent_webm(10)).decode()
     started = time.monotonic()

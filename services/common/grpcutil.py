@@ -61,6 +61,11 @@ def client_options(max_message_mb: int = 16) -> list[tuple[str, int | str]]:
         ("grpc.http2.max_pings_without_data", 0),
         # Every address the name resolves to (a headless Service's pods) takes calls in turn.
         ("grpc.lb_policy_name", "round_robin"),
+        # A restarted stage is found again within 5 s (issue #9): gRPC's default reconnect
+        # backoff grows to 120 s, far longer than any restart.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 5000),
     ]
 
 
