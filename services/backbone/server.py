@@ -287,6 +287,9 @@ class Settings:
     # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
     # (prefix_cache.default_capacity_mb); 0: off
     prefix_cache_mb: float | None = None
+    # CUDA graphs for pure decode steps (bucketed by batch size; kernel path only). Opt-in until
+    # the graphed step has been verified inside the serving loop on a GPU (docs/perf.md).
+    decode_graphs: bool = False
     grace_s: float = 30.0
 
 
@@ -389,7 +392,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
         # lm_head=False: the tower owns the semantic head; the service never computes logits.
         model = loaded_model or await asyncio.to_thread(
-            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False)
+            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False,
+            **({"decode_graphs": True} if settings.decode_graphs else {}))
         try:
             engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
         except torch.OutOfMemoryError as exc:
