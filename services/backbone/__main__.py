@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import tempfile
 
@@ -83,19 +82,13 @@ async def serve_random_weights(settings: Settings, preset: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, preset = parse_args_and_preset(argv)
     try:
-        from services.common.telemetry import setup_telemetry
-        setup_telemetry("drama-backbone")
-        asyncio.run(serve_random_weights(settings, preset) if preset else serve(settings))
+        return grpcutil.run_stage("drama-backbone", lambda: serve_random_weights(settings, preset)
+                                  if preset else serve(settings))
     except MemoryBudgetError as exc:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 if __name__ == "__main__":

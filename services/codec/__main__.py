@@ -11,13 +11,11 @@ torch's default).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
 from services.codec.server import serve
 from services.common import random_weights
-from services.common.grpcutil import env_default, serve_until_signalled
+from services.common.grpcutil import env_default, run_stage, serve_until_signalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,16 +49,8 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        from services.common.telemetry import setup_telemetry
-        setup_telemetry("drama-codec")
-        asyncio.run(run(args))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_stage("drama-codec", lambda: run(args))
 
 
 if __name__ == "__main__":

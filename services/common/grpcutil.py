@@ -258,3 +258,17 @@ async def serve_until_signalled(server: grpc.aio.Server, health_servicer, *, gra
 def env_default(name: str, fallback=None, cast=str):
     value = os.environ.get(name)
     return fallback if value in (None, "") else cast(value)
+
+
+def run_stage(service_name: str, serve_coro_factory: Callable[[], object]) -> int:
+    """The body of every stage's `main`: logging from DRAMA_LOG_LEVEL, OpenTelemetry under
+    `service_name`, then run the server coroutine until it returns; Ctrl-C is a clean exit (0)."""
+    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.common.telemetry import setup_telemetry
+    setup_telemetry(service_name)
+    try:
+        asyncio.run(serve_coro_factory())
+    except KeyboardInterrupt:
+        pass
+    return 0

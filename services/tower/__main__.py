@@ -12,12 +12,10 @@ DRAMA_GRACE_S (30) bounds the SIGTERM drain.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
 from services.common import random_weights
-from services.common.grpcutil import env_default, serve_until_signalled
+from services.common.grpcutil import env_default, run_stage, serve_until_signalled
 from services.tower.server import serve
 
 
@@ -52,16 +50,8 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=env_default("DRAMA_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        from services.common.telemetry import setup_telemetry
-        setup_telemetry("drama-tower")
-        asyncio.run(run(args))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_stage("drama-tower", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -145,8 +145,12 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
             await reader          # re-raises a failed read
         finally:
             reader.cancel()
-            # Queued on the same FIFO worker, so it runs after this stream's last step.
-            self.worker.submit(engine.release_owner, owner)
+            # Queued on the same FIFO worker, so it runs after this stream's last step. At process
+            # exit the worker may already be shut down: then the caches go with the process.
+            try:
+                self.worker.submit(engine.release_owner, owner)
+            except RuntimeError:
+                log.debug("worker stopped; stream %s state dropped with the process", owner)
 
 
 # --------------------------------------------------------------------------------------------
