@@ -20,7 +20,7 @@ import asyncio
 import sys
 import tempfile
 
-from services.backbone.server import MemoryBudgetError, Settings, serve, start
+from services.backbone.server import MemoryBudgetError, Settings, serve
 from services.common import grpcutil, random_weights
 from services.common.grpcutil import env_default
 
@@ -65,20 +65,10 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
 
 
 async def serve_random_weights(settings: Settings, preset: str) -> None:
-    """`serve(settings)` with the model built at PRESET's geometry, random values on the device
-    (the same steps as server.serve, with start's loaded_model)."""
+    """`serve(settings)` with the model built at PRESET's geometry, random values on the device."""
     model = await asyncio.to_thread(random_weights.random_backbone_stage, preset, settings.device,
                                     decode_graphs=settings.decode_graphs)
-    running = await start(settings, loaded_model=model)
-
-    async def stop_admitting():
-        running.scheduler.accepting = False
-        await running.scheduler.drain(settings.grace_s)
-
-    await grpcutil.serve_until_signalled(running.server, running.health, grace_s=settings.grace_s,
-                                         on_shutdown=stop_admitting)
-    await running.scheduler.close()
-    await running.tower.close()
+    await serve(settings, loaded_model=model)
 
 
 def main(argv: list[str] | None = None) -> int:

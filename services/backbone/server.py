@@ -439,9 +439,9 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     return running
 
 
-async def serve(settings: Settings) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `grace_s`."""
-    running = await start(settings)
+async def serve(settings: Settings, *, loaded_model=None) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `grace_s` (`loaded_model`: see `start`)."""
+    running = await start(settings, loaded_model=loaded_model)
     log.info("backbone listening on %s:%d, tower %s", settings.host, running.port, settings.tower_addr)
 
     async def stop_admitting():
