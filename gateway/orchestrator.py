@@ -29,7 +29,6 @@ from opentelemetry import trace
 from drama.backbone.v1 import backbone_pb2
 from drama.codec.v1 import codec_pb2
 from gateway import errors
-from gateway.audio import AudioTooLong, decode_audio_file
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelInfo
@@ -40,7 +39,7 @@ from gateway.settings import Settings
 from gateway.stages import Stages, codes_from_wire, grpc_error, ids_to_wire, segment_to_proto
 from gateway.takes import TakeStore
 from gateway.validation import MAX_CLIP_BYTES
-from gateway.voices import VoiceRegistry
+from gateway.voices import VoiceRegistry, decode_clip
 
 tracer = trace.get_tracer("gateway")
 
@@ -246,14 +245,7 @@ def encode_request(audio: bytes, param: str, max_seconds: float) -> codec_pb2.En
         return codec_pb2.EncodeRequest(audio_file=audio, min_seconds=1.0, max_seconds=max_seconds)
     except (sf.LibsndfileError, RuntimeError, TypeError):
         pass
-    try:
-        samples, rate = decode_audio_file(audio, max_seconds=max_seconds)
-    except AudioTooLong:
-        raise ApiError(400, "audio_too_long",
-                       f"Invalid '{param}': audio is longer than {max_seconds:g} s.", param) from None
-    except ValueError:
-        raise ApiError(400, "audio_undecodable", f"Invalid '{param}': the audio could not be decoded.",
-                       param) from None
+    samples, rate = decode_clip(audio, param, max_seconds)
     pcm = codec_pb2.Pcm(samples=samples.astype("<f4").tobytes(), sample_rate=rate)
     return codec_pb2.EncodeRequest(pcm=pcm, min_seconds=1.0, max_seconds=max_seconds)
 

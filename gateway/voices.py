@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from gateway import errors
 from gateway.audio import AudioTooLong, decode_audio_file
 from gateway.errors import ApiError
@@ -67,16 +69,21 @@ class ResolvedVoice:
     seed: int | None = None             # a seeded voice's seed (a request seed overrides it)
 
 
-def check_clip(data: bytes, param: str, max_seconds: float = MAX_SECONDS) -> float:
-    """Decode to check a clip; returns its duration (API.md §1.5 limits)."""
+def decode_clip(data: bytes, param: str, max_seconds: float) -> tuple[np.ndarray, int]:
+    """decode_audio_file with its failures as the API's 400s for field `param`."""
     try:
-        samples, rate = decode_audio_file(data, max_seconds=max_seconds)
+        return decode_audio_file(data, max_seconds=max_seconds)
     except AudioTooLong:
         raise ApiError(400, "audio_too_long",
                        f"Invalid '{param}': audio is longer than {max_seconds:g} s.", param) from None
     except ValueError:
         raise ApiError(400, "audio_undecodable", f"Invalid '{param}': the audio could not be decoded.",
                        param) from None
+
+
+def check_clip(data: bytes, param: str, max_seconds: float = MAX_SECONDS) -> float:
+    """Decode to check a clip; returns its duration (API.md §1.5 limits)."""
+    samples, rate = decode_clip(data, param, max_seconds)
     duration = len(samples) / rate
     if duration < MIN_SECONDS:
         raise ApiError(400, "audio_too_short",
