@@ -64,6 +64,21 @@ class RequestOutcome:
     e2e_s: float
     audio_s: float
     body_bytes: int
+    underrun_s: float = 0.0       # largest playback deficit, played in real time from the first byte
+    underrun_after_1s: float = 0.0  # the same with one second buffered before playback starts
+
+
+def playback_deficit(arrivals: list[tuple[float, float]], buffer_s: float = 0.0) -> float:
+    """Largest deficit of a stream played in real time from its first byte (plus `buffer_s`).
+
+    arrivals: (seconds since the first byte, audio seconds received up to and including that
+    piece), in order. Playback needs `t - buffer_s` seconds of audio at time t; the deficit is worst
+    just before a piece arrives, when only the earlier pieces' audio is there."""
+    worst, before = 0.0, 0.0
+    for t, total in arrivals:
+        worst = max(worst, t - buffer_s - before)
+        before = total
+    return worst
 
 
 @dataclass
@@ -83,6 +98,9 @@ class LoadResult:
     audio_s: float
     throughput: float             # audio seconds per wall second
     requests_per_s: float
+    underrun_max_s: float = 0.0
+    streams_without_underrun: int = 0   # whole streams with no deficit after a 1 s start buffer
+    rtf_p50: float | None = None        # per stream: request wall time / audio duration
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
     def table(self) -> str:
@@ -102,6 +120,9 @@ class LoadResult:
             ("audio (s)", f"{self.audio_s:.1f}"),
             ("throughput (audio s / wall s)", f"{self.throughput:.2f}"),
             ("requests / s", f"{self.requests_per_s:.2f}"),
+            ("RTF p50 (wall / audio)", "-" if self.rtf_p50 is None else f"{self.rtf_p50:.2f}"),
+            ("underrun max (s)", f"{self.underrun_max_s:.2f}"),
+            ("streams without underrun after 1 s", f"{self.streams_without_underrun} / {self.ok}"),
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"| {'figure'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
@@ -146,6 +167,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     ttfa = None
     received = 0
     status = None
+    arrivals: list[tuple[float, float]] = []
     try:
         async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
             status = response.status_code
@@ -155,16 +177,21 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                                       time.monotonic() - started, 0.0, len(data))
             rate = int(response.headers.get("x-sample-rate", "24000"))
             async for piece in response.aiter_raw():
-                if piece and ttfa is None:
-                    ttfa = time.monotonic() - started
+                if not piece:
+                    continue
+                now = time.monotonic()
+                if ttfa is None:
+                    ttfa = now - started
                 received += len(piece)
+                arrivals.append((now - started - ttfa, audio_seconds(fmt, received, rate)))
     except (httpx.HTTPError, OSError) as exc:
         # Before a status: an error; after a 200: the body was cut.
         return RequestOutcome(status, type(exc).__name__, status == 200, ttfa,
                               time.monotonic() - started, 0.0, received)
     whole = body_is_whole(fmt, received)
     return RequestOutcome(200, None if whole else "partial_sample", not whole, ttfa,
-                          time.monotonic() - started, audio_seconds(fmt, received, rate), received)
+                          time.monotonic() - started, audio_seconds(fmt, received, rate), received,
+                          playback_deficit(arrivals), playback_deficit(arrivals, buffer_s=1.0))
 
 
 def request_body(index: int, formats: list[str], max_new_tokens: int, voice: str = "alloy") -> dict:
@@ -205,6 +232,9 @@ async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tok
         ttfa_p50_ms=percentile(ttfas, 50), ttfa_p99_ms=percentile(ttfas, 99),
         e2e_p50_ms=percentile(e2es, 50), e2e_p99_ms=percentile(e2es, 99), audio_s=audio,
         throughput=audio / wall if wall else 0.0, requests_per_s=len(outcomes) / wall if wall else 0.0,
+        underrun_max_s=max((o.underrun_s for o in ok), default=0.0),
+        streams_without_underrun=sum(o.underrun_after_1s <= 0.0 for o in ok),
+        rtf_p50=percentile([o.e2e_s / o.audio_s for o in ok if o.audio_s > 0], 50),
         outcomes=outcomes)
 
 
@@ -377,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None,
                         help="nothing-lost mode: this many requests (local stack only)")
     parser.add_argument("--cancel-fraction", type=float, default=0.3)
+    parser.add_argument("--sweep", default=None, metavar="C1,C2,...",
+                        help="run the load once per concurrency (e.g. 1,8,32,64,128) and print one table")
     args = parser.parse_args(argv)
     if args.requests is not None and args.url is not None:
         parser.error("--requests needs the local stack (it reads the stages' GetInfo and RSS)")
@@ -398,17 +430,36 @@ def main(argv: list[str] | None = None) -> int:
             print_nothing_lost(report)
             return 0 if not report["result"].failed and report["after"] == report["start"] else 1
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-        result = asyncio.run(run_load(url, concurrency=args.concurrency, duration_s=args.duration,
-                                      max_new_tokens=args.max_new_tokens,
-                                      formats=tuple(args.formats.split(",")), headers=headers))
+        levels = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.concurrency]
+        results = [asyncio.run(run_load(url, concurrency=level, duration_s=args.duration,
+                                        max_new_tokens=args.max_new_tokens,
+                                        formats=tuple(args.formats.split(",")), headers=headers))
+                   for level in levels]
+        result = results[-1]
     finally:
         if stack is not None:
             stack.stop()
-    print(result.table())
+    print(sweep_table(results) if len(results) > 1 else result.table())
     if args.json:
-        figures = {k: v for k, v in asdict(result).items() if k != "outcomes"}
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    return 0 if result.errors == 0 and result.truncated == 0 else 1
+        figures = [{k: v for k, v in asdict(r).items() if k != "outcomes"} for r in results]
+        Path(args.json).write_text(json.dumps(figures if len(figures) > 1 else figures[0], indent=2) + "\n")
+    return 0 if all(r.errors == 0 and r.truncated == 0 for r in results) else 1
+
+
+def sweep_table(results: list[LoadResult]) -> str:
+    """One row per concurrency level (issue #8's sweep)."""
+    def ms(value):
+        return "-" if value is None else f"{value:.0f}"
+
+    lines = ["| streams | requests | errors | cut | TTFA p50 / p99 ms | RTF p50 | underrun max s "
+             "| no underrun after 1 s | audio s / wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.concurrency} | {r.requests} | {r.errors} | {r.truncated} | "
+                     f"{ms(r.ttfa_p50_ms)} / {ms(r.ttfa_p99_ms)} | "
+                     f"{'-' if r.rtf_p50 is None else f'{r.rtf_p50:.2f}'} | {r.underrun_max_s:.2f} | "
+                     f"{r.streams_without_underrun} / {r.ok} | {r.throughput:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
