@@ -250,3 +250,23 @@ def test_split_invariance_at_odd_sizes():
     engine.open()                                            # the splits below run in slot 1
     for sizes in (pieces(150, 1), pieces(150, 7), [63, 2, 64, 21]):
         assert torch.equal(run_session(engine, tokens, frames, sizes), reference), sizes[:3]
+
+
+def test_warm_up_leaves_the_pool_as_it_found_it(tiny_checkpoint):
+    """The start-up warm-up runs prefill and decode steps, then every slot is free and a session
+    opened afterwards computes exactly what it computes on a fresh engine."""
+    from services.backbone.engine import BackboneEngine
+    from services.backbone.weights import load_backbone
+
+    model = load_backbone(tiny_checkpoint, lm_head=False)
+    ids = torch.arange(5, 25, dtype=torch.int64)
+    fresh = BackboneEngine(model, max_sessions=2, max_context=64)
+    slot = fresh.open()
+    expected = fresh.step([(slot, ids, None)])[0]
+
+    warmed = BackboneEngine(model, max_sessions=2, max_context=64)
+    warmed.warm_up()
+    assert warmed.free_slots == 2 and warmed.open_sessions == 0
+    slot = warmed.open()
+    assert torch.equal(warmed.step([(slot, ids, None)])[0], expected)
+    BackboneEngine(model, max_sessions=1, max_context=3).warm_up()    # tiny pools still warm up

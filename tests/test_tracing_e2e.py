@@ -4,6 +4,8 @@ exporter sees the spans of every stage."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -30,7 +32,18 @@ def test_one_trace_holds_gateway_and_every_stage(traced_stack):
         "seed": 7, "max_new_tokens": MAX_NEW})
     assert response.status_code == 200, response.text
     trace_id = int(response.headers["x-trace-id"], 16)
-    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+
+    # Stage spans end on their own threads, a moment after the last byte reached the client.
+    def finished():
+        return [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not (
+            {"text_to_speech drama-3", "prefill"} <= {s.name for s in finished()}
+            and any("Codec/Decode" in s.name for s in finished())
+            and any("Backbone/Generate" in s.name for s in finished())):
+        time.sleep(0.05)
+    spans = finished()
     names = {s.name for s in spans}
 
     assert "text_to_speech drama-3" in names                                          # gateway
@@ -44,9 +57,18 @@ def test_one_trace_holds_gateway_and_every_stage(traced_stack):
     # Steps serve many sessions, so a sampled `backbone.step` span is its own trace, linked to the
     # session spans of its rows; the tower's `tower.step` joins that step's trace (API.md §3.6).
     session_span_ids = {s.context.span_id for s in spans}
-    everything = exporter.get_finished_spans()
-    steps = [s for s in everything if s.name == "backbone.step"
-             and any(link.context.span_id in session_span_ids for link in s.links)]
+
+    def linked_steps_and_towers():
+        everything = exporter.get_finished_spans()
+        steps = [s for s in everything if s.name == "backbone.step"
+                 and any(link.context.span_id in session_span_ids for link in s.links)]
+        step_traces = {s.context.trace_id for s in steps}
+        return steps, [s for s in everything if s.name == "tower.step" and s.context.trace_id in step_traces]
+
+    deadline = time.monotonic() + 5.0
+    steps, towers = linked_steps_and_towers()
+    while time.monotonic() < deadline and not (steps and towers):
+        time.sleep(0.05)
+        steps, towers = linked_steps_and_towers()
     assert steps, "no sampled backbone.step links to this request"
-    step_traces = {s.context.trace_id for s in steps}
-    assert any(s.name == "tower.step" and s.context.trace_id in step_traces for s in everything)
+    assert towers, "no tower.step joined a sampled step's trace"

@@ -202,6 +202,30 @@ class BackboneEngine:
                 raise ValueError(f"{where}: an audio row's token id must be semantic_start_token_id + c_0")
         return token_ids, frames
 
+    # ---- warm-up ---------------------------------------------------------------------------
+    def warm_up(self, prefill_rows: int | None = None, decode_steps: int = 2) -> None:
+        """Run the step shapes a server meets before it reports SERVING, so one-time costs (Triton
+        compilation and autotuning, CUDA-graph capture, allocator growth) are not paid by the first
+        request: a prefill crossing a 64-row chunk boundary, then decode steps at batch 1 and 2.
+        Uses text rows of token 0 and releases its slots, so the pool is back to its start state.
+        On CPU nothing compiles, so a few rows suffice."""
+        if prefill_rows is None:
+            prefill_rows = 72 if self.model.device.type == "cuda" else 3
+        # slot 0 takes the prefill plus two rows per decode step; stay inside max_context
+        decode_steps = max(0, min(decode_steps, (self.max_context - 1) // 2))
+        prefill_rows = max(1, min(prefill_rows, self.max_context - 2 * decode_steps))
+        slots = [self.open() for _ in range(min(2, self.free_slots))]
+        try:
+            self.step([(slot, torch.zeros(prefill_rows, dtype=torch.int64), None) for slot in slots])
+            for _ in range(decode_steps):
+                self.step([(slots[0], torch.zeros(1, dtype=torch.int64), None)])
+                self.step([(slot, torch.zeros(1, dtype=torch.int64), None) for slot in slots])
+        finally:
+            for slot in slots:
+                self.release(slot)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
     # ---- accounting ------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
         """{"weights": bytes of parameters, "cache": bytes of the preallocated cache pool, "total"}."""

@@ -401,6 +401,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                 f"the cache pool for {settings.max_rows} sessions x {max_context} rows does not fit "
                 f"on {settings.device}: {exc}; lower DRAMA_MAX_ROWS or DRAMA_MAX_CONTEXT_TOKENS") from None
         print(memory_report(engine, settings.memory_budget_gb, settings.device), flush=True)
+        # NOT_SERVING until warm (API.md §3.2): the first request must not pay kernel compilation.
+        await asyncio.to_thread(engine.warm_up)
         check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
                            hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                            codebooks=config.num_codebooks, sessions=settings.max_rows)
