@@ -29,4 +29,15 @@ def tiny_config(tiny_checkpoint):
     return load_config(tiny_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a module's direct model calls, as the stages' model workers use:
+    the CPU paths are many tiny ops, and OpenMP fork/joins dominate them on a busy 2-core box.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_intra_op_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -25,13 +25,7 @@ transformers = pytest.importorskip("transformers")
 TOKENS = 100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The exact CPU path is many tiny ops; OpenMP wake-ups dominate them on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -30,12 +30,7 @@ from services.backbone.rope import RotaryTable, apply_rope, naive_apply_rope
 from services.backbone.weights import load_backbone
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def assert_close(got, ref, tol, what=""):

@@ -26,14 +26,7 @@ from services.codec.weights import (CodecWeightError, export_state_dict, fold_we
 AWKWARD_LENGTHS = [1, 3, 37, 130]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """Run this module's direct model calls with one intra-op thread, as the server's model worker
-    does: per-frame ops are tiny and OpenMP fork/joins dominate them on a busy 2-core box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

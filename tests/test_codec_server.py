@@ -21,14 +21,7 @@ from services.common import grpcutil
 from services.common.tensors import codes_from_wire, codes_to_wire
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """Run this module's direct model calls with one intra-op thread, as the server's model worker
-    does: per-frame ops are tiny and OpenMP fork/joins dominate them on a busy 2-core box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def tone(seconds: float, rate: int, freq: float = 220.0, channels: int = 1) -> np.ndarray:
