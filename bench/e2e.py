@@ -126,10 +126,13 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def start_stack(preset: str, device: str, config_dir: Path, log_dir: Path) -> RunningStack:
+def start_stack(weights: str | list[str], device: str, config_dir: Path, log_dir: Path) -> RunningStack:
+    """Spawn the four processes. `weights`: a preset name (random weights of that geometry made on
+    the device) or the stages' weight arguments as a list (e.g. ["--checkpoint", DIR])."""
     codec_port, tower_port, backbone_port, http_port = free_ports(4)
     python = [sys.executable, "-m"]
-    stage = ["--random-weights", preset, "--device", device, "--host", LOOPBACK]
+    weight_args = ["--random-weights", weights] if isinstance(weights, str) else list(weights)
+    stage = [*weight_args, "--device", device, "--host", LOOPBACK]
     addrs = {"codec": f"{LOOPBACK}:{codec_port}", "tower": f"{LOOPBACK}:{tower_port}",
              "backbone": f"{LOOPBACK}:{backbone_port}"}
     argv = {

@@ -1,0 +1,86 @@
+"""Start a stack for the serving benchmarks and keep it up until SIGTERM / Ctrl-C.
+
+    python -m bench.stack --random-weights full --device cuda --max-sessions 128 --url-file /tmp/url
+    python -m bench.stack --preset tiny --device cpu --url-file /tmp/url         (tiny checkpoint)
+
+With --random-weights the three stages build the preset's geometry with random values on the
+device (no checkpoint files; bench/e2e.py's `start_stack`), and the gateway reads a config-only
+directory. Otherwise the stages load the checkpoint (--checkpoint, default the tiny one).
+The pools are sized for the sweep: DRAMA_MAX_ROWS = --max-sessions sessions of
+DRAMA_MAX_CONTEXT_TOKENS = --max-context rows in the backbone and the tower. Once every stage is
+SERVING and the gateway is ready, the gateway URL is written to --url-file (and printed), so a
+shell script can start this in the background, wait for the file, and run bench.load /
+bench.voice_prefix / bench.batch_invariance against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__.splitlines()[0])
+    parser.add_argument("--random-weights", choices=["full", "tiny"], default=None,
+                        help="random weights of this preset made on the device (no checkpoint)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="checkpoint dir (default: tiny)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument("--max-context", type=int, default=4096)
+    parser.add_argument("--url-file", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from bench.e2e import start_stack, wait_stack_ready
+    from services.common.make_checkpoint import make_checkpoint
+    from services.launcher import ensure_checkpoint
+
+    os.environ["DRAMA_MAX_ROWS"] = str(args.max_sessions)
+    os.environ["DRAMA_MAX_CONTEXT_TOKENS"] = str(args.max_context)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-stack-"))
+    log_dir = args.log_dir or tmp / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.random_weights:
+        config_dir = tmp / "config"
+        with contextlib.redirect_stdout(io.StringIO()):
+            make_checkpoint(config_dir, preset=args.random_weights, dry_run=True)
+        stage_args = ["--random-weights", args.random_weights]
+    else:
+        config_dir = args.checkpoint or ensure_checkpoint()
+        stage_args = ["--checkpoint", str(config_dir)]
+    stack = start_stack(stage_args, args.device, config_dir, log_dir)
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        wait_stack_ready(stack, args.ready_timeout)
+        print(f"ready ({', '.join(f'{k} {v:.1f} s' for k, v in stack.ready_s.items())}): {stack.url} "
+              f"(logs in {log_dir})", flush=True)
+        if args.url_file:
+            args.url_file.write_text(stack.url + "\n")
+        while not stopping:
+            dead = [p for p in stack.processes.values() if not p.alive()]
+            if dead:
+                print(f"bench.stack: {dead[0].describe_exit()}\n{dead[0].log_tail(30)}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
