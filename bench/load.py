@@ -194,16 +194,25 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                           playback_deficit(arrivals), playback_deficit(arrivals, buffer_s=1.0))
 
 
-def request_body(index: int, formats: list[str], max_new_tokens: int, voice: str = "alloy") -> dict:
-    return {"model": "drama-3", "input": TEXTS[index % len(TEXTS)], "voice": voice,
+def request_body(index: int, formats: list[str], max_new_tokens: int, voice: str = "alloy",
+                 sample_rate: int | None = None) -> dict:
+    body = {"model": "drama-3", "input": TEXTS[index % len(TEXTS)], "voice": voice,
             "response_format": formats[index % len(formats)], "max_new_tokens": max_new_tokens,
             "seed": index, "latency": "low"}
+    if sample_rate:
+        body["sample_rate"] = sample_rate
+    return body
 
 
 async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tokens: int = 8,
                    formats: tuple[str, ...] = ("pcm", "wav"), request_timeout_s: float = 120.0,
-                   headers: dict[str, str] | None = None) -> LoadResult:
-    """Hold `concurrency` requests in flight for `duration_s`; returns the figures."""
+                   headers: dict[str, str] | None = None, ramp_s: float = 0.0,
+                   sample_rate: int | None = None) -> LoadResult:
+    """Hold `concurrency` requests in flight for `duration_s`; returns the figures.
+
+    ramp_s: worker i sends its first request i/concurrency * ramp_s seconds after the start, so
+    the first requests arrive spread over the ramp instead of all in the same millisecond (0: all
+    at once, the worst case for the first TTFAs)."""
     url = url.rstrip("/")
     outcomes: list[RequestOutcome] = []
     counter = iter(range(10 ** 9))
@@ -212,12 +221,13 @@ async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tok
     stop_at = started + duration_s
 
     async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits, headers=headers) as client:
-        async def worker():
+        async def worker(index: int):
+            await asyncio.sleep(ramp_s * index / concurrency)
             while time.monotonic() < stop_at:
-                body = request_body(next(counter), list(formats), max_new_tokens)
+                body = request_body(next(counter), list(formats), max_new_tokens, sample_rate=sample_rate)
                 outcomes.append(await one_request(client, url, body))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
     wall = time.monotonic() - started
 
     ok = [o for o in outcomes if o.status == 200 and not o.truncated]
@@ -305,7 +315,7 @@ async def run_with_cancellations(url: str, *, requests: int, cancel_fraction: fl
                 else:
                     failed.append(f"{outcome.status}:{outcome.error_code}")
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return CancelResult(requests=requests, completed=counts["completed"],
                         cancelled_before_body=counts["before_body"], cancelled_mid_body=counts["mid_body"],
                         failed=failed, wall_s=time.monotonic() - started)
@@ -407,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None,
                         help="nothing-lost mode: this many requests (local stack only)")
     parser.add_argument("--cancel-fraction", type=float, default=0.3)
+    parser.add_argument("--sample-rate", type=int, default=None,
+                        help="ask for this output rate (e.g. 44100, the codec's own: no resampling)")
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="spread the workers' first requests over this many seconds (default 0: all at once)")
     parser.add_argument("--sweep", default=None, metavar="C1,C2,...",
                         help="run the load once per concurrency (e.g. 1,8,32,64,128) and print one table")
     args = parser.parse_args(argv)
@@ -433,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.concurrency]
         results = [asyncio.run(run_load(url, concurrency=level, duration_s=args.duration,
                                         max_new_tokens=args.max_new_tokens,
-                                        formats=tuple(args.formats.split(",")), headers=headers))
+                                        formats=tuple(args.formats.split(",")), headers=headers,
+                                        ramp_s=args.ramp_s, sample_rate=args.sample_rate))
                    for level in levels]
         result = results[-1]
     finally:
