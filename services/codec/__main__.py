@@ -5,7 +5,9 @@ geometry with random values made on the device, services/common/random_weights.p
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, DRAMA_DEVICE;
 DRAMA_GRACE_S (30) bounds the SIGTERM drain, DRAMA_CODEC_MAX_ENCODE_SECONDS (60) caps one Encode
 request and DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads on CPU (0:
-torch's default).
+torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA graphs on a CUDA
+device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
+DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     args.max_encode_seconds = env_default("DRAMA_CODEC_MAX_ENCODE_SECONDS", 60.0, float)
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
+    args.graphs = graphs_setting()
+    args.slots = env_default("DRAMA_CODEC_SLOTS", 256, int)
     return args
+
+
+def graphs_setting() -> bool | None:
+    """DRAMA_CODEC_GRAPHS: unset (None: on for CUDA devices), 0 off, anything else on."""
+    value = env_default("DRAMA_CODEC_GRAPHS", None)
+    return None if value is None else value.strip().lower() not in ("0", "false", "no", "off")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -42,7 +52,8 @@ async def run(args: argparse.Namespace) -> None:
     server, _, health, servicer = await serve(None if codec else args.checkpoint, host=args.host,
                                               port=args.port, device=args.device,
                                               max_encode_seconds=args.max_encode_seconds,
-                                              cpu_threads=args.cpu_threads, codec=codec)
+                                              cpu_threads=args.cpu_threads, codec=codec,
+                                              graphs=args.graphs, slots=args.slots)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()

@@ -28,7 +28,7 @@ def pcm16_bytes(samples: torch.Tensor) -> bytes:
 
 @dataclass
 class _Pending:
-    state: StreamState
+    state: StreamState           # or a GraphedDecoder slot
     codes: torch.Tensor          # [N, t]
     future: asyncio.Future
     arrived: float
@@ -92,9 +92,13 @@ class DecodeBatcher:
                 if not p.future.done():
                     p.future.set_result(pcm)
 
-    def _decode_pcm16(self, states: list[StreamState], chunks: list[torch.Tensor]) -> list[bytes]:
+    def _decode_pcm16(self, states: list, chunks: list[torch.Tensor]) -> list[bytes]:
         """On the worker thread: decode, and bring the samples to the host as PCM16 there, so the
-        event loop never waits on a device copy."""
+        event loop never waits on a device copy. `codec` is the Codec (states: StreamState) or a
+        GraphedDecoder (states: its slots), which quantises on the device itself."""
+        decode_pcm16 = getattr(self.codec, "decode_pcm16", None)
+        if decode_pcm16 is not None:
+            return decode_pcm16(states, chunks)
         return [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
 
     async def close(self) -> None:

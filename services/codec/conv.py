@@ -4,6 +4,11 @@ Every module here has `forward(x)` (the whole sequence, causal zero padding) and
 decoder needs it, `step(x, state)` (the next block of a stream, carrying its input tail in
 `state`). Shapes are channels-first: x is [B, C, L].
 
+GPU layout: with `channels_last` set (Codec.prepare on CUDA) the decoder's streaming convs run
+on 4-D [B, C, 1, L] tensors in torch's channels_last memory format (physically [B, L, C]) with
+weights in the same format, so cuDNN's F16 NHWC kernels take them as they are instead of
+transposing input and weight on every call; their stream tails are kept in that layout too.
+
 Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
 Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
 call's last k_e-1 inputs. A stream starts with a zero tail, so both read the same numbers.
@@ -70,7 +75,14 @@ class Streaming(nn.Module):
         raise NotImplementedError
 
 
+def as_channels_last(x: Tensor) -> Tensor:
+    """x [B, C, 1, L] in channels_last memory format (no copy when it already is)."""
+    return x.contiguous(memory_format=torch.channels_last)
+
+
 class Snake(nn.Module):
+    fused = False       # GPU: the one-kernel Triton snake (snake_triton.py), set by Codec.prepare
+
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
@@ -79,7 +91,11 @@ class Snake(nn.Module):
         return snake(x, self.alpha)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
-        return snake(x, self.alpha)
+        if self.fused:
+            from services.codec.snake_triton import fused_snake
+
+            return fused_snake(x, self.alpha)
+        return snake(x, self.alpha if x.dim() == 3 else self.alpha[..., None])
 
 
 class CausalConv1d(Streaming):
@@ -96,16 +112,27 @@ class CausalConv1d(Streaming):
         self.conv.weight_normed = weight_normed
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.tail_length = effective_kernel(kernel_size, dilation) - stride
+        self.weight_4d: Tensor | None = None     # channels_last [C_out, C_in, 1, k] (set_channels_last)
 
     def forward(self, x: Tensor) -> Tensor:
         return causal_conv1d(x, self.conv.weight, self.conv.bias, self.stride, self.dilation,
                              self.groups)
 
+    def set_channels_last(self, on: bool) -> None:
+        self.weight_4d = as_channels_last(self.conv.weight.unsqueeze(2)) if on else None
+
     def initial_state(self, batch: int, device, dtype) -> Tensor:
+        if self.weight_4d is not None:
+            return as_channels_last(torch.zeros(batch, self.conv.in_channels, 1, self.tail_length,
+                                                device=device, dtype=dtype))
         return torch.zeros(batch, self.conv.in_channels, self.tail_length, device=device, dtype=dtype)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
-        """x [B, C_in, t] (the next t inputs) -> [B, C_out, t]; stride 1 only."""
+        """x [B, C_in, t] (the next t inputs) -> [B, C_out, t]; stride 1 only.
+
+        In channels_last mode x is [B, C_in, 1, t] and so is the result."""
+        if self.weight_4d is not None:
+            return self._step_4d(x, state)
         if self.tail_length == 0:
             return F.conv1d(x, self.conv.weight, self.conv.bias, dilation=self.dilation,
                             groups=self.groups)
@@ -114,6 +141,14 @@ class CausalConv1d(Streaming):
         state.tails[self.state_key] = window[..., -self.tail_length:].clone()
         return F.conv1d(window, self.conv.weight, self.conv.bias, dilation=self.dilation,
                         groups=self.groups)
+
+    def _step_4d(self, x: Tensor, state: StreamState) -> Tensor:
+        if self.tail_length > 0:
+            x = torch.cat([state.tails[self.state_key], x], dim=-1)
+            state.tails[self.state_key] = as_channels_last(x[..., -self.tail_length:])
+        # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
+        return F.conv2d(as_channels_last(x), self.weight_4d, self.conv.bias,
+                        dilation=(1, self.dilation), groups=self.groups)
 
 
 class CausalConvTranspose1d(Streaming):
@@ -127,15 +162,24 @@ class CausalConvTranspose1d(Streaming):
         self.stride = stride
         # Output block t depends on inputs t-p … t; a stream keeps those p previous inputs.
         self.history = math.ceil(kernel_size / stride) - 1
+        self.weight_4d: Tensor | None = None     # channels_last [C_in, C_out, 1, k] (set_channels_last)
 
     def forward(self, x: Tensor) -> Tensor:
         return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
 
+    def set_channels_last(self, on: bool) -> None:
+        self.weight_4d = as_channels_last(self.conv.weight.unsqueeze(2)) if on else None
+
     def initial_state(self, batch: int, device, dtype) -> Tensor:
+        if self.weight_4d is not None:
+            return as_channels_last(torch.zeros(batch, self.conv.in_channels, 1, self.history,
+                                                device=device, dtype=dtype))
         return torch.zeros(batch, self.conv.in_channels, self.history, device=device, dtype=dtype)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
         """x [B, C_in, t] -> [B, C_out, t·s]. A zero previous input adds nothing, as offline."""
+        if self.weight_4d is not None:
+            return self._step_4d(x, state)
         if self.history == 0:
             return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
         window = torch.cat([state.tails[self.state_key], x], dim=-1)
@@ -143,6 +187,22 @@ class CausalConvTranspose1d(Streaming):
         y = F.conv_transpose1d(window, self.conv.weight, self.conv.bias, stride=self.stride)
         start = self.history * self.stride
         return y[..., start: start + x.shape[-1] * self.stride]
+
+    def _step_4d(self, x: Tensor, state: StreamState) -> Tensor:
+        """x [B, C_in, 1, t] -> [B, C_out, 1, t·s], channels_last.
+
+        padding = history·s crops the first history·s outputs (they belong to the previous call)
+        and as many at the end (inputs that have not arrived), so the result is the kept block
+        itself, dense, with no slice to copy.
+        """
+        if self.history > 0:
+            x = torch.cat([state.tails[self.state_key], x], dim=-1)
+            state.tails[self.state_key] = as_channels_last(x[..., -self.history:])
+        crop = self.history * self.stride
+        y = F.conv_transpose2d(as_channels_last(x), self.weight_4d, self.conv.bias,
+                               stride=(1, self.stride), padding=(0, crop))
+        length = (x.shape[-1] - self.history) * self.stride
+        return y if y.shape[-1] == length else y[..., :length]   # k = 2s (the decoder's): equal
 
 
 class ResidualUnit(nn.Module):

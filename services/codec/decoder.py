@@ -5,6 +5,10 @@ transposed conv w_{b-1} -> w_b (k 2r_b, stride r_b) -> ResidualUnits(w_b) with d
 then Snake(w_4) -> causal conv w_4 -> 1 (k 7) -> tanh. Module indices match the checkpoint
 (`decoder.model.{b}.block.{i}…`).
 
+On GPU the decoder runs channels_last (conv.py): `set_channels_last(True)` gives every conv a
+4-D channels_last weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and
+the audio back to [B, 1, L] at the end.
+
 Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
-                                 step_sequence)
+                                 as_channels_last, step_sequence)
 from services.codec.state import StreamState
 
 DILATIONS = (1, 3, 9)
@@ -44,7 +48,18 @@ class Decoder(nn.Module):
             CausalConv1d(widths[-1], 1, kernel_size=7),
             nn.Tanh(),
         )
+        self.channels_last = False
+
+    def set_channels_last(self, on: bool) -> None:
+        """Switch the streaming layout (states made before the switch no longer fit)."""
+        self.channels_last = on
+        for module in self.modules():
+            if isinstance(module, (CausalConv1d, CausalConvTranspose1d)):
+                module.set_channels_last(on)
 
     def step(self, z: Tensor, state: StreamState) -> Tensor:
         """z [B, C, L] (upsampled latents) -> audio [B, 1, L·Π rates]."""
+        if self.channels_last:
+            audio = step_sequence(self.model, as_channels_last(z.unsqueeze(2)), state)
+            return audio.squeeze(2)
         return step_sequence(self.model, z, state)

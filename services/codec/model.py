@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.codec.conv import Streaming, step_sequence
+from services.codec.conv import Snake, Streaming, step_sequence
 from services.codec.decoder import Decoder
 from services.codec.encoder import Encoder
 from services.codec.quantizer import DownsampleResidualVectorQuantize, check_codes
 from services.codec.resample import resample
 from services.codec.state import StreamState
-from services.codec.transformer import WindowedTransformer
+from services.codec.transformer import Attention, RMSNorm, WindowedTransformer
 from services.codec.weights import LoadReport, resolve_state_dict
 from services.common.config import CodecConfig, load_config
 
@@ -74,6 +74,7 @@ class Codec(nn.Module):
                 module.state_key = name
         # CPU float32 is the bit-exact reference path; see the module docstring.
         self.frame_serial = True
+        self.decode_options: dict[str, bool] = {}
         self.load_report: LoadReport | None = None
 
     # -- facts ----------------------------------------------------------------------------------
@@ -109,13 +110,47 @@ class Codec(nn.Module):
     def _decode_modules(self) -> list[nn.Module]:
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
 
-    def prepare(self, device, dtype: torch.dtype) -> "Codec":
-        """Move to `device`; decode path in `dtype`, encode path (and RVQ tables) in float32."""
+    FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table")
+
+    def prepare(self, device, dtype: torch.dtype, fast: bool | None = None,
+                **options: bool) -> "Codec":
+        """Move to `device`; decode path in `dtype`, encode path (and RVQ tables) in float32.
+
+        fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
+        within F16 rounding, not bit for bit, so never on the CPU reference path by default:
+        channels_last decoder convs (conv.py), fused_snake (Triton, snake_triton.py; only where
+        it can run), fused_attention (SDPA, fused RoPE and F.rms_norm in the post module) and
+        dequant_table (quantizer.py). `options` overrides single ones, e.g. fused_snake=False.
+        Streams made before a prepare do not fit after it.
+        """
+        from services.codec import snake_triton
+
         self.to(device).float()
         for module in self._decode_modules():
             module.to(dtype)          # round to nearest even
         self.requires_grad_(False).eval()
-        self.frame_serial = torch.device(device).type == "cpu"
+        on_cpu = torch.device(device).type == "cpu"
+        self.frame_serial = on_cpu
+        if fast is None:
+            fast = not on_cpu
+        unknown = set(options) - set(self.FAST_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown decode options {sorted(unknown)}")
+        chosen = {name: options.get(name, fast) for name in self.FAST_OPTIONS}
+        chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
+        self.decoder.set_channels_last(chosen["channels_last"])
+        for module in self.decoder.modules():
+            if isinstance(module, Snake):
+                module.fused = chosen["fused_snake"]
+        post = self.quantizer.post_module
+        post.fused_attention = chosen["fused_attention"]
+        for module in post.modules():
+            if isinstance(module, Attention):
+                module.fused_rope = chosen["fused_attention"]
+            elif isinstance(module, RMSNorm):
+                module.fused = chosen["fused_attention"]
+        self.quantizer.set_dequant_table(chosen["dequant_table"])
+        self.decode_options = chosen
         return self
 
     # -- decode ---------------------------------------------------------------------------------

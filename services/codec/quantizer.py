@@ -110,10 +110,31 @@ class DownsampleResidualVectorQuantize(nn.Module):
             for factor in reversed(q.downsample_factor)])
         self.pre_module = _windowed_transformer(q.pre_module)
         self.post_module = _windowed_transformer(q.post_module)
+        # GPU decode: every codebook's projected rows O_q cb_q + o_q, stacked (set_dequant_table)
+        self.dequant_table: Tensor | None = None
+        self.dequant_offsets: Tensor | None = None
 
     @property
     def codebooks(self) -> list[VectorQuantizer]:
         return [self.semantic_quantizer.quantizers[0], *self.quantizer.quantizers]
+
+    @torch.no_grad()
+    def set_dequant_table(self, on: bool) -> None:
+        """Precompute O_q cb_q[c] + o_q for every codebook and code (float32, Σ Q_q rows of C).
+
+        Dequant is then one gather and one sum instead of ~40 small kernels per decode step; the
+        sum's order differs from the reference's, so it is for the GPU path only (F32 rounding,
+        far below F16). About 54 MB at the real geometry.
+        """
+        if not on:
+            self.dequant_table = self.dequant_offsets = None
+            return
+        rows = [vq.dequantize(torch.arange(vq.codebook.num_embeddings,
+                                           device=vq.codebook.weight.device)[None])[0]
+                for vq in self.codebooks]
+        self.dequant_table = torch.cat(rows)
+        sizes = torch.tensor([0] + [len(r) for r in rows[:-1]])
+        self.dequant_offsets = torch.cumsum(sizes, 0).to(self.dequant_table.device)
 
     def dequantize(self, codes: Tensor) -> Tensor:
         """codes [B, N, t] int64 -> z [B, C, t] float32 (§7.4 step 2).
@@ -121,6 +142,9 @@ class DownsampleResidualVectorQuantize(nn.Module):
         The residual sum is accumulated first and then added to the semantic part, the
         reference's order of additions.
         """
+        if self.dequant_table is not None:
+            rows = self.dequant_table[codes + self.dequant_offsets[:, None]]      # [B, N, t, C]
+            return rows.sum(dim=1).transpose(1, 2)
         codebooks = self.codebooks
         residual = torch.zeros(())
         for q in range(1, len(codebooks)):

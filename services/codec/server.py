@@ -1,5 +1,8 @@
 """The gRPC Codec service (API.md §3.3): GetInfo, Encode, and Decode as one bidi stream per session.
 
+On CUDA (unless `graphs=False`, env DRAMA_CODEC_GRAPHS=0) each session's stream state is a slot
+of a device pool and every tick replays captured CUDA graphs (graphs.py), captured before the
+server reports SERVING; a full pool refuses a new session with RESOURCE_EXHAUSTED `queue_full`.
 Every model call runs on one dedicated worker thread; the event loop only does I/O. Decode chunks
 of all open sessions are gathered by `DecodeBatcher` (batcher.py) into one `Codec.decode_streams`
 call per tick; each session keeps its own stream state, so concurrent sessions never mix.
@@ -23,6 +26,7 @@ import torch
 
 from drama.codec.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.batcher import DecodeBatcher
+from services.codec.graphs import GraphedDecoder, PoolFull
 from services.codec.state import StreamState
 from services.common import grpcutil
 from services.common.tensors import codes_from_wire, codes_to_wire
@@ -99,7 +103,7 @@ def check_duration(samples: np.ndarray, rate: int, min_seconds: float, max_secon
 @dataclass
 class DecodeSession:
     session_id: str
-    state: StreamState
+    state: StreamState               # or a GraphedDecoder slot
     next_frame: int = 0
     samples_sent: int = 0
 
@@ -135,15 +139,26 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                  build: str = "dramaturg"):
         self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-model")
         self.codec = None
+        self.streams: GraphedDecoder | None = None
         self.batcher: DecodeBatcher | None = None
         self.sessions: dict[int, DecodeSession] = {}
         self.max_encode_seconds = max_encode_seconds
         self.build = build
         self.admitting = True
 
-    def attach(self, codec) -> None:
-        self.codec = codec
-        self.batcher = DecodeBatcher(codec, self.worker)
+    def attach(self, codec, streams: GraphedDecoder | None = None) -> None:
+        """streams: the graphed slot pool the sessions decode through (None: eager states)."""
+        self.codec, self.streams = codec, streams
+        self.batcher = DecodeBatcher(streams or codec, self.worker)
+
+    async def _open_state(self, context):
+        if self.streams is None:
+            return self.codec.new_state(1)
+        try:
+            return self.streams.acquire()
+        except PoolFull as exc:
+            await grpcutil.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                                 drama_code="queue_full")
 
     def stop_admitting(self) -> None:
         self.admitting = False
@@ -212,7 +227,7 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                     if session is not None:
                         await grpcutil.abort(context, INVALID, "a second start on one stream",
                                              drama_code="invalid_value", param="start")
-                    session = DecodeSession(request.start.session_id, self.codec.new_state(1))
+                    session = DecodeSession(request.start.session_id, await self._open_state(context))
                     self.sessions[key] = session
                 elif session is None:
                     await grpcutil.abort(context, INVALID, f"'{kind}' before 'start'",
@@ -238,6 +253,8 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
         finally:
             # Ended, failed or cancelled: the stream's state goes with it.
             self.sessions.pop(key, None)
+            if session is not None and self.streams is not None:
+                self.streams.release(session.state)
 
     async def _frames_codes(self, frames: codec_pb2.DecodeFrames, session: DecodeSession, context) -> torch.Tensor:
         """Validate one frames message against the session; returns codes [N, t]."""
@@ -261,11 +278,13 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
 
 async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 50053, device: str = "cpu",
                 max_encode_seconds: float = 60.0, cpu_threads: int | None = 1, codec=None,
-                ready: asyncio.Event | None = None):
+                ready: asyncio.Event | None = None, graphs: bool | None = None, slots: int = 256):
     """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
 
     Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`;
     `cpu_threads` is the worker's intra-op thread count on CPU (None: torch's default).
+    `graphs` (None: on for CUDA): decode through a pool of `slots` stream slots and CUDA graphs
+    captured here, before SERVING (graphs.py); on CPU it means the same pool with eager ticks.
     """
     on_cpu = torch.device(device).type == "cpu" if codec is None else codec.device.type == "cpu"
     worker = await start_model_worker(cpu_threads if on_cpu else None)
@@ -280,11 +299,17 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
 
         model = codec if codec is not None else load_codec(checkpoint, device=device)
         warm_up(model)
-        return model
+        use_graphs = model.device.type == "cuda" if graphs is None else graphs
+        streams = None
+        if use_graphs:
+            streams = GraphedDecoder(model, slots)
+            streams.capture()
+        return model, streams
 
-    loaded = await asyncio.get_running_loop().run_in_executor(servicer.worker, load)
-    servicer.build = f"dramaturg codec ({loaded.device.type} {str(loaded.decode_dtype).removeprefix('torch.')})"
-    servicer.attach(loaded)
+    loaded, streams = await asyncio.get_running_loop().run_in_executor(servicer.worker, load)
+    servicer.build = (f"dramaturg codec ({loaded.device.type} {str(loaded.decode_dtype).removeprefix('torch.')}"
+                      f"{', graphs' if streams is not None and streams.use_graphs else ''})")
+    servicer.attach(loaded, streams)
     await grpcutil.set_serving(health, True)
     log.info("codec serving on %s:%d (%s)", host, bound, servicer.build)
     if ready is not None:

@@ -34,12 +34,24 @@ def rope_inverse_frequencies(head_dim: int, base: float) -> Tensor:
     return 1.0 / (base ** exponents)
 
 
+_INVERSE_FREQUENCIES: dict[tuple[int, float, torch.device], Tensor] = {}
+
+
+def _inverse_frequencies_on(head_dim: int, base: float, device: torch.device) -> Tensor:
+    """rope_inverse_frequencies, kept per device: a host-to-device copy inside a CUDA graph
+    capture would be illegal, and per call it is a sync the decode step does not need."""
+    key = (head_dim, float(base), torch.device(device))
+    if key not in _INVERSE_FREQUENCIES:
+        _INVERSE_FREQUENCIES[key] = rope_inverse_frequencies(head_dim, base).to(device)
+    return _INVERSE_FREQUENCIES[key]
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
     """cos/sin of position·ω_i, computed in float32 then rounded to BF16 (§7.2).
 
     positions: int64 [...]; returns two float32 tensors [..., h/2] holding BF16 values.
     """
-    inv_freq = rope_inverse_frequencies(head_dim, base).to(positions.device)
+    inv_freq = _inverse_frequencies_on(head_dim, base, positions.device)
     angles = positions.float()[..., None] * inv_freq
     rotation = torch.polar(torch.ones_like(angles), angles)
     return rotation.real.to(torch.bfloat16).float(), rotation.imag.to(torch.bfloat16).float()
@@ -74,17 +86,44 @@ def window_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
 
 
 def windowed_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
-                       window: int) -> Tensor:
+                       window: int, visible: Tensor | None = None) -> Tensor:
     """Causal window-limited attention, scale h^-1/2, scores and softmax in float32.
 
     q [B, H, Tq, h], k/v [B, H, Tk, h], q_pos [B, Tq], k_pos [B, Tk] -> [B, H, Tq, h] (q's dtype).
-    Every query must see at least one key (its own position).
+    Every query must see at least one key (its own position). `visible`: window_mask(q_pos,
+    k_pos, window) when the caller already has it (the same for every layer of a step).
     """
+    if visible is None:
+        visible = window_mask(q_pos, k_pos, window)
     scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~window_mask(q_pos, k_pos, window), float("-inf"))
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).type_as(q)
+
+
+def fused_windowed_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """The GPU step's windowed_attention: one fused SDPA kernel (memory-efficient backend: F32
+    accumulation and softmax) instead of ~10 separate ops; equal to it within F16 rounding.
+
+    q [B, H, Tq, h], k/v [B, H, Tk, h] in the decode dtype, visible bool [B, 1, Tq, Tk].
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # Pinned to memory-efficient (or math): cuDNN attention plans per shape and has been seen
+    # rebuilding them on every call; flash takes no mask.
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+def apply_rope_qk(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rope on q and k at once: qk [B, T, 2, H, h], cos/sin [B, T, h/2] (F32 math, same
+    per-element ops as apply_rope, half the launches)."""
+    pairs = qk.float().reshape(*qk.shape[:-1], -1, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, :, None, None, :], sin[:, :, None, None, :]
+    rotated = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1)
+    return rotated.flatten(-2).type_as(qk)
 
 
 def blocked_windowed_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
@@ -114,12 +153,18 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]   # (q, k, v) [B, H, T, h] -
 
 
 class RMSNorm(nn.Module):
+    fused = False           # GPU: torch's fused F.rms_norm (set by Codec.prepare)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            # One kernel instead of ~7; statistics in F32 as rms_norm, the gain applied before
+            # the single rounding (rms_norm rounds twice), so equal within one F16 ulp.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -139,11 +184,18 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
         self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
 
+    fused_rope = False      # GPU step: rotate q and k in one go (set by Codec.prepare)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         """x [B, T, C] -> [B, T, C]; `attend` supplies the keys (offline or from the cache)."""
         batch, length, _ = x.shape
-        q, k, v = self.wqkv(x).view(batch, length, 3, self.n_head, self.head_dim).unbind(2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.wqkv(x).view(batch, length, 3, self.n_head, self.head_dim)
+        if self.fused_rope:
+            q, k = apply_rope_qk(qkv[:, :, :2], cos, sin).unbind(2)
+            v = qkv[:, :, 2]
+        else:
+            q, k, v = qkv.unbind(2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(y.transpose(1, 2).reshape(batch, length, self.n_head * self.head_dim))
 
@@ -186,6 +238,7 @@ class WindowedTransformer(nn.Module):
                                     for _ in range(n_layer))
         self.norm = RMSNorm(dim, norm_eps)
         self.state_key = ""   # set by the model; cache keys are f"{state_key}.layers.{l}/k" and "/v"
+        self.fused_attention = False     # GPU step: fused_windowed_attention (set by Codec.prepare)
 
     def forward(self, x: Tensor) -> Tensor:
         """Offline: the whole sequence, positions 0…T-1."""
@@ -217,6 +270,7 @@ class WindowedTransformer(nn.Module):
         q_pos = state.position[:, None] + torch.arange(t, device=x.device)
         k_pos = state.position[:, None] + torch.arange(-cached, t, device=x.device)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.rope_base)
+        visible = window_mask(q_pos, k_pos, self.window)        # the same for every layer
         for index, layer in enumerate(self.layers):
             k_key, v_key = self.cache_keys(index)
 
@@ -225,7 +279,9 @@ class WindowedTransformer(nn.Module):
                 v_all = torch.cat([state.tensors[v_key], v], dim=2)
                 state.tensors[k_key] = k_all[:, :, k_all.shape[2] - cached:].clone()
                 state.tensors[v_key] = v_all[:, :, v_all.shape[2] - cached:].clone()
-                return windowed_attention(q, k_all, v_all, q_pos, k_pos, self.window)
+                if self.fused_attention:
+                    return fused_windowed_attention(q, k_all, v_all, visible)
+                return windowed_attention(q, k_all, v_all, q_pos, k_pos, self.window, visible)
 
             x = layer(x, cos, sin, attend)
         return self.norm(x).transpose(1, 2)

@@ -1,0 +1,340 @@
+"""Graphed streaming decode (services/codec/graphs.py): the slot pool and its ticks.
+
+CPU (tiny checkpoint): the pool runs its tick body eagerly, so the slot logic (gather/scatter,
+padding rows on the scratch slot, chunks split into graphed lengths, reuse after release, a full
+pool) is checked against the Codec's own streams. GPU (skipped without CUDA, real geometry,
+random weights): captured graphs against eager streaming in F16 and against float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from drama.codec.v1 import codec_pb2, codec_pb2_grpc
+from services.codec.graphs import (GraphedDecoder, PoolFull, bucket_for, plan_offline,
+                                   split_length)
+from services.codec.model import load_codec
+from services.codec.server import serve
+from services.common import grpcutil
+from services.common.tensors import codes_to_wire
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def random_codes(codec, frames: int, seed: int) -> torch.Tensor:
+    """codes [N, frames]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randint(0, codec.semantic_codebook_size, (1, frames), generator=gen),
+                      torch.randint(0, codec.codebook_size, (codec.num_codebooks - 1, frames), generator=gen)])
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+# --------------------------------------------------------------------------------------------
+
+def test_split_length_is_exact_and_largest_first():
+    assert split_length(8, tuple(range(1, 9))) == [8]
+    assert split_length(21, tuple(range(1, 9))) == [8, 8, 5]
+    assert split_length(7, (1, 4)) == [4, 1, 1, 1]
+    with pytest.raises(ValueError):
+        split_length(3, (2,))
+
+
+def test_plan_offline_covers_and_pads_little():
+    lengths = (16, 32, 64, 128, 256)
+    for frames in (1, 15, 16, 17, 100, 215, 256, 300, 1000):
+        plan = plan_offline(frames, lengths)
+        assert sum(plan) >= frames
+        assert sum(plan) - frames < 16 * 2 or len(plan) == 1, (frames, plan)
+    assert plan_offline(215, lengths) == [256]            # one padded replay beats four exact ones
+    assert plan_offline(0, lengths) == []
+
+
+def test_bucket_for():
+    assert [bucket_for(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+
+
+# --------------------------------------------------------------------------------------------
+# the pool on CPU (eager ticks)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def codec(tiny_checkpoint):
+    return load_codec(tiny_checkpoint)
+
+
+def small_pool(codec, slots: int = 4) -> GraphedDecoder:
+    return GraphedDecoder(codec, slots, lengths=(1, 2, 4), buckets=(1, 2, 4))
+
+
+def test_interleaved_sessions_equal_their_own_streams(codec):
+    """Three sessions at different positions, chunks of 1…9 frames (9 = 4+4+1 pieces), batched in
+    changing company: each one's audio equals the Codec's offline decode of its frames, and its
+    pool state equals an eager stream's state after the same frames."""
+    pool = small_pool(codec)
+    slots = [pool.acquire() for _ in range(3)]
+    codes = [random_codes(codec, 30, seed=i) for i in range(3)]
+    schedule = [[(0, 3)], [(0, 2), (1, 9), (2, 1)], [(1, 1), (2, 4)], [(0, 4), (1, 4), (2, 7)],
+                [(0, 5), (2, 2)], [(1, 3)]]
+    done = [0, 0, 0]
+    audio = [[], [], []]
+    for call in schedule:
+        chunks = [codes[s][:, done[s]:done[s] + n] for s, n in call]
+        outputs = pool.decode_streams([slots[s] for s, _ in call], chunks)
+        for (s, n), out in zip(call, outputs):
+            assert out.shape == (n * codec.frame_samples,)
+            audio[s].append(out)
+            done[s] += n
+    for s in range(3):
+        expected = codec.decode(codes[s][None, :, :done[s]])[0]
+        # float32 up to rounding (batched, chunked): test_batched_chunk_path_matches_serial's bound
+        assert rel_err(torch.cat(audio[s]), expected) < 5e-4, s
+        eager = codec.stream()
+        eager.push(codes[s][None, :, :done[s]])
+        mine = pool.state_of(slots[s])
+        assert int(mine.position) == done[s] == slots[s].frames
+        for key, value in eager.states[0].tensors.items():
+            assert rel_err(mine.tensors[key], value) < 1e-4, key
+
+
+def test_padding_rows_touch_only_scratch(codec):
+    """A tick of 3 in a bucket of 4: the fourth (padded) row must leave every other slot alone."""
+    pool = small_pool(codec)
+    slots = [pool.acquire() for _ in range(4)]
+    idle = slots[3]
+    pool.decode_streams([idle], [random_codes(codec, 2, seed=9)])
+    before = pool.state_of(idle)
+    pool.decode_streams(slots[:3], [random_codes(codec, 4, seed=i) for i in range(3)])
+    after = pool.state_of(idle)
+    assert torch.equal(before.position, after.position)
+    for key in before.tensors:
+        assert torch.equal(before.tensors[key], after.tensors[key]), key
+
+
+def test_released_slot_is_reused_fresh(codec):
+    """All slots taken -> PoolFull; a released slot comes back zeroed for its next session, and a
+    late chunk of the released session cannot touch it."""
+    pool = small_pool(codec, slots=2)
+    first, second = pool.acquire(), pool.acquire()
+    with pytest.raises(PoolFull):
+        pool.acquire()
+    pool.decode_streams([first, second], [random_codes(codec, 5, seed=1), random_codes(codec, 5, seed=2)])
+    pool.release(first)
+    pool.release(first)                                  # twice is harmless
+    reused = pool.acquire()
+    assert reused.index == first.index and reused.fresh
+    codes = random_codes(codec, 6, seed=3)
+    head = pool.decode_streams([reused], [codes[:, :3]])[0]
+    # the old session's chunk that was still queued: decoded into scratch, not into the reused row
+    pool.decode_streams([first, reused], [random_codes(codec, 2, seed=4), codes[:, 3:]])
+    state = pool.state_of(reused)
+    assert int(state.position) == 6
+    pool.release(reused)
+    again = pool.acquire()
+    tail = pool.decode_streams([again], [codes])[0]
+    expected = codec.decode(codes[None])[0]
+    assert rel_err(tail, expected) < 5e-4
+    assert rel_err(head, expected[:3 * codec.frame_samples]) < 5e-4
+
+
+def test_bad_codes_leave_every_slot_untouched(codec):
+    pool = small_pool(codec)
+    a, b = pool.acquire(), pool.acquire()
+    pool.decode_streams([a], [random_codes(codec, 2, seed=5)])
+    before = pool.state_of(a)
+    bad = random_codes(codec, 2, seed=6)
+    bad[3, 1] = codec.codebook_size
+    with pytest.raises(ValueError, match="codebook 3"):
+        pool.decode_streams([a, b], [random_codes(codec, 2, seed=7), bad])
+    with pytest.raises(ValueError):
+        pool.decode_streams([a], [random_codes(codec, 2, seed=7).float()])
+    assert torch.equal(pool.state_of(a).position, before.position)
+    assert b.frames == 0
+
+
+def test_pcm16_matches_the_batcher_rounding(codec):
+    from services.codec.batcher import pcm16_bytes
+
+    pool = small_pool(codec)
+    slot, twin = pool.acquire(), pool.acquire()
+    codes = random_codes(codec, 3, seed=8)
+    pcm = pool.decode_pcm16([slot], [codes])[0]
+    audio = pool.decode_streams([twin], [codes])[0]
+    assert pcm == pcm16_bytes(audio)
+
+
+def test_offline_decode_through_the_pool(codec):
+    pool = small_pool(codec)
+    codes = torch.stack([random_codes(codec, 11, seed=s) for s in (1, 2)])
+    audio = pool.decode(codes)
+    assert rel_err(audio, codec.decode(codes)) < 5e-4
+    assert pool.open_slots == 0
+
+
+async def test_server_pool_full_is_resource_exhausted(tiny_checkpoint):
+    """graphs=True on CPU: the same slot pool with eager ticks; one slot, so a second concurrent
+    session is refused with RESOURCE_EXHAUSTED queue_full, and a finished session frees it."""
+    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, graphs=True, slots=1)
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
+    stub = codec_pb2_grpc.CodecStub(channel)
+    codec = servicer.codec
+    codes = random_codes(codec, 4, seed=1)
+    try:
+        first = stub.Decode()
+        await first.write(codec_pb2.DecodeRequest(start=codec_pb2.DecodeStart(session_id="a")))
+        await first.write(codec_pb2.DecodeRequest(frames=codec_pb2.DecodeFrames(
+            first_frame_index=0, n_frames=4, codes=codes_to_wire(codes))))
+        reply = await first.read()
+        assert len(reply.pcm.samples) == 2 * 4 * codec.frame_samples
+        expected = codec.decode(codes[None])[0]
+        got = torch.frombuffer(bytearray(reply.pcm.samples), dtype=torch.int16).float() / 32767
+        assert rel_err(got, expected) < 5e-4
+
+        second = stub.Decode()
+        await second.write(codec_pb2.DecodeRequest(start=codec_pb2.DecodeStart(session_id="b")))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await second.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert grpcutil.error_details(info.value)[0] == "queue_full"
+
+        await first.write(codec_pb2.DecodeRequest(end=codec_pb2.DecodeEnd()))
+        assert (await first.read()).WhichOneof("msg") == "done"
+        await first.done_writing()
+        for _ in range(100):
+            if servicer.streams.open_slots == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.streams.open_slots == 0
+        third = stub.Decode()
+        await third.write(codec_pb2.DecodeRequest(start=codec_pb2.DecodeStart(session_id="c")))
+        await third.write(codec_pb2.DecodeRequest(frames=codec_pb2.DecodeFrames(
+            first_frame_index=0, n_frames=4, codes=codes_to_wire(codes))))
+        assert (await third.read()).pcm.samples == reply.pcm.samples   # a fresh stream again
+        third.cancel()
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await servicer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: captured graphs at the real geometry
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_codecs():
+    """The full-geometry codec with random weights in F16 (fast paths on) and the same weights
+    in float32 with the reference ops and no TF32, as the accuracy reference."""
+    from services.common.random_weights import random_codec_stage
+
+    half = random_codec_stage("full", "cuda", seed=0)
+    full = random_codec_stage("full", "cuda", seed=0, dtype=torch.float32).prepare(
+        "cuda", torch.float32, fast=False)
+    return half, full
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@cuda
+def test_gpu_graphed_stream_matches_eager_and_float32(gpu_codecs, no_tf32):
+    """Three sessions at positions 0, 3 and 150 (past the 128-frame window) share graphed ticks
+    of 4 and 1 frames; each equals its own eager F16 stream within F16 tolerance and the float32
+    reference within the 1e-2 relative error target, and batching them together gives what
+    decoding each alone gives (rows do not mix)."""
+    half, full = gpu_codecs
+    pool = GraphedDecoder(half, 8, lengths=(1, 4), buckets=(1, 4))
+    pool.capture()
+    solo = GraphedDecoder(half, 8, lengths=(1, 4), buckets=(1, 4))
+    solo.capture()
+    histories = [0, 3, 150]
+    codes = [random_codes(half, h + 9, seed=10 + i) for i, h in enumerate(histories)]
+    slots = [pool.acquire() for _ in histories]
+    solo_slots = [solo.acquire() for _ in histories]
+    eager = [half.new_state(1) for _ in histories]
+    for i, h in enumerate(histories):
+        if h:
+            pool.decode_streams([slots[i]], [codes[i][:, :h]])
+            solo.decode_streams([solo_slots[i]], [codes[i][:, :h]])
+            half.decode_streams([eager[i]], [codes[i][:, :h]])
+    graphed = [[], [], []]
+    alone = [[], [], []]
+    eager_out = [[], [], []]
+    for start, size in ((0, 4), (4, 1), (5, 4)):
+        chunks = [c[:, h + start:h + start + size] for c, h in zip(codes, histories)]
+        for i, out in enumerate(pool.decode_streams(slots, chunks)):
+            graphed[i].append(out)
+        for i in range(3):
+            alone[i].append(solo.decode_streams([solo_slots[i]], [chunks[i]])[0])
+            eager_out[i].append(half.decode_streams([eager[i]], [chunks[i]])[0].cpu())
+    assert pool.ticks >= 3
+    for i, h in enumerate(histories):
+        g, a, e = torch.cat(graphed[i]), torch.cat(alone[i]), torch.cat(eager_out[i])
+        reference = full.decode(codes[i][None])[0, h * half.frame_samples:].cpu()
+        err_eager, err_alone, err_f32 = rel_err(g, e), rel_err(g, a), rel_err(g, reference)
+        print(f"session at {h}: graphed vs eager F16 {err_eager:.2e}, vs alone {err_alone:.2e}, "
+              f"vs float32 {err_f32:.2e}; eager F16 vs float32 {rel_err(e, reference):.2e}")
+        assert err_eager < 5e-3 and err_alone < 5e-3
+        assert err_f32 < 1e-2
+
+
+@cuda
+def test_gpu_slot_reuse_after_release(gpu_codecs):
+    half, _ = gpu_codecs
+    pool = GraphedDecoder(half, 2, lengths=(1, 4), buckets=(1, 2))
+    pool.capture()
+    codes = random_codes(half, 8, seed=3)
+    first = pool.acquire()
+    clean = torch.cat(pool.decode_streams([first, first], [codes[:, :4], codes[:, 4:]]))
+    pool.release(first)
+    other = pool.acquire()
+    pool.decode_streams([other], [random_codes(half, 5, seed=4)])      # dirty the row
+    pool.release(other)
+    again = pool.acquire()
+    assert again.index == first.index
+    reused = torch.cat(pool.decode_streams([again], [codes[:, :4]]) + pool.decode_streams([again], [codes[:, 4:]]))
+    assert rel_err(reused, clean) < 1e-3
+
+
+@cuda
+def test_gpu_offline_graphs_match_eager(gpu_codecs):
+    half, _ = gpu_codecs
+    pool = GraphedDecoder(half, 2, lengths=(1,), buckets=(1,), offline_lengths=(16, 32))
+    pool.capture(offline=True)
+    codes = random_codes(half, 40, seed=5)[None]
+    assert rel_err(pool.decode(codes), half.decode(codes)) < 5e-3
+
+
+@cuda
+def test_gpu_fused_snake_matches_reference():
+    from services.codec.conv import snake
+    from services.codec.snake_triton import available, fused_snake
+
+    if not available():
+        pytest.skip("no Triton")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    alpha = torch.rand(1, 96, 1, device="cuda", generator=gen) + 0.5
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(3, 96, 1, 777, device="cuda", generator=gen).to(dtype) * 3
+        for layout in (x, x.contiguous(memory_format=torch.channels_last), x[:, :, 0]):
+            a = alpha.to(dtype) if layout.dim() == 3 else alpha.to(dtype)[..., None]
+            expected = snake(layout.double(), a.double())
+            got = fused_snake(layout, alpha.to(dtype))
+            assert got.shape == layout.shape and got.stride() == layout.stride()
+            tol = 2e-3 if dtype == torch.float16 else 1e-5
+            assert rel_err(got, expected) < tol, (dtype, layout.stride())
