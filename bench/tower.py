@@ -1,6 +1,10 @@
 """Tower per-frame step at the real Drama 3 geometry (MODEL.md §11), one script, one table.
 
-    python bench/tower.py                                   full geometry on cuda, batch 1/8/32/64
+    python bench/tower.py                                   full geometry on cuda, batch 1/8/32/64/128,
+                                                            CUDA-graph and eager rows
+    python bench/tower.py --graphs off                      eager only (--graphs on: graphs only)
+    python bench/tower.py --invariance 8 32                 also: is a session's take the same alone
+                                                            and inside batches of 8 and 32? (issue #8)
     python bench/tower.py --preset tiny --device cpu        smoke test (CI-sized)
     python bench/tower.py --out tower.json                  also write the numbers as JSON
 
@@ -12,6 +16,9 @@ host-to-device copy is included), the trunk over B rows, the semantic head, 10 b
 and 9 residual layers, and the codes back on the host. Reported: median and p90 ms per step,
 frames/s (B / median), and the real-time budget share (a real-time session needs a frame per
 1/21.5 s = 46.4 ms for backbone, tower and both transfers together, API.md §3.5).
+
+`graphs` rows replay the engine's CUDA graphs (captured by warm_up; a step of B rows replays
+bucket B), `eager` rows run the same step op by op (DRAMA_TOWER_GRAPHS=0 in the server).
 """
 
 from __future__ import annotations
@@ -40,10 +47,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--context", type=int, default=1000, help="prefill rows per session")
     parser.add_argument("--steps", type=int, default=50, help="timed frame steps per batch size")
     parser.add_argument("--warmup", type=int, default=5, help="untimed frame steps first")
+    parser.add_argument("--graphs", choices=["on", "off", "both"], help="default: both on cuda, off elsewhere")
+    parser.add_argument("--invariance", type=int, nargs="*", default=[],
+                        help="batch sizes to compare one session's frames in against batch 1 (graph path)")
+    parser.add_argument("--invariance-steps", type=int, default=30)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -87,6 +98,48 @@ def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generato
             "prefill_rows_per_s": batch * args.context / prefill_s}
 
 
+def invariance(engine: TowerEngine, sizes: list[int], args) -> list[dict]:
+    """Issue #8: the frames of one session ("t", fixed inputs and seed) decoded alone, then with
+    B - 1 companions (random inputs) in every step, for each B in `sizes`; compared frame by
+    frame with the frames decoded alone."""
+    cfg = engine.cfg
+    hidden_size, n = engine.model.hidden_size, cfg.num_codebooks
+    context = min(args.context, engine.max_context - args.invariance_steps - 1)
+
+    def take(batch: int) -> torch.Tensor:
+        engine.release(["t"] + [f"{p}{i}" for p in "cs" for i in range(engine.max_sessions)])
+        fixed = torch.Generator().manual_seed(1234)
+        noise = torch.Generator().manual_seed(batch)
+        targets = torch.full((context, n), -1, dtype=torch.int64)
+        prefills = [engine.step([StepEntry("t", 0, context, draw=True, seed=77)],
+                                torch.randn(context, hidden_size, generator=fixed), targets)]
+        for i in range(batch - 1):
+            prefills.append(engine.step([StepEntry(f"c{i}", 0, context, draw=True, seed=i)],
+                                        torch.randn(context, hidden_size, generator=noise), targets))
+        assert not any(r.row_errors for r in prefills), [r.row_errors for r in prefills]
+        frames = []
+        for step in range(args.invariance_steps):
+            row = context + step
+            entries = [StepEntry("t", row, 1, draw=True, seed=77, frame_index=step + 1)]
+            entries += [StepEntry(f"c{i}", row, 1, draw=True, seed=i, frame_index=step + 1) for i in range(batch - 1)]
+            hidden = torch.cat([torch.randn(1, hidden_size, generator=fixed),
+                                torch.randn(batch - 1, hidden_size, generator=noise)])
+            result = engine.step(entries, hidden, torch.full((batch, n), -1, dtype=torch.int64))
+            assert not result.row_errors, result.row_errors
+            frames.append(result.codes[0])
+        return torch.stack(frames)
+
+    alone = take(1)
+    out = []
+    for batch in sizes:
+        frames = take(batch)
+        same = (frames == alone).all(dim=1)
+        first = int((~same).nonzero()[0]) if not same.all() else None
+        out.append({"batch": batch, "frames": len(same), "identical_frames": int(same.sum()),
+                    "first_different_frame": first, "codes_equal_fraction": float((frames == alone).float().mean())})
+    return out
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -94,23 +147,41 @@ def main(argv=None) -> list[dict]:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = random_tower(cfg, device=device, dtype=dtype, seed=0)
     parameters = sum(p.numel() for p in model.parameters())
-    engine = TowerEngine(model, cfg, max_sessions=max(args.batch),
-                         max_context=args.context + args.warmup + args.steps + 1)
-    generator = torch.Generator().manual_seed(0)
+    modes = {"on": ["graphs"], "off": ["eager"], "both": ["graphs", "eager"]}[
+        args.graphs or ("both" if device.type == "cuda" else "off")]
     print(f"tower {args.preset} on {device} ({dtype}): {parameters / 1e9:.3f} B parameters, "
-          f"{len(model.layers())} layers, context {args.context}, {args.steps} timed steps")
-    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} {'prefill rows/s':>15}")
-    results = []
-    for batch in args.batch:
-        r = bench_batch(engine, batch, args, generator)
-        results.append(r)
-        print(f"{r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
-              f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}")
+          f"{len(model.layers())} layers, context {args.context}, {args.steps} timed steps", flush=True)
+    print(f"{'mode':>6} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} "
+          f"{'prefill rows/s':>15}", flush=True)
+    results, checks, meta_modes = [], [], {}
+    for mode in modes:
+        # One engine at a time: a new engine re-allocates the model's caches (and the old
+        # engine's graphs point at the old ones).
+        engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
+                             max_context=args.context + args.warmup + args.steps + 1,
+                             graphs=mode == "graphs")
+        started = time.perf_counter()
+        engine.warm_up()
+        _sync(device)
+        meta_modes[mode] = {"warm_up_s": time.perf_counter() - started, "graphs_captured": engine.graphs_captured}
+        generator = torch.Generator().manual_seed(0)
+        for batch in args.batch:
+            r = {"mode": mode, **bench_batch(engine, batch, args, generator)}
+            results.append(r)
+            print(f"{mode:>6} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
+                  f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
+        if args.invariance:
+            for c in invariance(engine, args.invariance, args):
+                checks.append({"mode": mode, **c})
+                print(f"{mode:>6} invariance: batch {c['batch']} vs alone: {c['identical_frames']}/{c['frames']} "
+                      f"frames identical (first different: {c['first_different_frame']}), "
+                      f"{c['codes_equal_fraction']:.1%} of codes equal", flush=True)
+        del engine
     if args.out:
         meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "context": args.context,
-                "steps": args.steps, "torch": torch.__version__,
+                "steps": args.steps, "torch": torch.__version__, "modes": meta_modes,
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"meta": meta, "results": results, "invariance": checks}, indent=2) + "\n")
     return results
 
 

@@ -15,6 +15,10 @@ key; an entry with `prefix_key` starts its session (first_row == prefix_rows) fr
 instead of an empty cache. Snapshots are not per stream: the key names the backbone model and the
 exact prefix rows, so any stream may use them. A restore whose snapshot was evicted is the row
 error FAILED_PRECONDITION (the backbone then prefills the whole prompt).
+
+On CUDA a step whose accepted entries are all single-row draws (the steady state) replays a
+CUDA graph of `_decode_step` (graphs.py); every other step runs eagerly. With graphs the pool
+has one more slot than max_sessions, the scratch slot the graphs' padding rows write into.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch import Tensor
 
 from services.backbone.prefix_cache import PrefixCache, default_capacity_mb
 from services.common.config import DramaConfig
-from services.tower import sampling
+from services.tower import graphs as decode_graphs
+from services.tower import kernels, sampling
+from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS, Bucket, DecodeGraphs
 from services.tower.model import RowBatch, TowerModel, forward_rows
 
 
@@ -99,22 +105,30 @@ class _EntryError(Exception):
 
 class TowerEngine:
     def __init__(self, model: TowerModel, cfg: DramaConfig, *, max_sessions: int, max_context: int,
-                 prefix_cache_mb: float | None = None):
+                 prefix_cache_mb: float | None = None, graphs: bool | None = None):
         """prefix_cache_mb: the voice-prefix snapshot budget (None: prefix_cache.default_capacity_mb
-        for the device; 0: off, every restore is FAILED_PRECONDITION)."""
+        for the device; 0: off, every restore is FAILED_PRECONDITION). graphs: CUDA graphs for
+        decode steps, captured by `warm_up` (None: on for CUDA unless DRAMA_TOWER_GRAPHS=0)."""
         self.model = model
         self.cfg = cfg
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.device = model.codebook_embeddings.weight.device
         self.hidden_dtype = model.codebook_embeddings.weight.dtype
-        model.setup_caches(max_sessions, max_context)
+        if graphs is None:
+            graphs = decode_graphs.enabled_by_default(self.device)
+        # On the CPU (tests only) "graphs" are the same staged step run without capture.
+        self.use_graphs = bool(graphs)
+        self.scratch_slot = max_sessions          # owned by no session; only the graphs use it
+        pool_slots = max_sessions + (1 if self.use_graphs else 0)
+        model.setup_caches(pool_slots, max_context)
+        self._graphs: DecodeGraphs | None = None
         self._sessions: dict[tuple[Hashable, str], _Session] = {}
         self._free = list(range(max_sessions))   # lowest slot first
         self._code_limits = torch.tensor([cfg.semantic_codebook_size]
                                          + [cfg.residual_codebook_size] * (cfg.num_codebooks - 1))
         # The last ras_window semantic codes drawn in each slot's take, right-aligned, -1 = empty.
-        self._ras_history = torch.full((max_sessions, cfg.sampling.ras_window), -1, dtype=torch.int64,
+        self._ras_history = torch.full((pool_slots, cfg.sampling.ras_window), -1, dtype=torch.int64,
                                        device=self.device)
         if prefix_cache_mb is None:
             prefix_cache_mb = default_capacity_mb(self.device.type)
@@ -269,6 +283,8 @@ class TowerEngine:
     @torch.inference_mode()
     def _run(self, accepted, hidden: Tensor, targets: Tensor) -> tuple[Tensor, list[bool]]:
         """The batched computation over every accepted entry; returns the draw entries' frames."""
+        if self._graphable(accepted):
+            return self._run_graph(accepted, hidden)
         row_index, draw_rows, segments = [], [], []
         for _, entry, session, offset in accepted:
             if entry.draw:
@@ -286,43 +302,91 @@ class TowerEngine:
             return torch.empty(0, self.cfg.num_codebooks, dtype=torch.int64), []
 
         draw_index = torch.tensor(draw_rows, dtype=torch.int64, device=device)
-        slots = torch.tensor([s.slot for _, s in draws], dtype=torch.int64, device=device)
-        sample = self._sampler([e for e, _ in draws], slots)
-        codes, stopped = forward_rows(self.model, batch_hidden, batch_targets, rows, draw_index, sample)
-
-        # The semantic code enters its take's RAS window unless it was EOS.
-        history = self._ras_history[slots]
-        advanced = torch.cat([history[:, 1:], codes[draw_index, :1]], dim=1)
-        self._ras_history[slots] = torch.where(stopped[:, None], history, advanced)
+        ints, floats = _draw_columns(accepted)
+        ints, floats = ints.to(device), floats.to(device)
+        codes, stopped = self._draw_step(batch_hidden, batch_targets, rows, draw_index, ints, floats)
         return codes[draw_index].cpu(), stopped.cpu().tolist()
 
-    def _sampler(self, entries: list[StepEntry], slots: Tensor):
+    def _draw_step(self, hidden: Tensor, targets: Tensor, rows: RowBatch, draw_index: Tensor,
+                   ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+        """forward_rows with the draws, then the RAS windows advanced: the part of a step shared
+        by the eager path and the graphs. ints int64 [6, R] / floats float32 [3, R]: the draw
+        rows' parameters in graphs.INT_FIELDS / FLOAT_FIELDS order, on the device."""
+        slots = ints[INT_FIELDS.index("slot")]
+        history = self._ras_history[slots]
+        sample = self._sampler(history, ints, floats)
+        codes, stopped = forward_rows(self.model, hidden, targets, rows, draw_index, sample)
+        # The semantic code enters its take's RAS window unless it was EOS.
+        advanced = torch.cat([history[:, 1:], codes[draw_index, :1]], dim=1)
+        self._ras_history[slots] = torch.where(stopped[:, None], history, advanced)
+        return codes, stopped
+
+    def _sampler(self, history: Tensor, ints: Tensor, floats: Tensor):
         """The draw callback for forward_rows: per-row parameters, RAS switch, noise keys."""
         defaults = self.cfg.sampling
-        device = self.device
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def field(name):
+            return ints[INT_FIELDS.index(name)] if name in INT_FIELDS else floats[FLOAT_FIELDS.index(name)]
 
-        history = self._ras_history[slots]
         ras = sampling.ras_active(history, recent=defaults.ras_recent)
-        temperature = torch.where(ras, defaults.ras_temperature, column([e.temperature for e in entries], torch.float32))
-        top_p = torch.where(ras, defaults.ras_top_p, column([e.top_p for e in entries], torch.float32))
-        top_k = torch.where(ras, defaults.ras_top_k, column([e.top_k for e in entries], torch.int64))
-        penalty = column([e.repetition_penalty or 1.0 for e in entries], torch.float32)
-        seeds = column([sampling.as_int64(e.seed) for e in entries], torch.int64)
-        takes = column([e.take_index for e in entries], torch.int64)
-        frames = column([e.frame_index for e in entries], torch.int64)
+        temperature = torch.where(ras, defaults.ras_temperature, field("temperature"))
+        top_p = torch.where(ras, defaults.ras_top_p, field("top_p"))
+        top_k = torch.where(ras, defaults.ras_top_k, field("top_k"))
+        penalty = field("penalty")
+        seeds, takes, frames = field("seed"), field("take"), field("frame")
         num_semantic = self.cfg.semantic_codebook_size
 
         def sample(draw_index: int, logits: Tensor) -> Tensor:
             if draw_index == 0:   # the penalty touches semantic codes only, never EOS (§6.2)
                 logits = torch.cat([sampling.apply_repetition_penalty(logits[:, :num_semantic], history, penalty),
                                     logits[:, num_semantic:]], dim=1)
-            keys = sampling.noise_key(seeds, takes, frames, draw_index)
-            return sampling.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, keys=keys)
+            return kernels.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                                takes=takes, frames=frames, draw_index=draw_index)
 
         return sample
+
+    # ---------------------------------------------------------------- CUDA graphs
+    def _graphable(self, accepted) -> bool:
+        """A decode step: every accepted entry one row that draws, no prefix restore."""
+        return (self._graphs is not None and 0 < len(accepted) <= self._graphs.largest
+                and all(e.draw and e.n_rows == 1 and not e.prefix_key for _, e, _, _ in accepted))
+
+    def _run_graph(self, accepted, hidden: Tensor) -> tuple[Tensor, list[bool]]:
+        ints, floats = _draw_columns(accepted)
+        index = torch.tensor([offset for _, _, _, offset in accepted], dtype=torch.int64)
+        rows = hidden.index_select(0, index.to(hidden.device))
+        out = self._graphs.run(ints, floats, rows)
+        n = self.cfg.num_codebooks
+        return out[:, :n], out[:, n].bool().tolist()
+
+    def _decode_step(self, bucket: Bucket) -> Tensor:
+        """What a graph captures: `_draw_step` on a bucket's static buffers -> int64 [B, N + 1]."""
+        slots, positions = bucket.int_field("slot"), bucket.int_field("position")
+        if self.model.batch_invariant:    # CPU: attend_rowwise walks host-side segments
+            rows = RowBatch.from_segments([(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())],
+                                          self.device)
+        else:                             # built inside the capture: its rotary tables are too
+            rows = RowBatch.decode_only(slots, positions, self.max_context - 1)
+        codes, stopped = self._draw_step(bucket.hidden, bucket.targets, rows, bucket.draw_rows,
+                                         bucket.ints, bucket.floats)
+        return torch.cat([codes, stopped[:, None].to(torch.int64)], dim=1)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (warm_up does this when graphs are on)."""
+        if not self.use_graphs or (self.device.type == "cuda" and self.model.batch_invariant):
+            return                        # the batch-invariant path syncs with the host per row
+        graphs = DecodeGraphs(self._decode_step, max_sessions=self.max_sessions,
+                              hidden_size=self.model.hidden_size, hidden_dtype=self.hidden_dtype,
+                              num_codebooks=self.cfg.num_codebooks, device=self.device,
+                              scratch_slot=self.scratch_slot)
+        if self.device.type == "cuda":
+            graphs.capture()
+        self._graphs = graphs
+
+    @property
+    def graphs_captured(self) -> bool:
+        return self._graphs is not None and self._graphs.captured
 
     # ---------------------------------------------------------------- warm-up
     def warm_up(self) -> None:
@@ -333,7 +397,27 @@ class TowerEngine:
         targets = torch.full((2, n), -1, dtype=torch.int64)
         entry = StepEntry("warm-up", first_row=0, n_rows=2, draw=True, seed=0)
         self.step([entry], hidden, targets, owner=owner)
+        # One eager decode step too (Triton compiles the decode attention and the draw kernels).
+        self.step([StepEntry("warm-up", first_row=2, n_rows=1, draw=True, seed=0, frame_index=1)],
+                  hidden[:1], targets[:1], owner=owner)
         self.release_owner(owner)
+        self.capture_graphs()
+
+
+def _draw_columns(accepted) -> tuple[Tensor, Tensor]:
+    """The draw entries' parameters as int64 [6, R] and float32 [3, R] host tensors
+    (graphs.INT_FIELDS / FLOAT_FIELDS order): a couple of host-to-device copies per step."""
+    draws = [(entry, session) for _, entry, session, _ in accepted if entry.draw]
+    ints = torch.tensor([[session.slot for _, session in draws],
+                         [entry.first_row + entry.n_rows - 1 for entry, _ in draws],
+                         [entry.top_k for entry, _ in draws],
+                         [sampling.as_int64(entry.seed) for entry, _ in draws],
+                         [entry.take_index for entry, _ in draws],
+                         [entry.frame_index for entry, _ in draws]], dtype=torch.int64)
+    floats = torch.tensor([[entry.temperature for entry, _ in draws],
+                           [entry.top_p for entry, _ in draws],
+                           [entry.repetition_penalty or 1.0 for entry, _ in draws]], dtype=torch.float32)
+    return ints.view(len(INT_FIELDS), len(draws)), floats.view(len(FLOAT_FIELDS), len(draws))
 
 
 def _elapsed_us(started: float) -> int:

@@ -28,6 +28,7 @@ d head dim, L cache length (max_context), S session slots.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,6 +57,7 @@ class RowBatch:
     decode_slots: Tensor       # int64 [R]
     decode_positions: Tensor   # int64 [R]
     decode_length: int         # 1 + the largest decode position (0 without decode rows)
+    all_decode: bool = False   # every row is a single-row segment, in order (decode_rows = 0..T-1)
     # cos/sin per (rotary_dim, theta), made by the first layer and shared by the others.
     _rotary: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -78,7 +80,19 @@ class RowBatch:
 
         return cls(segments, index(slots), index(positions), index([r for r, _, _ in decode]),
                    index([s for _, s, _ in decode]), index([p for _, _, p in decode]),
-                   1 + max((p for _, _, p in decode), default=-1))
+                   1 + max((p for _, _, p in decode), default=-1),
+                   all_decode=bool(segments) and len(decode) == len(segments) == len(slots))
+
+    @classmethod
+    def decode_only(cls, slots: Tensor, positions: Tensor, max_position: int) -> "RowBatch":
+        """T single-row segments given as device tensors (a CUDA-graph bucket's static buffers).
+        `segments` then holds placeholders: no path reads them for single-row segments except
+        the CPU `attend_rowwise`, which the graphs never use. max_position bounds the positions
+        (for the padded SDPA fallback only)."""
+        rows = slots.shape[0]
+        order = torch.arange(rows, dtype=torch.int64, device=slots.device)
+        return cls(tuple((-1, -1, 1) for _ in range(rows)), slots, positions, order, slots, positions,
+                   max_position + 1, all_decode=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,8 +376,18 @@ def attend_rowwise(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) 
 
 
 def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch) -> Tensor:
-    """The fast path: one fused SDPA call per multi-row segment, and one batched call for all
-    single-row segments (decode rows), padded to their longest history and masked."""
+    """The fast path: one fused SDPA call per multi-row segment, and one call for all single-row
+    segments (decode rows).
+
+    On CUDA the decode rows go to `kernels.decode_attention`, which reads each row's own
+    positions straight from the pool with the lengths on the device: nothing is gathered or
+    padded, nothing depends on a host-side length, so it is CUDA-graph safe. (cuDNN's SDPA,
+    which torch picks for the masked call, builds a new plan for every key length: 3.7 ms of
+    host time per layer per step.) Multi-row segments keep SDPA but never its cuDNN backend.
+    Elsewhere the decode rows take one SDPA call, padded to their longest history and masked.
+    """
+    from services.tower import kernels
+
     out = torch.empty_like(q)
     row = 0
     for slot, first, count in rows.segments:
@@ -371,17 +395,33 @@ def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: RowBatch)
             length = first + count
             mask = (torch.arange(length, device=q.device)[None, :]
                     <= torch.arange(first, length, device=q.device)[:, None])             # [n, P]
-            o = F.scaled_dot_product_attention(
-                q[row:row + count].transpose(0, 1)[None], k_cache[slot, :, :length][None],
-                v_cache[slot, :, :length][None], attn_mask=mask, enable_gqa=True)
+            with _no_cudnn_sdpa(q):
+                o = F.scaled_dot_product_attention(
+                    q[row:row + count].transpose(0, 1)[None], k_cache[slot, :, :length][None],
+                    v_cache[slot, :, :length][None], attn_mask=mask, enable_gqa=True)
             out[row:row + count] = o[0].transpose(0, 1)
         row += count
-    if rows.decode_length:
+    if rows.decode_length and kernels.use_triton(q, k_cache):
+        if rows.all_decode:
+            return kernels.decode_attention(q, k_cache, v_cache, rows.decode_slots, rows.decode_positions)
+        out[rows.decode_rows] = kernels.decode_attention(q[rows.decode_rows], k_cache, v_cache,
+                                                         rows.decode_slots, rows.decode_positions)
+    elif rows.decode_length:
         length = rows.decode_length
         keys = k_cache[rows.decode_slots, :, :length]                                 # [R, K, P, d]
         values = v_cache[rows.decode_slots, :, :length]
         mask = torch.arange(length, device=q.device)[None, :] <= rows.decode_positions[:, None]
-        o = F.scaled_dot_product_attention(q[rows.decode_rows][:, :, None], keys, values,
-                                           attn_mask=mask[:, None, None, :], enable_gqa=True)
+        with _no_cudnn_sdpa(q):
+            o = F.scaled_dot_product_attention(q[rows.decode_rows][:, :, None], keys, values,
+                                               attn_mask=mask[:, None, None, :], enable_gqa=True)
         out[rows.decode_rows] = o[:, :, 0]
     return out
+
+
+def _no_cudnn_sdpa(q: Tensor):
+    """SDPA on CUDA without the cuDNN backend (it re-plans per key length); a no-op elsewhere."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -1,0 +1,275 @@
+"""GPU fast paths of the tower's per-frame step (issue #7), each beside its reference.
+
+Why these exist: a batch-1 decode step of the full tower reads ~2.9 GB of weights (~0.7 ms on
+an H200), but the eager step took 79 ms: cuDNN's SDPA built a new execution plan for every new
+key length (13 layers x 3.7 ms of host time), and the sampler's splitmix64 noise was ~1000 tiny
+int64 kernels. So:
+
+    decode_attention(q [T, H, d], k_cache, v_cache [S, K, L, d], slots [T], positions [T])
+        causal GQA attention of each row over positions 0..p of its own slot, read straight
+        from the cache pool (no gather), lengths read on the device: one compiled kernel for
+        every length, so nothing is re-planned per step and the call is CUDA-graph safe.
+        Split-K ("flash decoding"): each (row, kv head) is cut into `splits` pieces of the
+        sequence, each piece keeps an online softmax in float32, and a second kernel merges
+        the pieces. `splits` is a run-time argument (one compiled kernel for every batch). The 8 query heads of a kv head share one program (one K/V read).
+        Reference: model.attend_rowwise (run it on float64 inputs for a float64 reference).
+
+    draw(logits [R, M], temperature=, top_p=, top_k=, seeds=, takes=, frames=, draw_index=)
+        sampling.draw with the noise key and the exponential race in one Triton kernel per
+        draw: splitmix64 keys (§6.3) and noise computed in registers, probs / q with IEEE
+        division, the kept set given by the top-p/top-k cut-off (probability, index) of the
+        stable descending sort, ties to the lowest index. Softmax, sort and cumsum stay torch's
+        own kernels, so the kept set and the scores are bit-identical to `sampling.draw` and the
+        draws equal it exactly (tests/test_tower_gpu.py). On the CPU: `sampling.draw` itself.
+
+Every function imports and runs on a machine without Triton or CUDA (then the torch reference
+path is taken); `use_triton` is the one dispatch rule.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from services.tower import sampling
+
+try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, for checking the kernels without a GPU) has no
+# libdevice; there the noise takes numpy's log, which may differ from CUDA's logf in the last bit.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    """True when Triton is importable and every tensor is on CUDA (or Triton interprets)."""
+    return HAS_TRITON and (_INTERPRET or all(t.is_cuda for t in tensors))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------
+# decode attention
+# --------------------------------------------------------------------------------------------
+
+_MOST_SPLITS = 32
+
+
+def attention_splits(rows: int, num_kv_heads: int, target_programs: int = 264, most: int = _MOST_SPLITS) -> int:
+    """Pieces per (row, kv head): enough programs to fill the chip (132 SMs x 2) at small
+    batch, 1 once the rows alone do. A function of the row count only, so a graph bucket keeps it."""
+    splits = 1
+    while splits < most and rows * num_kv_heads * splits < target_programs:
+        splits *= 2
+    return splits
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                     splits: int | None = None) -> Tensor:
+    """o [T, H, d] in q's dtype: row t attends over positions 0..positions[t] of slot slots[t].
+
+    q [T, H, d] (any strides with a unit last stride); caches [S, K, L, d] with the row's key and
+    value already written at its position. Without Triton/CUDA: the SDPA-free torch reference.
+    """
+    if not use_triton(q, k_cache, v_cache):
+        return reference_decode_attention(q, k_cache, v_cache, slots, positions)
+    t, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    splits = splits or attention_splits(t, num_kv)
+    block_d = _next_pow2(head_dim)
+    block_g = max(16, _next_pow2(group))          # tl.dot wants >= 16 rows
+    block_n = 32 if block_d >= 256 else 64
+    part_o = torch.empty(t, num_kv, splits, block_g, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, num_kv, splits, block_g, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(t, num_kv, splits)](
+        q, k_cache, v_cache, slots, positions, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        head_dim ** -0.5, head_dim, splits,
+        G=group, BG=block_g, BD=block_d, BN=block_n, num_warps=4, num_stages=2)
+    out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    _merge_splits_kernel[(t, num_heads)](
+        part_o, part_lse, out, head_dim, splits, G=group, BG=block_g, BD=block_d,
+        BS=max(_MOST_SPLITS, _next_pow2(splits)), num_warps=4)
+    return out
+
+
+def reference_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                               positions: Tensor) -> Tensor:
+    """One row at a time, float32 softmax (model.attend_rowwise's arithmetic, any device)."""
+    from services.tower.model import RowBatch, attend_rowwise
+
+    segments = [(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())]
+    return attend_rowwise(q, k_cache, v_cache, RowBatch.from_segments(segments, q.device))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_o_ptr, part_lse_ptr,
+                                 stride_qt, stride_qh, stride_cs, stride_ch, stride_cl, scale, D, SPLITS,
+                                 G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+        row = tl.program_id(0)
+        kv = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        length = tl.load(pos_ptr + row).to(tl.int32) + 1
+        # Pieces of whole BN blocks; the last ones may be empty (then m = -inf, l = 0).
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+
+        g = tl.arange(0, BG)
+        d = tl.arange(0, BD)
+        n = tl.arange(0, BN)
+        g_ok = g < G
+        d_ok = d < D
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + (kv * G + g)[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)                          # [BG, BD]
+        base = slot * stride_cs + kv.to(tl.int64) * stride_ch
+        m_i = tl.full([BG], float("-inf"), tl.float32)
+        l_i = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, BD], tl.float32)
+        for first in range(start, end, BN):
+            pos = first + n
+            ok = pos < end
+            offsets = base + pos.to(tl.int64)[:, None] * stride_cl + d[None, :]
+            k = tl.load(k_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)   # [BN, BD]
+            scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BN] f32
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        filled = l_i > 0
+        o = acc / tl.where(filled, l_i, 1.0)[:, None]
+        lse = tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf"))
+        piece = (row * tl.num_programs(1) + kv) * SPLITS + split
+        tl.store(part_o_ptr + (piece.to(tl.int64) * BG + g[:, None]) * D + d[None, :], o,
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + piece * BG + g, lse, mask=g_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, D, SPLITS, G: tl.constexpr, BG: tl.constexpr,
+                             BD: tl.constexpr, BS: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        kv = head // G
+        g = head % G
+        s = tl.arange(0, BS)
+        s_ok = s < SPLITS
+        d = tl.arange(0, BD)
+        pieces = (row * (tl.num_programs(1) // G) + kv) * SPLITS + s                   # [BS]
+        lse = tl.load(part_lse_ptr + pieces * BG + g, mask=s_ok, other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, axis=0))                                     # empty: 0
+        o = tl.load(part_o_ptr + (pieces.to(tl.int64)[:, None] * BG + g) * D + d[None, :],
+                    mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
+        merged = tl.sum(weights[:, None] * o, axis=0) / tl.sum(weights, axis=0)
+        tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d,
+                 merged.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+# --------------------------------------------------------------------------------------------
+# the draw: noise key, noise and exponential race in one kernel
+# --------------------------------------------------------------------------------------------
+
+def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
+         takes: Tensor, frames: Tensor, draw_index: int) -> Tensor:
+    """`sampling.draw` with keys `noise_key(seeds, takes, frames, draw_index)`: int64 [R].
+
+    temperature/top_p/top_k/seeds/takes/frames are [R] tensors on the logits' device.
+    """
+    if not use_triton(logits):
+        keys = sampling.noise_key(seeds, takes, frames, draw_index)
+        return sampling.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, keys=keys)
+    return _fused_draw(logits, temperature, top_p, top_k, seeds, takes, frames, draw_index)
+
+
+def cutoff(probs: Tensor, top_p: Tensor, top_k: Tensor) -> tuple[Tensor, Tensor]:
+    """The last kept (probability, index) of each row [R]: `sampling.kept_candidates` is exactly
+    {i : (p_i, -i) >= (p_cut, -i_cut)} (its kept set is a prefix of the stable descending sort)."""
+    m = probs.shape[1]
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(m, device=probs.device)[None, :]
+    cumulative = sorted_probs.cumsum(dim=-1)
+    keep = (rank == 0) | (cumulative <= top_p[:, None]) | (top_p[:, None] >= 1)
+    k = torch.where(top_k <= 0, torch.full_like(top_k, m), top_k)
+    keep &= rank < k[:, None]
+    last = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    return sorted_probs.gather(1, last)[:, 0], order.gather(1, last)[:, 0]
+
+
+def _fused_draw(logits, temperature, top_p, top_k, seeds, takes, frames, draw_index: int) -> Tensor:
+    logits = logits.to(torch.float32)
+    rows, m = logits.shape
+    temperature = temperature.to(torch.float32)
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    cut_p, cut_i = cutoff(probs, top_p.to(torch.float32), top_k.to(torch.int64))
+    raced = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _race_kernel[(rows,)](probs, cut_p, cut_i, seeds, takes, frames, raced, m, probs.stride(0),
+                          draw_index, BM=min(_next_pow2(m), 2048), PRECISE_LOG=not _INTERPRET, num_warps=4)
+    return torch.where(greedy, logits.argmax(dim=-1), raced)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _splitmix64(x):
+        z = x + 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit(do_not_specialize=["draw_index"])
+    def _race_kernel(probs_ptr, cut_p_ptr, cut_i_ptr, seed_ptr, take_ptr, frame_ptr, out_ptr, M, stride_row,
+                     draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr):
+        row = tl.program_id(0)
+        # §6.3: h = sm(seed), then h = sm(h ^ v) for take, frame, draw; uint64 arithmetic.
+        h = _splitmix64(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True))
+        h = _splitmix64(h ^ tl.load(take_ptr + row).to(tl.uint64, bitcast=True))
+        h = _splitmix64(h ^ tl.load(frame_ptr + row).to(tl.uint64, bitcast=True))
+        h = _splitmix64(h ^ (draw_index + tl.zeros([], tl.int64)).to(tl.uint64, bitcast=True))
+        cut_p = tl.load(cut_p_ptr + row)
+        cut_i = tl.load(cut_i_ptr + row)
+        best_score = tl.full([], -2.0, tl.float32)
+        best_index = tl.full([], 0, tl.int32)
+        for first in range(0, M, BM):
+            i = first + tl.arange(0, BM)
+            ok = i < M
+            p = tl.load(probs_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=0.0)
+            w = _splitmix64(h ^ i.to(tl.uint64))
+            u = (((w >> 11).to(tl.float64) + 0.5) * (2.0 ** -53)).to(tl.float32)
+            if PRECISE_LOG:
+                q = -libdevice.log(u)          # CUDA's logf: the same bits as torch.log
+            else:
+                q = -tl.log(u)
+            # sampling.draw's scores: kept p > 0 scores p / q (IEEE division, as torch), kept
+            # p = 0 scores 0, dropped -1; padding -2 never wins.
+            score = tl.where(p > 0, tl.math.div_rn(p, q), 0.0)
+            kept = (p > cut_p) | ((p == cut_p) & (i <= cut_i))
+            score = tl.where(kept, score, -1.0)
+            score = tl.where(ok, score, -2.0)
+            chunk_best = tl.max(score, axis=0)
+            chunk_index = tl.argmax(score, axis=0, tie_break_left=True) + first
+            # Chunks come in index order: only a strictly larger score moves the answer.
+            better = chunk_best > best_score
+            best_index = tl.where(better, chunk_index, best_index)
+            best_score = tl.where(better, chunk_best, best_score)
+        tl.store(out_ptr + row, best_index.to(tl.int64))

@@ -1,0 +1,185 @@
+"""The tower's GPU fast paths (issue #7) against their references; skipped without CUDA.
+
+- decode attention (kernels.decode_attention, Triton, split-K) against `attend_rowwise` on
+  float64 copies of the same inputs, at awkward lengths (1, block edges, the pool's end) and
+  slots out of order, for the full tower's heads (16 q / 2 kv of 256) and the tiny preset's;
+- the fused draw (kernels.draw: noise key, noise and race in one Triton kernel) equals
+  `sampling.draw` exactly, on bf16-valued logits (many exact ties), every parameter corner;
+- a decode step replayed from the engine's CUDA graphs equals the eager step over the same rows
+  exactly (codes and stop flags), at a bucket size and padded (5 real rows in bucket 8 against
+  the eager step over the same 5 rows plus 3 companions: rows never affect each other);
+- the engine's eager GPU path still equals the float64 from-scratch timeline's draws closely
+  (test_tower_model covers the CPU path).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from services.common.config import DramaConfig
+from services.tower import kernels, sampling
+from services.tower.engine import StepEntry, TowerEngine
+from services.tower.model import RowBatch, attend_rowwise
+from services.tower.weights import random_tower
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not kernels.HAS_TRITON, reason="needs CUDA and Triton")
+
+
+def _preset(name: str) -> DramaConfig:
+    return DramaConfig.from_dict(json.loads(resources.files("services.common").joinpath(
+        f"presets/{name}.json").read_text()))
+
+
+# ------------------------------------------------------------------------------------------
+# decode attention
+# ------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 2, 256), (4, 2, 16), (8, 1, 64)])
+@pytest.mark.parametrize("splits", [None, 1, 3, 32])
+def test_decode_attention_matches_rowwise_reference(heads, kv_heads, head_dim, splits):
+    g = torch.Generator(device="cuda").manual_seed(heads * 1000 + head_dim + (splits or 0))
+    slots_n, length = 6, 1100
+    k_cache = torch.randn(slots_n, kv_heads, length, head_dim, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(slots_n, kv_heads, length, head_dim, device="cuda", generator=g).bfloat16()
+    positions = torch.tensor([0, 1, 31, 32, 33, 63, 64, 255, 1023, 1099, 517, 2], device="cuda")
+    slots = torch.tensor([3, 0, 5, 1, 1, 2, 4, 0, 5, 3, 2, 4], device="cuda")
+    q = (torch.randn(len(slots), heads, head_dim, device="cuda", generator=g) * 2).bfloat16()
+    out = kernels.decode_attention(q, k_cache, v_cache, slots, positions, splits=splits)
+    rows = RowBatch.from_segments([(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())], "cuda")
+    ref = attend_rowwise(q.double(), k_cache.double(), v_cache.double(), rows)
+    assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+    error = (out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
+    assert error.max() < 1e-2, error          # bf16 operands (q, K, V and the probabilities)
+    # A row attends to nothing past its position: changing later cache entries changes nothing.
+    k_cache[slots[0], :, 1:] = 100.0
+    again = kernels.decode_attention(q, k_cache, v_cache, slots, positions, splits=splits)
+    assert torch.equal(again[0], out[0])
+
+
+@cuda
+def test_decode_attention_reads_the_q_view_of_the_gated_projection():
+    """In the model q is a strided view (q and gate interleaved per head)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k_cache = torch.randn(2, 2, 64, 256, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(2, 2, 64, 256, device="cuda", generator=g).bfloat16()
+    q_and_gate = torch.randn(3, 16, 512, device="cuda", generator=g).bfloat16()
+    q = q_and_gate[..., :256]
+    slots, positions = torch.tensor([1, 0, 1], device="cuda"), torch.tensor([40, 63, 7], device="cuda")
+    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, slots, positions),
+                       kernels.decode_attention(q.contiguous(), k_cache, v_cache, slots, positions))
+
+
+# ------------------------------------------------------------------------------------------
+# fused draw
+# ------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("m", [4097, 1024, 33, 7])
+def test_fused_draw_equals_sampling_draw(m):
+    rows = 512
+    g = torch.Generator(device="cuda").manual_seed(m)
+    # bf16-valued logits, as the heads give them: many exact ties among candidates.
+    logits = (torch.randn(rows, m, device="cuda", generator=g) * 4).bfloat16().float()
+    logits[:8] = 0.0                                                   # all tied
+    temperature = torch.rand(rows, device="cuda", generator=g) * 1.6
+    temperature[::7] = 0.0                                             # greedy rows
+    top_p = torch.rand(rows, device="cuda", generator=g)
+    top_p[::5] = 1.0
+    top_p[1::9] = 0.0                                                  # first rank only
+    top_k = torch.randint(-2, 60, (rows,), device="cuda", generator=g)
+    top_k[::4] = 4097
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), device="cuda", generator=g)
+    takes = torch.randint(0, 4, (rows,), device="cuda", generator=g)
+    frames = torch.randint(0, 3000, (rows,), device="cuda", generator=g)
+    for draw_index in (0, 1, 9):
+        fused = kernels.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                             takes=takes, frames=frames, draw_index=draw_index)
+        keys = sampling.noise_key(seeds, takes, frames, draw_index)
+        reference = sampling.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, keys=keys)
+        assert torch.equal(fused, reference), (fused != reference).nonzero()[:10]
+    # and the naive per-row reference on a few rows (CPU, float64 softmax)
+    naive = sampling.naive_draw(logits[:24].cpu(), temperature=temperature[:24].cpu(), top_p=top_p[:24].cpu(),
+                                top_k=top_k[:24].cpu(), keys=keys[:24].cpu())
+    assert (naive == fused[:24].cpu()).float().mean() >= 0.95
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA graphs of the decode step
+# ------------------------------------------------------------------------------------------
+
+def _pair(cfg, sessions: int, context: int):
+    graphed = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16, seed=7), cfg,
+                          max_sessions=sessions, max_context=context, graphs=True)
+    eager = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16, seed=7), cfg,
+                        max_sessions=sessions, max_context=context, graphs=False)
+    graphed.warm_up()
+    eager.warm_up()
+    assert graphed.graphs_captured and not eager.graphs_captured
+    return graphed, eager
+
+
+def _params(i: int) -> dict:
+    """Row-varied sampling parameters: greedy, RAS-prone, penalised, top-k, plain."""
+    return [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=30),
+            dict(temperature=0.7, repetition_penalty=1.3), dict(temperature=1.2, top_p=1.0, top_k=0)][i % 5]
+
+
+@cuda
+@pytest.mark.parametrize("preset", ["tiny", "full"])
+def test_graphed_decode_equals_eager(preset):
+    cfg = _preset(preset)
+    sessions, prompt, steps = 8, 37, 12
+    graphed, eager = _pair(cfg, sessions, prompt + 2 * steps + 1)
+    d, n = cfg.tower.hidden_size, cfg.num_codebooks
+    g = torch.Generator().manual_seed(11)
+    none = torch.full((prompt, n), -1, dtype=torch.int64)
+    for i in range(sessions):
+        hidden = torch.randn(prompt, d, generator=g)
+        for engine in (graphed, eager):
+            result = engine.step([StepEntry(f"s{i}", 0, prompt, draw=True, seed=100 + i, **_params(i))], hidden, none)
+            assert not result.row_errors
+
+    def decode(engine, ids, row, frame, hidden):
+        entries = [StepEntry(f"s{i}", row, 1, draw=True, seed=100 + i, frame_index=frame, take_index=i % 2,
+                             **_params(i)) for i in ids]
+        result = engine.step(entries, hidden, torch.full((len(ids), n), -1, dtype=torch.int64))
+        assert not result.row_errors
+        return result
+
+    replays = graphed._graphs.replays
+    drawn = 0
+    for step in range(steps):                                       # all 8 rows: bucket 8
+        hidden = torch.randn(sessions, d, generator=g)
+        a = decode(graphed, range(sessions), prompt + step, step + 1, hidden)
+        b = decode(eager, range(sessions), prompt + step, step + 1, hidden)
+        assert torch.equal(a.codes, b.codes) and a.stop == b.stop, (step, a.codes, b.codes)
+        drawn += int((a.codes >= 0).sum())
+    for step in range(steps, 2 * steps):                            # 5 rows padded to bucket 8
+        hidden = torch.randn(sessions, d, generator=g)
+        a = decode(graphed, range(5), prompt + step, step + 1, hidden[:5])
+        b = decode(eager, range(sessions), prompt + step, step + 1, hidden)
+        assert torch.equal(a.codes, b.codes[:5]) and a.stop == b.stop[:5], (step, a.codes, b.codes[:5])
+    assert graphed._graphs.replays == replays + 2 * steps
+    assert drawn > 0
+    # The graphs never touched a real session's RAS window beyond what the eager engine did.
+    assert torch.equal(graphed._ras_history[:5], eager._ras_history[:5])
+
+
+@cuda
+def test_graphs_off_by_env(monkeypatch):
+    cfg = _preset("tiny")
+    monkeypatch.setenv("DRAMA_TOWER_GRAPHS", "0")
+    engine = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16), cfg, max_sessions=2,
+                         max_context=16)
+    engine.warm_up()
+    assert not engine.graphs_captured
+    monkeypatch.setenv("DRAMA_TOWER_GRAPHS", "1")
+    engine = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16), cfg, max_sessions=2,
+                         max_context=16)
+    engine.warm_up()
+    assert engine.graphs_captured and engine.open_sessions == 0
