@@ -3,6 +3,8 @@
 - decode attention (kernels.decode_attention, Triton, split-K) against `attend_rowwise` on
   float64 copies of the same inputs, at awkward lengths (1, block edges, the pool's end) and
   slots out of order, for the full tower's heads (16 q / 2 kv of 256) and the tiny preset's;
+  a row's result does not depend on the other rows;
+- the fused RMSNorm+ and q/k norm + RoPE kernels against the torch functions and float64;
 - the fused draw (kernels.draw: noise key, noise and race in one Triton kernel) equals
   `sampling.draw` exactly, on bf16-valued logits (many exact ties), every parameter corner;
 - a decode step replayed from the engine's CUDA graphs equals the eager step over the same rows
@@ -72,6 +74,53 @@ def test_decode_attention_reads_the_q_view_of_the_gated_projection():
     slots, positions = torch.tensor([1, 0, 1], device="cuda"), torch.tensor([40, 63, 7], device="cuda")
     assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, slots, positions),
                        kernels.decode_attention(q.contiguous(), k_cache, v_cache, slots, positions))
+
+
+@cuda
+def test_decode_attention_is_batch_invariant():
+    """A row's pieces depend on its own length only: the same row alone and among 40 others."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    k_cache = torch.randn(41, 2, 2048, 256, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(41, 2, 2048, 256, device="cuda", generator=g).bfloat16()
+    q = torch.randn(41, 16, 256, device="cuda", generator=g).bfloat16()
+    slots = torch.randperm(41, device="cuda", generator=g)
+    positions = torch.randint(0, 2048, (41,), device="cuda", generator=g)
+    together = kernels.decode_attention(q, k_cache, v_cache, slots, positions)
+    for row in (0, 17, 40):
+        alone = kernels.decode_attention(q[row:row + 1], k_cache, v_cache, slots[row:row + 1], positions[row:row + 1])
+        assert torch.equal(alone[0], together[row])
+
+
+# ------------------------------------------------------------------------------------------
+# RMSNorm+ and q/k norm + RoPE
+# ------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_norms_match_the_torch_references(dtype):
+    from services.tower.model import apply_rotary, rms_norm_plus, rotary_tables
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(37, 2048, device="cuda", generator=g) * 3).to(dtype)
+    w = torch.randn(2048, device="cuda", generator=g) * 0.3
+    fused, reference = kernels.rms_norm_plus(x, w, 1e-6), rms_norm_plus(x, w, 1e-6)
+    exact = rms_norm_plus(x.double(), w.double(), 1e-6)
+    assert fused.dtype == dtype
+    assert torch.allclose(fused.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    assert torch.allclose(fused.float(), reference.float(), rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+    for heads, head_dim, rotary in [(16, 256, 64), (2, 256, 64), (4, 16, 4)]:
+        q_and_gate = (torch.randn(37, heads, 2 * head_dim, device="cuda", generator=g) * 2).to(dtype)
+        q = q_and_gate[..., :head_dim]                                  # the strided view the model has
+        w = torch.randn(head_dim, device="cuda", generator=g) * 0.3
+        positions = torch.randint(0, 8192, (37,), device="cuda", generator=g)
+        cos, sin = rotary_tables(positions, rotary, 1e7)
+        fused = kernels.norm_rope(q, w, 1e-6, cos, sin)
+        reference = apply_rotary(rms_norm_plus(q, w, 1e-6), cos, sin)
+        exact = apply_rotary(rms_norm_plus(q.double(), w.double(), 1e-6), cos.double(), sin.double())
+        assert fused.shape == q.shape and fused.is_contiguous()
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(fused.double(), exact, rtol=tolerance, atol=tolerance)
+        assert torch.allclose(fused.float(), reference.float(), rtol=tolerance, atol=tolerance)
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ int64 kernels. So:
         causal GQA attention of each row over positions 0..p of its own slot, read straight
         from the cache pool (no gather), lengths read on the device: one compiled kernel for
         every length, so nothing is re-planned per step and the call is CUDA-graph safe.
-        Split-K ("flash decoding"): each (row, kv head) is cut into `splits` pieces of the
-        sequence, each piece keeps an online softmax in float32, and a second kernel merges
-        the pieces. `splits` is a run-time argument (one compiled kernel for every batch). The 8 query heads of a kv head share one program (one K/V read).
+        Split-K ("flash decoding"): each (row, kv head) is cut into pieces of its own history
+        (how many depends on its length only, so rows stay batch invariant), each piece keeps
+        an online softmax in float32, and a second kernel merges the pieces. The 8 query heads of a kv head share one program (one K/V read).
         Reference: model.attend_rowwise (run it on float64 inputs for a float64 reference).
 
     draw(logits [R, M], temperature=, top_p=, top_k=, seeds=, takes=, frames=, draw_index=)
@@ -21,6 +21,10 @@ int64 kernels. So:
         stable descending sort, ties to the lowest index. Softmax, sort and cumsum stay torch's
         own kernels, so the kept set and the scores are bit-identical to `sampling.draw` and the
         draws equal it exactly (tests/test_tower_gpu.py). On the CPU: `sampling.draw` itself.
+
+    rms_norm_plus(x [T, D], w, eps), norm_rope(x [T, heads, d], w, eps, cos, sin)
+        RMSNorm+ in one kernel instead of ~8, and the attention's q/k norm + partial NeoX RoPE
+        in one instead of ~20. References: model.rms_norm_plus, model.apply_rotary.
 
 Every function imports and runs on a machine without Triton or CUDA (then the torch reference
 path is taken); `use_triton` is the one dispatch rule.
@@ -63,15 +67,14 @@ def _next_pow2(n: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 _MOST_SPLITS = 32
+_SPLIT_POSITIONS = 128      # a row's history is cut into pieces of at least this many positions
 
 
-def attention_splits(rows: int, num_kv_heads: int, target_programs: int = 264, most: int = _MOST_SPLITS) -> int:
-    """Pieces per (row, kv head): enough programs to fill the chip (132 SMs x 2) at small
-    batch, 1 once the rows alone do. A function of the row count only, so a graph bucket keeps it."""
-    splits = 1
-    while splits < most and rows * num_kv_heads * splits < target_programs:
-        splits *= 2
-    return splits
+def attention_splits(max_context: int) -> int:
+    """The grid's pieces per (row, kv head), from the pool length only: a row of length n uses
+    min(this, ceil(n / 128)) of them, so its arithmetic depends on nothing but n (batch
+    invariance), and a batch-1 step over 1000 positions still runs 8 x 2 programs."""
+    return max(1, min(_MOST_SPLITS, -(-max_context // _SPLIT_POSITIONS)))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
@@ -88,7 +91,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     group = num_heads // num_kv
     if q.stride(-1) != 1:
         q = q.contiguous()
-    splits = splits or attention_splits(t, num_kv)
+    splits = splits or attention_splits(k_cache.shape[2])
     block_d = _next_pow2(head_dim)
     block_g = max(16, _next_pow2(group))          # tl.dot wants >= 16 rows
     block_n = 32 if block_d >= 256 else 64
@@ -98,7 +101,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         q, k_cache, v_cache, slots, positions, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim ** -0.5, head_dim, splits,
-        G=group, BG=block_g, BD=block_d, BN=block_n, num_warps=4, num_stages=2)
+        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2)
     out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(t, num_heads)](
         part_o, part_lse, out, head_dim, splits, G=group, BG=block_g, BD=block_d,
@@ -120,14 +123,17 @@ if HAS_TRITON:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_o_ptr, part_lse_ptr,
                                  stride_qt, stride_qh, stride_cs, stride_ch, stride_cl, scale, D, SPLITS,
-                                 G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+                                 G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+                                 SPLIT_POSITIONS: tl.constexpr):
         row = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
         slot = tl.load(slot_ptr + row).to(tl.int64)
         length = tl.load(pos_ptr + row).to(tl.int32) + 1
-        # Pieces of whole BN blocks; the last ones may be empty (then m = -inf, l = 0).
-        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN
+        # This row's pieces (by its own length only), of whole BN blocks; the grid's other
+        # pieces are empty (then m = -inf, l = 0, and the merge gives them weight 0).
+        pieces = tl.minimum(tl.cdiv(length, SPLIT_POSITIONS), SPLITS)
+        chunk = tl.cdiv(tl.cdiv(length, pieces), BN) * BN
         start = split * chunk
         end = tl.minimum(start + chunk, length)
 
@@ -182,6 +188,80 @@ if HAS_TRITON:
         merged = tl.sum(weights[:, None] * o, axis=0) / tl.sum(weights, axis=0)
         tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d,
                  merged.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm+ and the attention prologue's q/k norm + RoPE
+# --------------------------------------------------------------------------------------------
+
+def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """model.rms_norm_plus in one kernel (one program per row): x [T, D] -> x.dtype.
+    Torch's version is ~8 launches (upcast, square, mean, add, rsqrt, two products, downcast)."""
+    from services.tower.model import rms_norm_plus as reference
+
+    if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0:
+        return reference(x, weight, eps)
+    rows, dim = x.shape
+    out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4)
+    return out
+
+
+def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rotary(rms_norm_plus(x), cos, sin) per head in one kernel: x [T, heads, d] (any row
+    and head strides), cos/sin float32 [T, r/2] -> contiguous [T, heads, d] in x's dtype. The
+    normed value is rounded to x's dtype before the rotation, as the two-step version does."""
+    from services.tower.model import apply_rotary, rms_norm_plus as reference
+
+    if not use_triton(x) or x.stride(-1) != 1 or x.shape[0] == 0:
+        return apply_rotary(reference(x, weight, eps), cos, sin)
+    rows, heads, dim = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(rows, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), dim, eps,
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), num_warps=1)
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BD: tl.constexpr):
+        row = tl.program_id(0)
+        d = tl.arange(0, BD)
+        ok = d < D
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + d, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(out_ptr + row.to(tl.int64) * D + d, (normed * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, D, eps,
+                          HALF: tl.constexpr, BD: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        d = tl.arange(0, BD)
+        ok = d < D
+        base = x_ptr + row.to(tl.int64) * stride_t + head * stride_h
+        x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        dtype = out_ptr.dtype.element_ty
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        y = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
+        # NeoX pairs (i, i + r/2) of the first r = 2 * HALF dims: the partner of each rotated dim.
+        first = d < HALF
+        rotated = d < 2 * HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        partner = tl.where(rotated, partner, d)
+        xp = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
+        yp = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+        j = tl.where(first, d, d - HALF)
+        c = tl.load(cos_ptr + row.to(tl.int64) * HALF + j, mask=rotated, other=1.0)
+        s = tl.load(sin_ptr + row.to(tl.int64) * HALF + j, mask=rotated, other=0.0)
+        out = tl.where(first, y * c - yp * s, y * c + yp * s)
+        out = tl.where(rotated, out, y)
+        tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d, out.to(dtype), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------

@@ -266,8 +266,8 @@ class GatedAttention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rows.rotary(self.rotary_dim, self.rope_theta)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k), cos, sin)
+        q = norm_rope(q, self.q_norm, cos, sin)
+        k = norm_rope(k, self.k_norm, cos, sin)
 
         # Write first, then attend: rows of one segment then see each other causally.
         self.k_cache[rows.slots, :, rows.positions] = k
@@ -298,6 +298,10 @@ class RMSNormPlus(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:      # one Triton kernel (services/tower/kernels.py); same function
+            from services.tower import kernels
+
+            return kernels.rms_norm_plus(x, self.weight, self.eps)
         return rms_norm_plus(x, self.weight, self.eps)
 
 
@@ -336,6 +340,15 @@ def rotary_tables(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Ten
     inv_freq = (theta ** -exponents).to(torch.float32)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return torch.cos(angles), torch.sin(angles)
+
+
+def norm_rope(x: Tensor, norm: RMSNormPlus, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rotary(norm(x)): the q/k prologue; on CUDA one fused kernel (kernels.norm_rope)."""
+    if x.is_cuda:
+        from services.tower import kernels
+
+        return kernels.norm_rope(x, norm.weight, norm.eps, cos, sin)
+    return apply_rotary(norm(x), cos, sin)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
