@@ -6,6 +6,8 @@ and middleware, and includes the routers.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 from contextlib import asynccontextmanager
 
@@ -22,6 +24,36 @@ from gateway.takes import TakeStore
 from gateway.voices import VoiceRegistry
 
 log = logging.getLogger("gateway")
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except that every HTTP request starts from an empty `contextvars.Context`.
+
+    Each request must be its own trace (API.md §1.7), but under uvicorn on the asyncio loop a
+    request can start inside the context of an earlier request on the same keep-alive connection
+    (CPython #140947, uvicorn #2167): uvicorn makes each request's task from the connection's read
+    callback, so the task copies that callback's context, and asyncio's selector transport
+    re-registers the read callback, with a copy of the *caller's* context, whenever
+    `transport.resume_reading()` is called. uvicorn calls it from inside the request task: in
+    `receive()` once a body over 64 KiB has paused reading (a voice upload, a big /v1/tts or
+    /v1/audio/speech body), and in the `send()` that completes a response after reading was
+    paused (a 413 while the body is still arriving), where it also starts a pipelined request's
+    task. OpenTelemetry's SERVER span is current there, so every later request on the connection
+    saw a current span, and the ASGI instrumentation made it an INTERNAL child of that span, in
+    that trace (X-Trace-Id included).
+
+    Running the app in a task of its own with a fresh context, outside the instrumentation
+    middleware, cuts that inheritance for every route, body size and server; nothing of the
+    connection's context is needed (the trace parent, if any, comes from `traceparent`). Recent
+    uvicorn has the same as an opt-in flag (--reset-contextvars), not on by default and absent from
+    older versions, so the gateway does it itself. Lifespan runs as before, in the server's context.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        # Awaiting the task directly (not shielded) passes a cancellation of this request on to it.
+        await asyncio.create_task(super().__call__(scope, receive, send), context=contextvars.Context())
 
 
 def build_state(settings: Settings, metrics: GatewayMetrics) -> GatewayState:
@@ -76,7 +108,7 @@ def _setup_tracing(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
-    app = FastAPI(title="dramaturg gateway", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="dramaturg gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = GatewayMetrics()
     install_exception_handlers(app)
