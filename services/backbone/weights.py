@@ -74,6 +74,17 @@ def _expectations(path: Path, ckpt):
     return _widen(expected), other, audio, block
 
 
+_F32_PARAMETERS = ("mlp.gate.weight", "A_log", "dt_bias")   # router and decay parameters run in F32
+
+
+def _kept(name: str, expected: dict[str, TensorSpec], lm_head: bool) -> bool:
+    """Whether the backbone reads `name`: its own tensors and their FP8 scales; the LM head only
+    when it is built. Another stage's tensors and the ignored ones were checked, not read."""
+    if name not in expected and not (name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in expected):
+        return False
+    return lm_head or not name.startswith("lm_head.")
+
+
 def _assign(model: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
     """Replace the parameter or buffer at `dotted` (e.g. layers.0.mlp.gate.weight) by `tensor`."""
     module_path, _, attr = dotted.rpartition(".")
@@ -114,23 +125,46 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
         if hasattr(module, "block_size"):
             module.block_size = block
 
-    def load(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
-        """A fresh copy (never a view of the memory-mapped shard): CPU GEMM results depend on the
-        weight's alignment, and a copy is always allocated 64-byte aligned."""
-        t = ckpt.get(name)
-        if t.dtype != torch.float8_e4m3fn:
-            t = t.to(torch.float32 if name.endswith("_scale_inv") else dtype)
-        return t.to(device=device, copy=True)
+    # Reading (§2.5 rule 1 happened above): every tensor this stage keeps is read in parallel,
+    # a thread per shard, each copied straight to `device` in its compute dtype; routed experts
+    # go straight into their stacked [E, ...] tensors, preallocated here. Nothing is held twice.
+    wanted = [name for name in ckpt.names() if _kept(name, expected, lm_head)]
 
-    stacked: dict[str, torch.Tensor] = {}   # experts: one [E, ...] tensor filled expert by expert
+    def compute_dtype(name: str) -> torch.dtype:
+        """The router and the decay parameters run in F32, everything else in `dtype`."""
+        return torch.float32 if name.removeprefix(prefix).endswith(_F32_PARAMETERS) else dtype
 
-    def put_expert(target: str, e: int, tensor: torch.Tensor) -> None:
-        if target not in stacked:
-            stacked[target] = torch.empty((text.num_experts,) + tuple(tensor.shape), dtype=tensor.dtype,
-                                          device=device)
-        stacked[target][e] = tensor
+    def target_dtype(name: str) -> torch.dtype:
+        """As read: FP8 stays FP8 (dequantised later where its module keeps no scale), scales
+        are F32, anything else is cast to its compute dtype."""
+        if ckpt.dtype_of(name) == torch.float8_e4m3fn:
+            return torch.float8_e4m3fn
+        return torch.float32 if name.endswith("_scale_inv") else compute_dtype(name)
 
-    def place(target: str, name: str, dtype: torch.dtype = dtype) -> None:
+    stacked: dict[str, torch.Tensor] = {}        # module path -> [E, ...] on device
+    expert_slot: dict[str, tuple[str, int]] = {}   # checkpoint name -> (module path, expert)
+    for name in wanted:
+        if m := _PER_EXPERT.match(name.removeprefix(prefix)):
+            base, e, proj, kind = m.groups()
+            target = f"{base}.{proj}" if kind == "weight" else f"{base}.{proj}_scale_inv"
+            expert_slot[name] = (target, int(e))
+            if target not in stacked:
+                stacked[target] = torch.empty((text.num_experts,) + ckpt.shape_of(name),
+                                              dtype=target_dtype(name), device=device)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def read(name: str, mapped: torch.Tensor, copier) -> None:
+        """On a reader thread: a fresh copy on `device` (never a view of the memory-mapped shard:
+        CPU GEMM results depend on the weight's alignment, and a copy is always aligned)."""
+        if name in expert_slot:
+            target, e = expert_slot[name]
+            copier.copy_into(stacked[target][e], mapped)
+        else:
+            loaded[name] = copier.new(mapped, target_dtype(name))
+
+    ckpt.read_parallel(wanted, read, device=device)
+
+    def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps
         no scale (the router, which runs in F32) is dequantised here, once; a scale goes to its
         module's `*_scale_inv` slot, or nowhere when its weight was dequantised."""
@@ -138,38 +172,32 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
         module = model.get_submodule(module_path) if module_path else model
         if attr.endswith("_scale_inv"):
             if attr in module._buffers:
-                _assign(model, target, load(name))
+                _assign(model, target, loaded[name])
             return
-        t = load(name, dtype)
+        t = loaded[name]
         if t.dtype == torch.float8_e4m3fn and f"{attr}_scale_inv" not in module._buffers:
-            t = dequantize_block_fp8(t, load(f"{name}_scale_inv"), block, dtype)
+            t = dequantize_block_fp8(t, loaded[f"{name}_scale_inv"], block, compute_dtype(name))
         _assign(model, target, t)
 
-    for name in ckpt.names():
-        if name not in expected and not (name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in expected):
-            continue   # another stage's tensor, or ignored on purpose (checked above)
+    for name in wanted:
+        if name in expert_slot:
+            continue   # already in its stacked tensor
         if name.startswith("lm_head."):
-            if lm_head:
-                place(name, name)
+            place(name, name)
             continue
         if name == CODEBOOK_EMBEDDINGS:
             place("codebook_embeddings.weight", name)
             continue
         local = name.removeprefix(prefix)
-        if m := _PER_EXPERT.match(local):
-            base, e, proj, kind = m.groups()
-            target = f"{base}.{proj}" if kind == "weight" else f"{base}.{proj}_scale_inv"
-            put_expert(target, int(e), load(name))
-        elif m := _FUSED_GATE_UP.match(local):
-            gate, up = load(name).chunk(2, dim=1)          # rows 0..I−1 gate, I..2I−1 up (§2.5 rule 3)
+        if m := _FUSED_GATE_UP.match(local):
+            gate, up = loaded[name].chunk(2, dim=1)        # rows 0..I−1 gate, I..2I−1 up (§2.5 rule 3)
             _assign(model, f"{m.group(1)}.gate_proj", gate.contiguous())
             _assign(model, f"{m.group(1)}.up_proj", up.contiguous())
         elif m := _FUSED_DOWN.match(local):
-            _assign(model, f"{m.group(1)}.down_proj", load(name))
-        elif local.endswith(("mlp.gate.weight", "A_log", "dt_bias")):
-            place(local, name, torch.float32)               # router and decay parameters run in F32
+            _assign(model, f"{m.group(1)}.down_proj", loaded[name])
         else:
             place(local, name)
+    loaded.clear()
     for target, tensor in stacked.items():
         _assign(model, target, tensor)
     if lm_head and model.lm_head is not None and text.tie_word_embeddings:

@@ -3,6 +3,7 @@
     ckpt = open_safetensors(checkpoint_dir)       # index + shard headers only, no tensor data
     ckpt.shape_of(name), ckpt.dtype_of(name)      # from the headers
     ckpt.get(name)                                # memory-mapped read of one tensor, stored dtype
+    ckpt.read_parallel(names, fn, device=...)     # fn(name, mapped, copier) from a thread per shard
     check_tensors(ckpt, expected, other_stage_names=...)   # one WeightError listing every problem
 
 Problems are collected, never raised one at a time: a real checkpoint whose names or shapes differ
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -129,6 +133,180 @@ class SafetensorsCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+    def read_parallel(self, names: Iterable[str], fn: Callable[[str, torch.Tensor, "DeviceCopier"], None],
+                      *, device: str | torch.device = "cpu", threads: int | None = None) -> None:
+        """Call `fn(name, mapped, copier)` for every name, from a pool of threads.
+
+        Each thread takes one shard at a time, opens its own memory map of it, asks the kernel to
+        read the byte ranges of the wanted tensors ahead (POSIX_FADV_WILLNEED: large reads queued
+        at once instead of one page fault at a time) and calls `fn` for them in file order.
+        `mapped` is the stored tensor as a read-only view of the map, valid during the call only:
+        `fn` copies what it keeps, with `copier` (this thread's DeviceCopier for `device`). Reads
+        happen in the copies (the page faults), and the copies release the GIL, so the threads
+        read shards in parallel. `fn` runs on the pool's threads: it must only write to places
+        no other call writes (its own dict key, its own slice of a preallocated tensor).
+        Returns when every copy has landed (CUDA: the copy streams are synchronised); the first
+        exception raised by any call is raised here.
+        threads: default $DRAMA_LOAD_THREADS, else min(8, cores, shards).
+        """
+        device = torch.device(device)
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(self.file_of(name), []).append(name)
+        if not by_shard:
+            return
+        threads = threads or default_read_threads(len(by_shard))
+        local = threading.local()
+
+        def read_shard(shard: str, wanted: list[str]) -> None:
+            path = self.directory / shard
+            data_start, offsets = _data_offsets(path)
+            wanted = sorted(wanted, key=lambda n: offsets[n][0])
+            _read_ahead(path, [(data_start + offsets[n][0], data_start + offsets[n][1]) for n in wanted])
+            copier = getattr(local, "copier", None)
+            if copier is None:
+                copier = local.copier = DeviceCopier(device)
+            handle = safe_open(str(path), framework="pt")
+            try:
+                for name in wanted:
+                    fn(name, handle.get_tensor(name), copier)
+            finally:
+                copier.finish()
+                del handle
+
+        # biggest shards first, so a big last shard is not the tail
+        order = sorted(by_shard, key=lambda f: -sum(self.nbytes_of(n) for n in by_shard[f]))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
+            futures = [pool.submit(read_shard, shard, by_shard[shard]) for shard in order]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    for other in futures:
+                        other.cancel()
+                    raise future.exception()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def default_read_threads(shards: int) -> int:
+    """$DRAMA_LOAD_THREADS, else min(8, cores, shards): 8 readers keep a disk's queue and the
+    host-to-GPU copies busy; more only add memory traffic."""
+    configured = int(os.environ.get("DRAMA_LOAD_THREADS", "0") or 0)
+    return max(1, configured or min(8, os.cpu_count() or 1, shards))
+
+
+def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(where the data starts, name -> [begin, end) byte offsets in the data) from a safetensors
+    header (an 8-byte little-endian length, then that much JSON). The file was already validated
+    by safe_open when the checkpoint was opened."""
+    with open(path, "rb") as fh:
+        length = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(length))
+    return 8 + length, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_ahead(path: Path, ranges: list[tuple[int, int]], gap: int = 2 ** 20) -> None:
+    """POSIX_FADV_WILLNEED over `ranges` (file byte ranges, sorted), merged where less than `gap`
+    apart. Advice only: where the call is missing or refused, the page faults read instead."""
+    if not ranges or not hasattr(os, "posix_fadvise"):
+        return
+    merged = [list(ranges[0])]
+    for begin, end in ranges[1:]:
+        if begin - merged[-1][1] < gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for begin, end in merged:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class DeviceCopier:
+    """Copies host tensors (memory-mapped shard views) to `device`; one per reading thread.
+
+    CPU (and any device but CUDA): `src.to(dtype, copy=True)` / `dst.copy_(src)`, one pass that
+    converts the dtype on the way and always gives fresh memory, never a view of the map.
+
+    CUDA: through two pinned staging buffers used in turn. The CPU fills one from the map (this
+    is where the page faults, i.e. the disk reads, happen: in parallel across threads) while
+    this thread's own stream copies the other to the GPU asynchronously; a buffer is refilled
+    only after the event recorded behind its last copy has completed. Destinations are
+    allocated on the thread's current (default) stream, and the copy stream first waits for
+    that stream, so a reused block is never written while older work may still read it.
+    `finish()` waits for the copy stream. A dtype change happens on the GPU, after the copy.
+    """
+
+    CHUNK_BYTES = 64 * 2 ** 20
+
+    def __init__(self, device: str | torch.device, chunk_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.chunk_bytes = chunk_bytes or self.CHUNK_BYTES
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self.staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.pending: list[torch.cuda.Event | None] = [None, None]
+            self.turn = 0
+
+    def new(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fresh copy of `src` on the device, in `dtype` (default: src's)."""
+        dtype = dtype or src.dtype
+        if not self.cuda:
+            return src.to(device=self.device, dtype=dtype, copy=True)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self._staged_copy(out, src)
+        if dtype == src.dtype:
+            return out
+        return self._landed(out).to(dtype)
+
+    def _landed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` once the copy stream's work has finished, for use on the current stream.
+        Only the rare dtype change needs this (F32 stored, BF16 computed)."""
+        self.stream.synchronize()
+        return tensor
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into the existing device tensor `dst` (same shape), converting the dtype."""
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"copy of {tuple(src.shape)} into {tuple(dst.shape)}")
+        if not self.cuda:
+            dst.copy_(src)
+        elif dst.dtype == src.dtype:
+            self._staged_copy(dst, src)
+        else:
+            dst.copy_(self._landed(self.new(src)))   # lands in the stored dtype, converts on the GPU
+
+    def _staged_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.dtype != src.dtype:
+            raise ValueError("staged copies need contiguous tensors of one dtype")
+        src_bytes = src.reshape(-1).view(torch.uint8)
+        dst_bytes = dst.reshape(-1).view(torch.uint8)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for begin in range(0, nbytes, self.chunk_bytes):
+            end = min(begin + self.chunk_bytes, nbytes)
+            turn = self.turn
+            self.turn ^= 1
+            if self.pending[turn] is not None:
+                self.pending[turn].synchronize()          # its previous copy has left the buffer
+            buffer = self.staging[turn][: end - begin]
+            buffer.copy_(src_bytes[begin:end])            # host: reads the shard
+            with torch.cuda.stream(self.stream):
+                dst_bytes[begin:end].copy_(buffer, non_blocking=True)
+                self.pending[turn] = self.stream.record_event()
+
+    def finish(self) -> None:
+        """Wait until every copy this copier started has landed."""
+        if self.cuda:
+            self.stream.synchronize()
 
 
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

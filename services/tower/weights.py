@@ -77,6 +77,31 @@ def read_weight(ckpt, name: str, block_size: tuple[int, int]) -> torch.Tensor:
     return tensor
 
 
+def read_tower_state(ckpt, cfg: DramaConfig, parameter_names: list[str], device: torch.device,
+                     dtype: torch.dtype, block_size: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """{parameter name: tensor on `device` in `dtype`} for the tower's parameters.
+
+    The stored-as-is tensors (all of them in our checkpoints) are read in parallel, a thread per
+    shard, each copied once straight to `device` (SafetensorsCheckpoint.read_parallel); an FP8
+    one (§2.5 rule 4) is dequantised on the host first, and the semantic head reads its rows.
+    """
+    head = "semantic_head.weight"
+    by_checkpoint_name = {checkpoint_name(n): n for n in parameter_names if n != head}
+    plain = [n for n in by_checkpoint_name if ckpt.dtype_of(n) != torch.float8_e4m3fn]
+    state: dict[str, torch.Tensor] = {}
+
+    def read(name: str, mapped: torch.Tensor, copier) -> None:
+        state[by_checkpoint_name[name]] = copier.new(mapped, dtype)   # each thread its own keys
+
+    ckpt.read_parallel(plain, read, device=device)
+    for name in set(by_checkpoint_name) - set(plain):
+        state[by_checkpoint_name[name]] = read_weight(ckpt, name, block_size).to(device=device, dtype=dtype)
+    if head in parameter_names:
+        source, rows = semantic_head_source(cfg, set(ckpt.names()))
+        state[head] = read_rows(ckpt, source, rows, block_size).to(device=device, dtype=dtype)
+    return state
+
+
 def load_tower(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, batch_invariant: bool | None = None) -> TowerModel:
     """The tower of a checkpoint, checked strictly (every problem listed in one WeightError).
@@ -97,14 +122,8 @@ def load_tower(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu"
     # placeholder values never exist (they would be meaningless anyway).
     with torch.device("meta"):
         model = TowerModel(cfg, batch_invariant=batch_invariant)
-    state = {}
-    for name, _ in model.named_parameters():
-        if name == "semantic_head.weight":
-            source, rows = semantic_head_source(cfg, set(ckpt.names()))
-            tensor = read_rows(ckpt, source, rows, block_size)
-        else:
-            tensor = read_weight(ckpt, checkpoint_name(name), block_size)
-        state[name] = tensor.to(device=device, dtype=dtype)
+    state = read_tower_state(ckpt, cfg, [name for name, _ in model.named_parameters()], device, dtype,
+                             block_size)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
