@@ -17,6 +17,11 @@ and 9 residual layers, and the codes back on the host. Reported: median and p90 
 frames/s (B / median), and the real-time budget share (a real-time session needs a frame per
 1/21.5 s = 46.4 ms for backbone, tower and both transfers together, API.md §3.5).
 
+Measured on one H200 (2026-11-29, torch 2.11, `python3 bench/tower.py --steps 20 --warmup 3
+--invariance 8 32 --invariance-steps 16`, context 1000), median ms per step at batch 1/8/32/64/128:
+graphs 3.06 / 3.40 / 4.38 / 6.31 / 8.04, eager 15.5 / 16.6 / 18.0 / 18.7 / 20.9 (before issue #7's
+work: 79 ms at batch 1, 123 ms at batch 64).
+
 `graphs` rows replay the engine's CUDA graphs (captured by warm_up; a step of B rows replays
 bucket B), `eager` rows run the same step op by op (DRAMA_TOWER_GRAPHS=0 in the server).
 """

@@ -11,7 +11,8 @@ int64 kernels. So:
         every length, so nothing is re-planned per step and the call is CUDA-graph safe.
         Split-K ("flash decoding"): each (row, kv head) is cut into pieces of its own history
         (how many depends on its length only, so rows stay batch invariant), each piece keeps
-        an online softmax in float32, and a second kernel merges the pieces. The 8 query heads of a kv head share one program (one K/V read).
+        an online softmax in float32, and a second kernel merges the pieces. The 8 query
+        heads of a kv head share one program (one K/V read).
         Reference: model.attend_rowwise (run it on float64 inputs for a float64 reference).
 
     draw(logits [R, M], temperature=, top_p=, top_k=, seeds=, takes=, frames=, draw_index=)

@@ -20,7 +20,8 @@ arithmetic that does not depend on the other rows of the call: linears are batch
 products (`torch.bmm` with one row per batch item; a plain GEMM changes its summation order with
 the row count) and attention runs one row at a time over exactly its own `p + 1` positions. That
 is what makes prefill split invariance and batch invariance bit-exact. On GPU the fast path
-(GEMMs, SDPA) is used instead.
+is used instead: GEMMs, and the Triton kernels of services/tower/kernels.py for decode attention,
+RMSNorm+ and the q/k norm + RoPE (SDPA without cuDNN for multi-row prefill segments).
 
 Shape letters: T rows in the call, D hidden size, N codebooks, H query heads, K KV heads,
 d head dim, L cache length (max_context), S session slots.
