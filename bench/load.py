@@ -315,7 +315,7 @@ async def run_with_cancellations(url: str, *, requests: int, cancel_fraction: fl
                 else:
                     failed.append(f"{outcome.status}:{outcome.error_code}")
 
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return CancelResult(requests=requests, completed=counts["completed"],
                         cancelled_before_body=counts["before_body"], cancelled_mid_body=counts["mid_body"],
                         failed=failed, wall_s=time.monotonic() - started)
