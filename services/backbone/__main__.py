@@ -7,8 +7,9 @@ DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
 DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKENS (2048),
 DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
 Step requests at the tower at once, capped by the tower's own), DRAMA_PREFIX_CACHE_MB (voice-prefix
-cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (1: CUDA graphs for decode steps on the
-kernel path; off by default) and DRAMA_GRACE_S (30).
+cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
+step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off) and
+DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
@@ -20,7 +21,7 @@ import asyncio
 import sys
 import tempfile
 
-from services.backbone.server import MemoryBudgetError, Settings, serve
+from services.backbone.server import MemoryBudgetError, Settings, decode_graphs_for, serve
 from services.common import grpcutil, random_weights
 from services.common.grpcutil import env_default
 
@@ -60,14 +61,20 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
-        decode_graphs=env_default("DRAMA_DECODE_GRAPHS", "0") == "1",
+        decode_graphs=_decode_graphs_env(),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
+
+
+def _decode_graphs_env() -> bool | None:
+    """DRAMA_DECODE_GRAPHS: unset (None: on for CUDA devices), 0 off, anything else on."""
+    value = env_default("DRAMA_DECODE_GRAPHS", None)
+    return None if value in (None, "") else value.strip() not in ("0", "false", "off", "no")
 
 
 async def serve_random_weights(settings: Settings, preset: str) -> None:
     """`serve(settings)` with the model built at PRESET's geometry, random values on the device."""
     model = await asyncio.to_thread(random_weights.random_backbone_stage, preset, settings.device,
-                                    decode_graphs=settings.decode_graphs)
+                                    decode_graphs=decode_graphs_for(settings))
     await serve(settings, loaded_model=model)
 
 

@@ -9,15 +9,18 @@ h // (n_q/n_kv)), d head dim, r rotary dims, L keys visible to a row (its positi
     naive_attention(q [T, n_q, d], k, v [T, n_kv, d], scale)  -> [T, n_q, d]   float64 causal reference
 
     attend_slots(q [B, n_q, d], k_pool, v_pool [S, n_kv, L_max, d], slots, positions [B], context, scale)
-        -> [B, n_q, d]   one row per session, each over its own slot's keys ≤ its position (SDPA + mask)
-    attend_segment(q [n, n_q, d], keys, values [n_kv, L_max, d], start, scale) -> [n, n_q, d]  SDPA, causal
+        -> [B, n_q, d]   one row per session, each over its own slot's keys ≤ its position
+                         (CUDA: Triton flash-decoding over the pool, kernels/attention.py; else SDPA + mask)
+    attend_segment(q [n, n_q, d], keys, values [n_kv, L_max, d], start, scale) -> [n, n_q, d]
+                         SDPA, causal (lower right), flash / memory-efficient backends on CUDA
 
 The exact (CPU) path attends one query row at a time over exactly its L keys, so the shapes a row
 sees (and with them the reduction order) depend only on its position, never on how many rows
 arrived in the same call; the batched form is for the GPU path. The kernel path (Backbone.kernels)
 fuses q|k|v into one GEMM, does q/k norm + RoPE + the KV write in one Triton launch
-(kernels/decode_graph.attention_prologue) and attends through SDPA: a decode step as one call
-over the gathered slots with a per-row length mask (`attend_slots`), other steps per segment.
+(kernels/decode_graph.attention_prologue); a decode step attends in one Triton call over the slot
+pool (`attend_slots`), other steps per segment through SDPA (`attend_segment`). Neither lets torch
+pick cuDNN, whose SDPA re-plans for every new key length.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from services.common.config import TextConfig
 
+from .kernels import attention as kattn
 from .kernels import decode_graph as dg
 from .layers import Linear, RowBatch, Weight, fuse_linears, per_row, rms_norm_plus
 from .rope import apply_rope
@@ -88,37 +94,43 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def attend_slots(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor, context: int, scale: float) -> torch.Tensor:
-    """One query row per session, all in one SDPA call: row b (slot slots[b], position
-    positions[b]) attends over keys 0..positions[b] of its slot. Keys [0, context) of the batch's
-    slots are gathered ([B, n_kv, context, d]); a boolean mask hides each row's keys past its
-    position. GQA as n_kv query blocks of n_q/n_kv heads (head h uses KV head h // (n_q/n_kv))."""
-    b, n_q, d = q.shape
-    n_kv = k_pool.shape[1]
-    keys = k_pool[:, :, :context].index_select(0, slots)
-    values = v_pool[:, :, :context].index_select(0, slots)
-    visible = torch.arange(context, device=q.device)[None, :] <= positions[:, None]       # [B, context]
-    o = F.scaled_dot_product_attention(q.view(b, n_kv, n_q // n_kv, d), keys, values,
-                                       attn_mask=visible[:, None, None, :], scale=scale)
-    return o.reshape(b, n_q, d)
+    """One query row per session: row b (slot slots[b], position positions[b]) attends over keys
+    0..positions[b] of its slot. On CUDA the Triton flash-decoding kernel reads the pool where it
+    lies, lengths from the positions tensor (kernels/attention.py: no gather, no cuDNN re-planning,
+    one CUDA graph for every position); elsewhere (and as its reference) one SDPA call over the
+    gathered keys [0, context) with a length mask. GQA: head h uses KV head h // (n_q/n_kv)."""
+    return kattn.decode_attention(q, k_pool, v_pool, slots, positions, context, scale)
 
 
 def attend_segment(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
                    ) -> torch.Tensor:
     """n query rows at positions start..start+n−1 of one session over its keys [n_kv, L_max, d]
-    (rows 0..start+n−1 valid), causal, through SDPA (KV heads repeated to n_q)."""
+    (rows 0..start+n−1 valid), causal, through SDPA (KV heads repeated to n_q).
+
+    Causal with the diagonal at the bottom right (row i sees keys ≤ start + i) through torch's
+    `causal_lower_right` bias rather than a boolean mask, and on CUDA only the flash and
+    memory-efficient backends: with a mask torch picks cuDNN on the H200, which builds a new plan
+    for every key length (milliseconds of host time per call); flash and efficient take the causal
+    offset natively and never re-plan."""
     n, n_q, d = q.shape
     end = start + n
     group = n_q // keys.shape[0]
     k = keys[:, :end].repeat_interleave(group, dim=0)[None]                                # [1, n_q, end, d]
     v = values[:, :end].repeat_interleave(group, dim=0)[None]
     qh = q.transpose(0, 1)[None]                                                          # [1, n_q, n, d]
-    if start == 0:
-        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
-    else:
-        pos = torch.arange(start, end, device=q.device)[:, None]
-        mask = torch.arange(end, device=q.device)[None, :] <= pos                          # [n, end]
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1)
+    if not q.is_cuda:
+        return _sdpa_lower_right(qh, k, v, n, end, scale)[0].transpose(0, 1)
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        return _sdpa_lower_right(qh, k, v, n, end, scale)[0].transpose(0, 1)
+
+
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _sdpa_lower_right(qh, k, v, n: int, end: int, scale: float) -> torch.Tensor:
+    if n == end:
+        return F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(n, end), scale=scale)
 
 
 # --------------------------------------------------------------------------------------------

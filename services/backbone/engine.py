@@ -166,7 +166,8 @@ class BackboneEngine:
             hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
             for seg in segments:
                 self._lengths[seg.slot] += seg.count
-            return [hidden[seg.rows].clone() for seg in segments]
+            hidden = hidden.clone()        # one copy (the kernel path may return a graph's buffer)
+            return [hidden[seg.rows] for seg in segments]
 
     def _check_slot(self, slot: int) -> None:
         if not (isinstance(slot, int) and 0 <= slot < self.max_sessions and self._open[slot]):
@@ -203,28 +204,40 @@ class BackboneEngine:
         return token_ids, frames
 
     # ---- warm-up ---------------------------------------------------------------------------
-    def warm_up(self, prefill_rows: int | None = None, decode_steps: int = 2) -> None:
+    def warm_up(self, prefill_rows: int | None = None, decode_steps: int = 2) -> list[int]:
         """Run the step shapes a server meets before it reports SERVING, so one-time costs (Triton
         compilation and autotuning, CUDA-graph capture, allocator growth) are not paid by the first
-        request: a prefill crossing a 64-row chunk boundary, then decode steps at batch 1 and 2.
-        Uses text rows of token 0 and releases its slots, so the pool is back to its start state.
-        On CPU nothing compiles, so a few rows suffice."""
-        if prefill_rows is None:
-            prefill_rows = 72 if self.model.device.type == "cuda" else 3
-        # slot 0 takes the prefill plus two rows per decode step; stay inside max_context
-        decode_steps = max(0, min(decode_steps, (self.max_context - 1) // 2))
-        prefill_rows = max(1, min(prefill_rows, self.max_context - 2 * decode_steps))
-        slots = [self.open() for _ in range(min(2, self.free_slots))]
+        request. Uses text rows and releases its slots, so the pool is back to its start state;
+        returns the decode-graph buckets captured (empty without decode graphs).
+
+        On CUDA: the decode graphs of every batch bucket up to max_sessions (Backbone.
+        capture_decode_graphs), then `cuda_warm_up_plan`'s steps, which cover what Triton compiles
+        a kernel again for: integer arguments specialised by value (== 1, divisible by 16), the
+        MoE's two routing paths (at most / more than DECODE_MAX_PAIRS pairs), pieces starting at
+        0 and after it, one and several segments, mixed decode + prefill steps, eager decode at
+        batch 1 and 2. On CPU nothing compiles: a prefill crossing nothing and two decode steps."""
+        cuda = self.model.device.type == "cuda"
+        buckets = self.model.capture_decode_graphs(self.caches, self.max_sessions) if cuda else []
+        slots = [self.open() for _ in range(min(3, self.free_slots))]
+        if cuda and prefill_rows is None:
+            plan = cuda_warm_up_plan(len(slots), self.max_context)
+        else:
+            plan = cpu_warm_up_plan(len(slots), self.max_context, 3 if prefill_rows is None else prefill_rows,
+                                    decode_steps)
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.model.config.vocab_size
+        graphs, self.model.decode_graphs = self.model.decode_graphs, False
         try:
-            self.step([(slot, torch.zeros(prefill_rows, dtype=torch.int64), None) for slot in slots])
-            for _ in range(decode_steps):
-                self.step([(slots[0], torch.zeros(1, dtype=torch.int64), None)])
-                self.step([(slot, torch.zeros(1, dtype=torch.int64), None) for slot in slots])
+            for step, eager in plan:
+                self.model.decode_graphs = graphs and not eager
+                self.step([(slots[i], torch.randint(0, vocab, (n,), generator=gen), None) for i, n in step])
         finally:
+            self.model.decode_graphs = graphs
             for slot in slots:
                 self.release(slot)
-        if self.model.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(self.model.device)
+        return buckets
 
     # ---- accounting ------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
@@ -233,3 +246,39 @@ class BackboneEngine:
         weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
         cache = self.caches.nbytes()
         return {"weights": weights, "cache": cache, "total": weights + cache}
+
+
+def cpu_warm_up_plan(sessions: int, context: int, prefill_rows: int, decode_steps: int):
+    """[(step, eager)]: a prefill of every warm-up slot, then decode steps at batch 1 and 2;
+    step = [(warm-up slot index, rows)]. Fits `sessions` slots of `context` rows."""
+    used = min(2, sessions)
+    decode_steps = max(0, min(decode_steps, (context - 1) // 2))
+    prefill_rows = max(1, min(prefill_rows, context - 2 * decode_steps))
+    plan = [([(i, prefill_rows) for i in range(used)], False)]
+    for _ in range(decode_steps):
+        plan += [([(0, 1)], False), ([(i, 1) for i in range(used)], False)]
+    return plan
+
+
+def cuda_warm_up_plan(sessions: int, context: int):
+    """[(step, eager)] for the kernel path on CUDA (see BackboneEngine.warm_up); trimmed to fit
+    `sessions` slots (at most 3 used) of `context` rows. Row counts: 72 and 40 (112 rows, 896 MoE
+    pairs: the decode routing, divisible by 16, two segments from 0), 7 (one segment after its
+    start, nothing divisible), 200 and 129 (1600 and 1032 pairs: the grouped routing, both
+    remainders), then decode at batch 1 and 2 eagerly and a mixed step (graphed decode + prefill)."""
+    want = [([(0, 72), (1, 40)], False), ([(0, 7)], False), ([(1, 200)], False), ([(2, 129)], False),
+            ([(0, 1)], True), ([(0, 1), (1, 1)], True), ([(0, 1), (2, 1)], False),
+            ([(0, 1), (1, 1), (2, 20)], False), ([(1, 1), (2, 17)], False)]
+    held = [0, 0, 0]
+    plan = []
+    for step, eager in want:
+        step = [(i, n) for i, n in step if i < sessions]
+        if not step:
+            continue
+        fitted = [(i, max(1, min(n, context - held[i]))) for i, n in step if held[i] < context]
+        if not fitted:
+            continue
+        for i, n in fitted:
+            held[i] += n
+        plan.append((fitted, eager))
+    return plan

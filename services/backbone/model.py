@@ -127,6 +127,7 @@ class Backbone(nn.Module):
         self.decode_graphs = decode_graphs and self.kernels
         self._packed = False
         self._graphs: dict = {}
+        self.graph_replays = 0          # decode steps replayed from a graph (tests, logs)
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
@@ -204,10 +205,38 @@ class Backbone(nn.Module):
 
     # kernel path ------------------------------------------------------------------------------
     def _forward_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
+        """With decode graphs, the one-row segments of a step are replayed from the graph of their
+        batch bucket and only the other segments (prefill pieces) run eagerly: segments touch
+        disjoint slots, so the split changes no row's math, and the graph's launches are queued
+        before the host-bound prefill launches, so the decode rows cost little extra wall time.
+        (The scheduler mixes decode rows and prefill pieces in one step whenever a session is
+        admitted or a long prompt is cut into pieces while others decode.)"""
         self.prepare()
-        if self.decode_graphs and x.device.type == "cuda" and all(s.count == 1 for s in segments) \
-                and len(segments) <= DECODE_BUCKETS[-1]:
+        singles = [s for s in segments if s.count == 1]
+        if not (self.decode_graphs and self._can_graph(x) and singles and len(singles) <= DECODE_BUCKETS[-1]):
+            return self._eager_kernels(x, segments, caches)
+        if len(singles) == len(segments):
             return self._decode_graphed(x, segments, caches)
+        decode_rows = [s.offset for s in singles]
+        others = [s for s in segments if s.count != 1]
+        other_rows = [r for s in others for r in range(s.offset, s.offset + s.count)]
+        index = torch.tensor(decode_rows + other_rows, dtype=torch.int64).to(x.device)
+        decode_index, other_index = index[:len(decode_rows)], index[len(decode_rows):]
+        out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
+        graphed = self._decode_graphed(x.index_select(0, decode_index),
+                                       [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)], caches)
+        out.index_copy_(0, decode_index, graphed)
+        repacked, offset = [], 0
+        for s in others:
+            repacked.append(Segment(s.slot, s.start, s.count, offset))
+            offset += s.count
+        out.index_copy_(0, other_index, self._eager_kernels(x.index_select(0, other_index), repacked, caches))
+        return out
+
+    def _can_graph(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cuda"
+
+    def _eager_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         return self._layers_kernels(x, RowBatch(tuple(segments), None, False, self.plan(segments)), caches)
 
     def _layers_kernels(self, x: torch.Tensor, batch: RowBatch, caches: BackboneCaches) -> torch.Tensor:
@@ -240,37 +269,60 @@ class Backbone(nn.Module):
             ("conv_base", "conv_state_rows", "conv_tail_rows"), tensors[4:])))
 
     def _decode_graphed(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
-        """A decode step replayed from the CUDA graph of its batch bucket (captured on first use).
+        """A decode step replayed from the CUDA graph of its batch bucket (captured on first use,
+        or ahead of time by `capture_decode_graphs`).
 
         Static inputs: the rows x and the plan's slots and positions, refreshed before each replay.
         Padding rows use the spare slot caches.slots at position 0 (their outputs are dropped; the
         decode path is row-wise, so they never touch a real row). The capture itself, and the
         warm-up runs before it, see only padding rows, so they change nothing but the spare slot.
-        Attention reads keys [0, max_context) under a length mask, so one graph serves every
-        position. Returns a view of the graph's output (valid until the next replay)."""
-        from .kernels.decode_graph import GraphedStep
-
+        Attention reads each row's keys [0, position] from the pool with the lengths in a tensor
+        (kernels/attention.py, splits sized for max_context), so one graph serves every position.
+        Returns a view of the graph's output (valid until the next replay)."""
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-
-        def padded(real: list[Segment]) -> list[Segment]:
-            return real + [Segment(caches.slots, 0, 1, len(real) + i) for i in range(bucket - len(real))]
-
-        key = (bucket, id(caches))
-        if key not in self._graphs:
-            plan = self.plan(padded([]), context=caches.max_context)
-            static_x = torch.zeros(bucket, x.shape[1], dtype=self.dtype, device=x.device)
-            batch = RowBatch(tuple(padded([])), None, False, plan)
-            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches))
-            self._graphs[key] = (graph, static_x, plan)
-        graph, static_x, plan = self._graphs[key]
-        fresh = self.plan(padded(list(segments)), context=caches.max_context)
-        plan.row_slots.copy_(fresh.row_slots)
-        plan.positions.copy_(fresh.positions)
-        plan.seg_slots.copy_(fresh.seg_slots)
+        graph, static_x, index = self._decode_graph(bucket, caches)
+        pad = caches.slots
+        host = torch.tensor([[s.slot for s in segments] + [pad] * (bucket - rows),
+                             [s.start for s in segments] + [0] * (bucket - rows)], dtype=torch.int64)
+        index.copy_(host)                  # [slots; positions]: plan.row_slots / seg_slots and positions view it
         static_x[:rows].copy_(x)
         static_x[rows:].zero_()
+        self.graph_replays += 1
         return graph.replay()[:rows]
+
+    def _decode_graph(self, bucket: int, caches: BackboneCaches):
+        """(graph, static rows [bucket, H], static index [2, bucket]) of a bucket, captured once per pool."""
+        key = (bucket, id(caches))
+        if key not in self._graphs:
+            from .kernels.decode_graph import GraphedStep
+
+            device = self.device
+            index = torch.zeros(2, bucket, dtype=torch.int64, device=device)
+            index[0] = caches.slots                                   # padding rows: the spare slot
+            plan = StepPlan(index[0], index[1], index[0],
+                            torch.arange(bucket + 1, dtype=torch.int64, device=device),
+                            decode=True, context=caches.max_context)
+            static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
+            segments = tuple(Segment(caches.slots, 0, 1, i) for i in range(bucket))
+            batch = RowBatch(segments, None, False, plan)
+            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches))
+            self._graphs[key] = (graph, static_x, index)
+        return self._graphs[key]
+
+    def capture_decode_graphs(self, caches: BackboneCaches, max_batch: int) -> list[int]:
+        """Capture the decode graphs of every bucket a step of up to max_batch sessions can use
+        (before serving, so no request pays a capture); returns the buckets. A no-op without
+        decode graphs or off CUDA."""
+        if not (self.decode_graphs and self.device.type == "cuda"):
+            return []
+        self.prepare()
+        top = next((b for b in DECODE_BUCKETS if b >= max_batch), DECODE_BUCKETS[-1])
+        buckets = [b for b in DECODE_BUCKETS if b <= top]
+        with torch.inference_mode():
+            for bucket in buckets:
+                self._decode_graph(bucket, caches)
+        return buckets
 
     @torch.inference_mode()
     def forward_tokens(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

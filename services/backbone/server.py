@@ -287,9 +287,10 @@ class Settings:
     # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
     # (prefix_cache.default_capacity_mb); 0: off
     prefix_cache_mb: float | None = None
-    # CUDA graphs for pure decode steps (bucketed by batch size; kernel path only). Opt-in until
-    # the graphed step has been verified inside the serving loop on a GPU (docs/perf.md).
-    decode_graphs: bool = False
+    # CUDA graphs for the decode rows of a step (bucketed by batch size, captured in the warm-up
+    # before SERVING; kernel path only). None: on for a CUDA device (DRAMA_DECODE_GRAPHS=0 turns
+    # them off), see decode_graphs_for.
+    decode_graphs: bool | None = None
     grace_s: float = 30.0
 
 
@@ -320,6 +321,14 @@ class Backbone:
             await self.scheduler.close()
         if self.tower is not None:
             await self.tower.close()
+
+
+def decode_graphs_for(settings: Settings) -> bool:
+    """Whether the model replays decode steps from CUDA graphs: settings.decode_graphs, or by
+    default on CUDA devices (graphs exist only on the kernel path on CUDA; elsewhere a no-op)."""
+    if settings.decode_graphs is not None:
+        return settings.decode_graphs
+    return settings.device.startswith("cuda")
 
 
 def _build_version() -> str:
@@ -393,7 +402,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         # lm_head=False: the tower owns the semantic head; the service never computes logits.
         model = loaded_model or await asyncio.to_thread(
             load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False,
-            **({"decode_graphs": True} if settings.decode_graphs else {}))
+            **({"decode_graphs": True} if decode_graphs_for(settings) else {}))
         try:
             engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
         except torch.OutOfMemoryError as exc:
@@ -402,7 +411,10 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                 f"on {settings.device}: {exc}; lower DRAMA_MAX_ROWS or DRAMA_MAX_CONTEXT_TOKENS") from None
         print(memory_report(engine, settings.memory_budget_gb, settings.device), flush=True)
         # NOT_SERVING until warm (API.md §3.2): the first request must not pay kernel compilation.
-        await asyncio.to_thread(engine.warm_up)
+        started = time.perf_counter()
+        buckets = await asyncio.to_thread(engine.warm_up)
+        print(f"backbone warm-up: {time.perf_counter() - started:.1f} s; decode graphs: "
+              + (f"on, batch buckets {buckets}" if buckets else "off"), flush=True)
         check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
                            hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                            codebooks=config.num_codebooks, sessions=settings.max_rows)
