@@ -48,7 +48,9 @@ def add_checkpoint_commands(commands) -> None:
     make.add_argument("--seed", type=int, default=0, help="same seed, same bytes (default 0)")
     make.add_argument("--dry-run", action="store_true",
                       help="write config.json and tokenizer.json, print the shard plan, no tensors")
-    make.add_argument("--no-progress", action="store_true", help="no progress bar")
+    make.add_argument("--no-progress", action="store_true", help="no progress lines")
+    make.add_argument("--workers", type=int, default=None,
+                      help="processes writing shards at once (default: one per core above 256 MiB)")
     make.set_defaults(func=_checkpoint_make)
 
     inspect = actions.add_parser("inspect", help="validate a checkpoint and summarise it per stage")
@@ -57,10 +59,14 @@ def add_checkpoint_commands(commands) -> None:
 
 
 def _checkpoint_make(args: argparse.Namespace) -> int:
-    from services.common.make_checkpoint import make_checkpoint
+    from services.common.make_checkpoint import DiskSpaceError, make_checkpoint
 
-    out = make_checkpoint(args.out, preset=args.preset, seed=args.seed,
-                          progress=not args.no_progress, dry_run=args.dry_run)
+    try:
+        out = make_checkpoint(args.out, preset=args.preset, seed=args.seed, progress=not args.no_progress,
+                              dry_run=args.dry_run, workers=args.workers)
+    except DiskSpaceError as exc:
+        print(f"not written: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
     return 0
 

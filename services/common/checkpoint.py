@@ -242,7 +242,7 @@ class DeviceCopier:
     `finish()` waits for the copy stream. A dtype change happens on the GPU, after the copy.
     """
 
-    CHUNK_BYTES = 64 * 2 ** 20
+    CHUNK_BYTES = 32 * 2 ** 20   # x2 buffers x threads of pinned memory; 32 MiB copies run at full speed
 
     def __init__(self, device: str | torch.device, chunk_bytes: int | None = None):
         self.device = torch.device(device)

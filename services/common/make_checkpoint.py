@@ -255,6 +255,15 @@ def codec_nbytes(cfg: DramaConfig) -> int:
     return sum(math.prod(s.shape) for s in codec_inventory(cfg.codec_config, style="real").values()) * 4
 
 
+def checkpoint_nbytes(preset: str, config: dict | None = None) -> int:
+    """Bytes a `make_checkpoint(out, preset, config=config)` writes (tensors, headers, codec.pth;
+    tokenizer.json and config.json are under 1 MiB)."""
+    cfg = DramaConfig.from_dict(preset_raw(preset) if config is None else config)
+    shards = plan_shards(cfg)
+    return (sum(spec_nbytes(s) + 256 for shard in shards for s in shard.values())
+            + codec_nbytes(cfg) + 2 * 2 ** 20)
+
+
 # --------------------------------------------------------------------------------------------
 # disk space
 # --------------------------------------------------------------------------------------------
