@@ -3,20 +3,28 @@
     python bench/codec.py                                   full geometry on cuda, FP16 and FP32
     python bench/codec.py --preset tiny --device cpu        smoke test (CI-sized)
     python bench/codec.py --out codec.json                  also write the numbers as JSON
+    python bench/codec.py --ablate --profile                + rows with single GPU fast paths off,
+                                                              + torch.profiler tables
 
 Random weights are made on the device (no checkpoint; the decode cost does not depend on the
-values). Timed, per decode dtype:
-- offline decode of 1, 4 and 215 frames (215 frames = 10 s), one stream;
-- a 4-frame streaming chunk of a stream that is already 200 frames in (full attention window);
-- a server tick: B sessions with a 4-frame chunk each in one `decode_streams` call;
+values). Timed, per decode dtype, on two paths:
+- eager (`Codec.decode` / `Codec.decode_streams`, the GPU fast paths on where the device is CUDA):
+  offline decode of 1, 4 and 215 frames (215 frames = 10 s), one stream; a streaming chunk of 1
+  and of 4 frames of a stream already 200 frames in (full attention window); a server tick: B
+  sessions with a 4-frame chunk each in one `decode_streams` call;
+- graphed (CUDA only; services/codec/graphs.py): the same chunks and ticks through the slot pool
+  as the server runs them (`decode_pcm16`: replay, PCM16 on the device, copy to the host), and
+  the 215-frame offline decode through the offline-length graphs;
 and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms and the
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
-frame-serial path, as the server does.
+frame-serial path, as the server does. --ablate adds FP16 eager rows with the reference ops
+(fast=False), with each fast path off alone, and with cudnn.benchmark on.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -29,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from services.codec.graphs import OFFLINE_LENGTHS, GraphedDecoder  # noqa: E402
 from services.codec.model import Codec  # noqa: E402
 from services.common.config import CodecConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
@@ -42,7 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", nargs="+", default=["fp16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--frames", type=int, nargs="+", default=[1, 4, 215], help="offline decode lengths")
-    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="sessions per server tick")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64], help="sessions per server tick")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4], help="streaming chunk lengths")
+    parser.add_argument("--no-graphs", action="store_true", help="eager rows only")
+    parser.add_argument("--ablate", action="store_true", help="FP16 eager rows with fast paths off")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables (eager FP16 "
+                        "4-frame chunk and 215-frame offline decode)")
     parser.add_argument("--encode-seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, help="timed calls per case (default 10 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -106,33 +120,158 @@ def summary(name: str, dtype: str, times: list[float], audio_seconds: float) -> 
             "rtf_x": audio_seconds / (median / 1000) if median > 0 else float("inf")}
 
 
-def bench_decode(codec: Codec, dtype_name: str, args, device: torch.device) -> list[dict]:
-    codec.prepare(device, DTYPES[dtype_name])
+def _row(name: str, path: str, dtype: str, times: list[float], audio_seconds: float) -> dict:
+    row = summary(name, dtype, times, audio_seconds)
+    row["path"] = path
+    return row
+
+
+def bench_eager(codec: Codec, dtype_name: str, args, device: torch.device, path: str = "eager",
+                frames_list=None, chunks=None, batches=None) -> list[dict]:
     frame_s = codec.frame_samples / codec.sample_rate
+    rows = []
+    for frames in args.frames if frames_list is None else frames_list:
+        codes = random_codes(codec, frames)
+        times = timed(lambda: codec.decode(codes), device, args.repeats, args.warmup)
+        rows.append(_row(f"decode {frames} frames", path, dtype_name, times, frames * frame_s))
+
+    # A streaming chunk once the post module's window is full; the stream keeps going (its cost
+    # does not change past 128 frames), so nothing but the decode is timed.
+    history = random_codes(codec, 200)
+    for length in args.chunks if chunks is None else chunks:
+        state = codec.new_state()
+        codec.decode_streams([state], [history[0]])
+        chunk = random_codes(codec, length)[0]
+        times = timed(lambda: codec.decode_streams([state], [chunk]), device, args.repeats, args.warmup)
+        rows.append(_row(f"stream chunk of {length} (after 200)", path, dtype_name, times, length * frame_s))
+
+    for batch in args.batch if batches is None else batches:
+        states = [codec.new_state() for _ in range(batch)]
+        chunk_list = list(random_codes(codec, 4, batch).unbind(0))
+        times = timed(lambda: codec.decode_streams(states, chunk_list), device, args.repeats, args.warmup)
+        rows.append(_row(f"tick: {batch} sessions x 4 frames", path, dtype_name, times, batch * 4 * frame_s))
+    return rows
+
+
+def bench_graphed(codec: Codec, dtype_name: str, args, device: torch.device) -> list[dict]:
+    frame_s = codec.frame_samples / codec.sample_rate
+    slots = max([1] + args.batch)
+    pool = GraphedDecoder(codec, slots + 1, lengths=tuple(sorted(set(args.chunks) | {1})),
+                          buckets=tuple(sorted({1} | set(args.batch))), offline_lengths=OFFLINE_LENGTHS)
+    pool.capture(offline=True)
+    print(f"{dtype_name}: {len(pool._graphs) + len(pool._offline)} graphs captured in "
+          f"{pool.capture_seconds:.1f} s, pool of {pool.slots} slots", flush=True)
     rows = []
     for frames in args.frames:
         codes = random_codes(codec, frames)
-        times = timed(lambda: codec.decode(codes), device, args.repeats, args.warmup)
-        rows.append(summary(f"decode {frames} frames", dtype_name, times, frames * frame_s))
-
-    # A streaming chunk of 4 frames once the post module's window is full.
-    history, chunk = random_codes(codec, 200), random_codes(codec, 4)
-    state = codec.new_state()
-    codec.decode_streams([state], [history[0]])
-
-    def one_chunk():
-        fresh = type(state)(state.position.clone(), {k: v.clone() for k, v in state.tensors.items()})
-        codec.decode_streams([fresh], [chunk[0]])
-
-    times = timed(one_chunk, device, args.repeats, args.warmup)
-    rows.append(summary("stream chunk of 4 (after 200)", dtype_name, times, 4 * frame_s))
-
+        times = timed(lambda: pool.decode(codes), device, args.repeats, args.warmup)
+        rows.append(_row(f"decode {frames} frames", "graphed", dtype_name, times, frames * frame_s))
+    history = random_codes(codec, 200)[0]
+    for length in args.chunks:
+        slot = pool.acquire()
+        pool.decode_streams([slot], [history])
+        chunk = random_codes(codec, length)[0]
+        times = timed(lambda: pool.decode_pcm16([slot], [chunk]), device, args.repeats, args.warmup)
+        rows.append(_row(f"stream chunk of {length} (after 200)", "graphed", dtype_name, times,
+                         length * frame_s))
+        pool.release(slot)
     for batch in args.batch:
-        states = [codec.new_state() for _ in range(batch)]
-        chunks = list(random_codes(codec, 4, batch).unbind(0))
-        times = timed(lambda: codec.decode_streams(states, chunks), device, args.repeats, args.warmup)
-        rows.append(summary(f"tick: {batch} sessions x 4 frames", dtype_name, times, batch * 4 * frame_s))
+        slot_list = [pool.acquire() for _ in range(batch)]
+        chunk_list = list(random_codes(codec, 4, batch).unbind(0))
+        times = timed(lambda: pool.decode_pcm16(slot_list, chunk_list), device, args.repeats, args.warmup)
+        rows.append(_row(f"tick: {batch} sessions x 4 frames", "graphed", dtype_name, times,
+                         batch * 4 * frame_s))
+        for slot in slot_list:
+            pool.release(slot)
     return rows
+
+
+def bench_ablations(codec: Codec, args, device: torch.device) -> list[dict]:
+    """FP16 eager 4-frame chunk and 215-frame decode with the reference ops, each fast path off
+    alone, and cudnn.benchmark on: what each piece is worth."""
+    rows = []
+    variants = [("reference ops", dict(fast=False))]
+    variants += [(f"no {name}", {name: False}) for name in Codec.FAST_OPTIONS]
+    for label, options in variants:
+        codec.prepare(device, torch.float16, **options)
+        rows += bench_eager(codec, "fp16", args, device, path=label, frames_list=[215], chunks=[4],
+                            batches=[])
+    codec.prepare(device, torch.float16)
+    torch.backends.cudnn.benchmark = True
+    try:
+        rows += bench_eager(codec, "fp16", args, device, path="cudnn.benchmark", frames_list=[215],
+                            chunks=[4], batches=[])
+    finally:
+        torch.backends.cudnn.benchmark = False
+    return rows
+
+
+def measure_accuracy(codec: Codec, device: torch.device, graphs: bool, frames: int = 24) -> list[dict]:
+    """FP16 PCM against float32 (relative RMS error), for §10.2's random weights as they are and
+    with the decoder's conv weights halved.
+
+    The float32 reference runs the reference ops without TF32 on the same weights, which the
+    first FP16 prepare has already rounded to F16, so this is the error of the decode arithmetic.
+    As they are, the random weights drive tanh into saturation on most samples and the decoder is
+    chaotic (any rounding moves samples by O(1)); halved, the output is speech-level.
+    """
+    codes = random_codes(codec, frames)
+    results = []
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    for recipe, scale in (("§10.2 random", 1.0), ("decoder convs x0.5", 0.5)):
+        if scale != 1.0:
+            with torch.no_grad():
+                for name, p in codec.decoder.named_parameters():
+                    if name.endswith("conv.weight"):
+                        p.mul_(scale)           # a power of two: F16 values stay F16 values
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            reference = codec.prepare(device, torch.float32, fast=False).decode(codes)
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        entry = {"recipe": recipe, "frames": frames,
+                 "saturated": float((reference.abs() > 0.99).float().mean()),
+                 "rms": float(reference.pow(2).mean().sqrt())}
+        entry["fp16 reference ops"] = _rel(codec.prepare(device, torch.float16, fast=False).decode(codes), reference)
+        entry["fp16 eager"] = _rel(codec.prepare(device, torch.float16).decode(codes), reference)
+        if graphs:
+            pool = GraphedDecoder(codec, 2, lengths=(1, 4), buckets=(1,))
+            pool.capture()
+            slot = pool.acquire()
+            step = 4
+            streamed = torch.cat([pool.decode_streams([slot], [codes[0, :, i:i + step]])[0]
+                                  for i in range(0, frames, step)])
+            entry["fp16 graphed stream"] = _rel(streamed[None], reference)
+            del pool
+        results.append(entry)
+        print("accuracy vs float32:", json.dumps(entry), flush=True)
+        if scale != 1.0:
+            codec.prepare(device, torch.float32)
+            with torch.no_grad():
+                for name, p in codec.decoder.named_parameters():
+                    if name.endswith("conv.weight"):
+                        p.div_(scale)
+    codec.prepare(device, torch.float16)
+    return results
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm())
+
+
+def profile_eager(codec: Codec, device: torch.device) -> None:
+    from bench.stage_profile import report
+
+    codec.prepare(device, torch.float16)
+    history, chunk = random_codes(codec, 200)[0], random_codes(codec, 4)[0]
+    state = codec.new_state()
+    codec.decode_streams([state], [history])
+    report("codec eager FP16 stream chunk of 4 frames", lambda: codec.decode_streams([state], [chunk]),
+           device, steps=5, top=20)
+    codes = random_codes(codec, 215)
+    report("codec eager FP16 offline decode of 215 frames", lambda: codec.decode(codes), device,
+           steps=3, top=30)
 
 
 def bench_encode(codec: Codec, args, device: torch.device) -> dict:
@@ -158,17 +297,39 @@ def main(argv=None) -> int:
     print(f"codec {args.preset}: {params / 1e6:.1f} M parameters, {cfg.num_codebooks} codebooks, "
           f"{cfg.frame_samples} samples/frame, device {device}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}")
-    rows = []
+    rows: list[dict] = []
+    print(f"{'case':<36} {'path':<20} {'dtype':<6} {'median ms':>10} {'p90 ms':>10} {'x real time':>12}",
+          flush=True)
+
+    def add(new_rows: list[dict]) -> None:
+        """Print rows as they come and rewrite the JSON: a run cut short keeps what it measured."""
+        for row in new_rows:
+            print(f"{row['case']:<36} {row['path']:<20} {row['dtype']:<6} {row['median_ms']:>10.2f} "
+                  f"{row['p90_ms']:>10.2f} {row['rtf_x']:>12.1f}", flush=True)
+        rows.extend(new_rows)
+        if args.out:
+            args.out.write_text(json.dumps({"preset": args.preset, "device": str(device), "rows": rows,
+                                            "accuracy": accuracy}, indent=2))
+
+    accuracy: list[dict] = []
     with torch.inference_mode():
         for dtype_name in args.dtype:
-            rows += bench_decode(codec, dtype_name, args, device)
-        rows.append(bench_encode(codec, args, device))
-    print(f"{'case':<36} {'dtype':<6} {'median ms':>10} {'p90 ms':>10} {'x real time':>12}")
-    for row in rows:
-        print(f"{row['case']:<36} {row['dtype']:<6} {row['median_ms']:>10.2f} {row['p90_ms']:>10.2f} "
-              f"{row['rtf_x']:>12.1f}")
-    if args.out:
-        args.out.write_text(json.dumps({"preset": args.preset, "device": str(device), "rows": rows}, indent=2))
+            codec.prepare(device, DTYPES[dtype_name])
+            print(f"{dtype_name}: decode options {codec.decode_options}", flush=True)
+            add(bench_eager(codec, dtype_name, args, device))
+            if device.type == "cuda" and not args.no_graphs:
+                add(bench_graphed(codec, dtype_name, args, device))
+                gc.collect()                    # the graphs and their pool go before the next prepare
+                torch.cuda.empty_cache()
+        add([dict(bench_encode(codec, args, device), path="eager")])
+        if device.type == "cuda":
+            accuracy += measure_accuracy(codec, device, graphs=not args.no_graphs)
+            add([])
+        if args.ablate and device.type == "cuda":
+            add(bench_ablations(codec, args, device))
+    if args.profile:
+        with torch.inference_mode():
+            profile_eager(codec, device)
     return 0
 
 

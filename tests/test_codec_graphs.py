@@ -234,12 +234,25 @@ async def test_server_pool_full_is_resource_exhausted(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def gpu_codecs():
     """The full-geometry codec with random weights in F16 (fast paths on) and the same weights
-    in float32 with the reference ops and no TF32, as the accuracy reference."""
+    in float32 with the reference ops, as the accuracy reference.
+
+    The decoder's conv weights are halved: with §10.2's recipe as is, tanh saturates on 93% of
+    the samples and the decoder is chaotic (measured on CPU in float32: rounding the weights to
+    F16 alone moves the output by 2.3e-2 relative, reordering float32 sums by 7e-5), so F16
+    rounding anywhere moves samples by O(1) and no comparison means anything. Halved, the
+    output is speech-level (rms ~0.1, nothing saturated) and those two numbers are 4e-4 and 1e-6.
+    """
+    import copy
+
     from services.common.random_weights import random_codec_stage
 
-    half = random_codec_stage("full", "cuda", seed=0)
-    full = random_codec_stage("full", "cuda", seed=0, dtype=torch.float32).prepare(
-        "cuda", torch.float32, fast=False)
+    base = random_codec_stage("full", "cuda", seed=0, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in base.decoder.named_parameters():
+            if name.endswith("conv.weight"):
+                p.mul_(0.5)
+    half = copy.deepcopy(base).prepare("cuda", torch.float16)
+    full = base.prepare("cuda", torch.float32, fast=False)
     return half, full
 
 
@@ -289,7 +302,7 @@ def test_gpu_graphed_stream_matches_eager_and_float32(gpu_codecs, no_tf32):
         err_eager, err_alone, err_f32 = rel_err(g, e), rel_err(g, a), rel_err(g, reference)
         print(f"session at {h}: graphed vs eager F16 {err_eager:.2e}, vs alone {err_alone:.2e}, "
               f"vs float32 {err_f32:.2e}; eager F16 vs float32 {rel_err(e, reference):.2e}")
-        assert err_eager < 5e-3 and err_alone < 5e-3
+        assert err_eager < 3e-3 and err_alone < 3e-3
         assert err_f32 < 1e-2
 
 
@@ -317,7 +330,9 @@ def test_gpu_offline_graphs_match_eager(gpu_codecs):
     pool = GraphedDecoder(half, 2, lengths=(1,), buckets=(1,), offline_lengths=(16, 32))
     pool.capture(offline=True)
     codes = random_codes(half, 40, seed=5)[None]
-    assert rel_err(pool.decode(codes), half.decode(codes)) < 5e-3
+    err = rel_err(pool.decode(codes), half.decode(codes))
+    print(f"offline graphs vs eager F16: {err:.2e}")
+    assert err < 3e-3
 
 
 @cuda
