@@ -26,7 +26,9 @@ What it does, in order:
    gateway as `python -m gateway --checkpoint DIR ...`, with the production pool sizes unless
    --max-rows / --max-context are given. start_to_ready_s = from the spawn of the process to its
    first SERVING answer of the grpc.health.v1 service (polled every 0.1 s; the gateway: its first
-   `GET /ready` 200). Each run gets a fresh, empty Triton/Inductor cache (unless
+   `GET /ready` 200). Also recorded: listening_s (its first answer of any kind: the Python start
+   and imports are behind it) and, for the backbone, loaded_s (its memory line, printed after the
+   weights are on the device and before the warm-up). Each run gets a fresh, empty Triton/Inductor cache (unless
    --keep-compile-cache), as a fresh container has, so kernel compilation is counted every time
    and runs differ only in what the table says.
 3. GPU memory per process: nvidia-smi's used_memory per PID, sampled every 0.5 s while the
@@ -190,6 +192,8 @@ class Run:
     order: str
     prepare: dict = field(default_factory=dict)
     start_to_ready_s: dict[str, float] = field(default_factory=dict)
+    listening_s: dict[str, float] = field(default_factory=dict)    # first health answer of any kind
+    loaded_s: dict[str, float] = field(default_factory=dict)       # the backbone's memory line
     peak_gpu_gib: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     error: str | None = None
@@ -232,30 +236,48 @@ def stage_env(args: argparse.Namespace, compile_cache: Path | None) -> dict[str,
     return env
 
 
-def is_ready(name: str, addr: str) -> bool:
+def status(name: str, addr: str) -> str:
+    """'SERVING' when ready; 'NOT_SERVING' (or an HTTP status) once it answers at all; else
+    'UNREACHABLE'."""
     if name == "gateway":
         import httpx
 
         try:
-            return httpx.get(f"{addr}/ready", timeout=1.0).status_code == 200
+            code = httpx.get(f"{addr}/ready", timeout=1.0).status_code
+            return "SERVING" if code == 200 else f"HTTP {code}"
         except httpx.HTTPError:
-            return False
+            return "UNREACHABLE"
     from services.common.grpcutil import check_health
 
-    return asyncio.run(check_health(addr, timeout=1.0)) == "SERVING"
+    return asyncio.run(check_health(addr, timeout=1.0))
+
+
+# The backbone prints its memory line once the weights are loaded and the cache pool is built,
+# before its warm-up (services/backbone/server.py): the split between loading and warming up.
+LOADED_MARKERS = {"backbone": "backbone memory:"}
 
 
 def wait_until_ready(names: list[str], processes: dict[str, ManagedProcess], spawned: dict[str, float],
                      addrs: dict[str, str], run: Run, timeout_s: float) -> None:
-    """Poll `names` until each is ready, recording spawn -> ready; StackError if one dies or the
-    timeout passes."""
+    """Poll `names` until each is ready, recording spawn -> listening (its first answer: Python
+    start and imports done), spawn -> loaded (where the stage prints a marker) and spawn ->
+    ready; StackError if one dies or the timeout passes."""
     waiting = list(names)
     deadline = time.monotonic() + timeout_s
     while waiting:
         for name in list(waiting):
-            if is_ready(name, addrs[name]):
-                run.start_to_ready_s[name] = round(time.monotonic() - spawned[name], 2)
-                print(f"    {name}: ready after {run.start_to_ready_s[name]:.1f} s", flush=True)
+            answer = status(name, addrs[name])
+            now = round(time.monotonic() - spawned[name], 2)
+            if answer != "UNREACHABLE":
+                run.listening_s.setdefault(name, now)
+            marker = LOADED_MARKERS.get(name)
+            if marker and name not in run.loaded_s and marker in processes[name].log_tail(200):
+                run.loaded_s[name] = now
+            if answer == "SERVING":
+                run.start_to_ready_s[name] = now
+                print(f"    {name}: ready after {now:.1f} s (listening after {run.listening_s[name]:.1f} s"
+                      + (f", loaded after {run.loaded_s[name]:.1f} s" if name in run.loaded_s else "") + ")",
+                      flush=True)
                 waiting.remove(name)
             elif not processes[name].alive():
                 raise StackError(processes[name].describe_exit())
@@ -330,6 +352,12 @@ def table(result: dict) -> str:
         cells = "".join(f"{r['start_to_ready_s'][s]:>12.1f}" if s in r["start_to_ready_s"] else f"{'-':>12}"
                         for s in stages)
         lines.append(f"{name:<22}{cells}{r['wall_s']:>10.1f}" + ("  FAILED" if r.get("error") else ""))
+        if r.get("listening_s"):
+            lines.append(f"{'  listening s':<22}" + "".join(
+                f"{r['listening_s'][s]:>12.1f}" if s in r["listening_s"] else f"{'-':>12}" for s in stages))
+        if r.get("loaded_s"):
+            lines.append(f"{'  loaded s':<22}" + "".join(
+                f"{r['loaded_s'][s]:>12.1f}" if s in r["loaded_s"] else f"{'-':>12}" for s in stages))
         if r.get("peak_gpu_gib"):
             lines.append(f"{'  peak GPU GiB':<22}" + "".join(
                 f"{r['peak_gpu_gib'][s]:>12.1f}" if s in r["peak_gpu_gib"] else f"{'-':>12}" for s in stages))
@@ -367,6 +395,19 @@ def main(argv=None) -> int:
               "cpu_cores": os.cpu_count(), "target_backbone_s": TARGET_BACKBONE_S,
               "make_s": None, "runs": []}
     log_dir = Path(tempfile.mkdtemp(prefix="s2r-logs-"))
+
+    def save() -> None:
+        """The JSON and the logs so far (after the make and after each run, so a command killed
+        at its time limit still leaves what it measured)."""
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        if args.logs:
+            args.logs.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.logs, "w", encoding="utf-8", errors="replace") as out:
+                for log in sorted(log_dir.glob("*.log")):
+                    out.write(f"===== {log.name} =====\n{log.read_text(errors='replace')}\n")
+
     try:
         if args.make:
             t0 = time.perf_counter()
@@ -377,6 +418,7 @@ def main(argv=None) -> int:
             result["sync_s"] = round(sync_files(checkpoint), 2)
             print(f"made in {result['make_s']:.1f} s; fsync of what was still dirty: {result['sync_s']:.1f} s",
                   flush=True)
+            save()
         result["size_bytes"] = dir_bytes(checkpoint)
         result["size_gb"] = round(result["size_bytes"] / 1e9, 3)
         caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
@@ -399,16 +441,10 @@ def main(argv=None) -> int:
                 start_stages(args, checkpoint, run, log_dir)
                 longest = max(longest, time.monotonic() - t0)
                 result["runs"].append(run.__dict__)
+                save()
         print(table(result), flush=True)
     finally:
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-        if args.logs:
-            args.logs.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.logs, "w", encoding="utf-8", errors="replace") as out:
-                for log in sorted(log_dir.glob("*.log")):
-                    out.write(f"===== {log.name} =====\n{log.read_text(errors='replace')}\n")
+        save()
         shutil.rmtree(log_dir, ignore_errors=True)
         if temporary and not args.keep:
             shutil.rmtree(checkpoint.parent if args.preset == "tiny" else checkpoint, ignore_errors=True)

@@ -43,6 +43,9 @@ def test_tiny_cpu_run_times_every_stage(tmp_path, capsys):
     assert run["cache"] == "cold" and run["order"] == "together" and run["prepare"]["dropped"] is True
     assert set(run["start_to_ready_s"]) == {"codec", "tower", "backbone", "gateway"}
     assert all(0 < s < 120 for s in run["start_to_ready_s"].values())
+    for stage, ready in run["start_to_ready_s"].items():
+        assert 0 < run["listening_s"][stage] <= ready
+    assert run["listening_s"]["backbone"] <= run["loaded_s"]["backbone"] <= run["start_to_ready_s"]["backbone"]
     # the backbone needs the tower to be SERVING, so it cannot be ready first
     assert run["start_to_ready_s"]["backbone"] >= run["start_to_ready_s"]["tower"] - 0.5
     assert "cold together" in printed and "backbone s" in printed
