@@ -40,6 +40,7 @@ def test_tiny_cpu_run_times_every_stage(tmp_path, capsys):
     assert code == 0, printed
     assert result["make_s"] > 0 and result["size_gb"] > 0
     (run,) = result["runs"]
+    assert result["start_to_ready_s"] == run["start_to_ready_s"] and result["start_to_ready_run"] == "cold page cache, together"
     assert run["cache"] == "cold" and run["order"] == "together" and run["prepare"]["dropped"] is True
     assert set(run["start_to_ready_s"]) == {"codec", "tower", "backbone", "gateway"}
     assert all(0 < s < 120 for s in run["start_to_ready_s"].values())
