@@ -18,7 +18,7 @@ values). Timed, per decode dtype, on two paths:
 and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms and the
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
 frame-serial path, as the server does. --ablate adds FP16 eager rows with the reference ops
-(fast=False), with each fast path off alone, and with cudnn.benchmark on.
+(fast=False), with each fast path flipped alone, and with cudnn.benchmark on.
 """
 
 from __future__ import annotations
@@ -187,11 +187,13 @@ def bench_graphed(codec: Codec, dtype_name: str, args, device: torch.device) -> 
 
 
 def bench_ablations(codec: Codec, args, device: torch.device) -> list[dict]:
-    """FP16 eager 4-frame chunk and 215-frame decode with the reference ops, each fast path off
-    alone, and cudnn.benchmark on: what each piece is worth."""
+    """FP16 eager 4-frame chunk and 215-frame decode with the reference ops, each fast path
+    flipped alone, and cudnn.benchmark on: what each piece is worth."""
     rows = []
+    codec.prepare(device, torch.float16)
+    defaults = dict(codec.decode_options)
     variants = [("reference ops", dict(fast=False))]
-    variants += [(f"no {name}", {name: False}) for name in Codec.FAST_OPTIONS]
+    variants += [(f"{name}={not on}", {name: not on}) for name, on in defaults.items()]
     for label, options in variants:
         codec.prepare(device, torch.float16, **options)
         rows += bench_eager(codec, "fp16", args, device, path=label, frames_list=[215], chunks=[4],

@@ -181,6 +181,17 @@ def test_offline_decode_through_the_pool(codec):
     assert pool.open_slots == 0
 
 
+def test_offline_decode_pads_the_last_piece(codec):
+    """With offline lengths the last piece is padded with code 0 (causality makes the padding
+    invisible); stand-ins (None: the eager tick) for the graphs let this run on CPU."""
+    pool = small_pool(codec)
+    pool._offline = {8: None}                # no graphs captured on CPU: pieces 8 + 8 (5 padded)
+    codes = random_codes(codec, 11, seed=4)[None]
+    assert plan_offline(11, (8,)) == [8, 8]
+    assert plan_offline(11, (1, 2, 4, 8)) == [8, 4]     # with stream graphs: 12 frames, 1 padded
+    assert rel_err(pool.decode(codes), codec.decode(codes)) < 5e-4
+
+
 async def test_server_pool_full_is_resource_exhausted(tiny_checkpoint):
     """graphs=True on CPU: the same slot pool with eager ticks; one slot, so a second concurrent
     session is refused with RESOURCE_EXHAUSTED queue_full, and a finished session frees it."""

@@ -450,9 +450,15 @@ def test_resample_kernel_shape_and_identity():
 # the F16 (GPU) path
 # --------------------------------------------------------------------------------------------
 
-def _half_stream_vs_offline(checkpoint, device: str, **options) -> float:
+def _half_stream_vs_offline(checkpoint, device: str, conditioned: bool = False, **options) -> float:
     half = load_codec(checkpoint, device=device, dtype=torch.float16)
-    if options:
+    if conditioned:
+        half = load_codec(checkpoint)                   # float32 weights, scaled before rounding
+        with torch.no_grad():
+            for name, p in half.decoder.named_parameters():
+                if name.endswith("conv.weight"):
+                    p.mul_(0.5)
+    if options or conditioned:
         half.prepare(device, torch.float16, **options)
     half.frame_serial = False                      # the batched chunk path the GPU server runs
     codes = random_codes(half, 20, seed=21)
@@ -470,15 +476,15 @@ def test_half_precision_stream_matches_offline_cpu(tiny_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("options", [{}, {"fast": False}], ids=["gpu-fast-paths", "reference-ops"])
 def test_half_precision_stream_matches_offline_cuda(tiny_checkpoint, options):
-    """The same on CUDA, with the GPU fast paths (default) and with the reference ops; the
-    diagnostics line says what each fast path alone does to the bound."""
-    from services.codec.model import Codec
+    """The same on CUDA, with the GPU fast paths (default) and with the reference ops, on the
+    tiny checkpoint with its decoder convs halved.
 
-    if not options:
-        alone = {name: _half_stream_vs_offline(tiny_checkpoint, "cuda", fast=False, **{name: True})
-                 for name in Codec.FAST_OPTIONS}
-        print("stream vs offline max abs, one fast path on:", alone)
-    error = _half_stream_vs_offline(tiny_checkpoint, "cuda", **options)
+    As it is, the tiny decoder saturates tanh on 96% of the samples and is chaotic: on CPU float32
+    a reordered sum moves samples by 3e-3, and on the H200 streamed and offline F16 audio differed
+    by 1.8 max abs with the reference ops (GPU kernels round differently per shape). Halved, it
+    is speech-level (rms 0.15) and a reordered float32 sum moves samples by 2.5e-7.
+    """
+    error = _half_stream_vs_offline(tiny_checkpoint, "cuda", conditioned=True, **options)
     print(f"stream vs offline max abs {options or 'default'}: {error:.3g}")
     assert error <= 2e-3
 

@@ -348,8 +348,8 @@ class GraphedDecoder:
     def decode(self, codes: Tensor) -> Tensor:
         """Offline decode, codes [B, N, T] -> float32 [B, T·frame_samples] on the device.
 
-        Each row streams through the offline-length graphs (B=1) in pieces planned by
-        plan_offline, the last one padded with code 0; without offline graphs, in stream
+        Each row streams through the B=1 graphs (offline and stream lengths) in pieces planned by
+        plan_offline, the last one padded with code 0; without offline graphs, exactly in stream
         lengths. Takes a pool slot per row for the duration of the call.
         """
         codes = torch.as_tensor(codes)
@@ -363,13 +363,14 @@ class GraphedDecoder:
             try:
                 self._reset([slot])
                 if self._offline:
+                    graphs = {t: g for (t, b), g in self._graphs.items() if b == 1} | self._offline
                     start = 0
-                    for size in plan_offline(frames, tuple(self._offline)):
+                    for size in plan_offline(frames, tuple(sorted(graphs))):
                         piece = codes[row, :, start:start + size]
                         real = piece.shape[-1]
                         if real < size:
                             piece = torch.cat([piece, piece.new_zeros(piece.shape[0], size - real)], -1)
-                        audio, _ = self._run(size, [(slot.index, piece)], self._offline[size], 1)
+                        audio, _ = self._run(size, [(slot.index, piece)], graphs[size], 1)
                         out[row, start * frame_samples:(start + real) * frame_samples] = \
                             audio[0, :real * frame_samples]
                         start += real

@@ -118,7 +118,7 @@ class Codec(nn.Module):
 
         fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
         within F16 rounding, not bit for bit, so never on the CPU reference path by default:
-        channels_last decoder convs (conv.py), fused_snake (Triton, snake_triton.py; only where
+        channels_last decoder convs (conv.py; float32 only unless asked for, see below), fused_snake (Triton, snake_triton.py; only where
         it can run), fused_attention (SDPA, fused RoPE and F.rms_norm in the post module) and
         dequant_table (quantizer.py). `options` overrides single ones, e.g. fused_snake=False.
         Streams made before a prepare do not fit after it.
@@ -137,6 +137,12 @@ class Codec(nn.Module):
         if unknown:
             raise ValueError(f"unknown decode options {sorted(unknown)}")
         chosen = {name: options.get(name, fast) for name in self.FAST_OPTIONS}
+        if dtype in (torch.float16, torch.bfloat16) and "channels_last" not in options:
+            # Measured on the H200 (bench/codec.py, torch 2.11): in F16 the channels_last convs
+            # ran the decoder at ~2.3 ms per frame (10 s: 488 ms, against 30 ms in float32 with
+            # the same layout and ~38 ms for F16 in torch's default layout), so cuDNN picks a slow
+            # kernel for at least one of these F16 NHWC conv shapes. Off until that is found.
+            chosen["channels_last"] = False
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         for module in self.decoder.modules():
