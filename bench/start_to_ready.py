@@ -6,7 +6,8 @@
 
 What it does, in order:
 1. With --make, writes the checkpoint with `make_checkpoint` (what `dramaturg checkpoint make`
-   runs: one process per core, progress per shard) and times it. The directory: --checkpoint, else
+   runs: one process per core, progress per shard), times it and validates it as
+   `dramaturg checkpoint inspect` does (unless --no-inspect). The directory: --checkpoint, else
    a temporary one for tiny, else the first of <repo>/out/ckpt-<preset>, /tmp, /var/tmp whose file
    system has room (the free space and what is needed are printed first; /dev/shm, which is RAM,
    only as a last resort, and then "cold" cannot mean a cold read).
@@ -86,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip a run that would likely end after this many seconds of the script")
     parser.add_argument("--smi-period", type=float, default=0.5)
     parser.add_argument("--keep", action="store_true", help="keep a checkpoint this script made in a temp dir")
+    parser.add_argument("--no-inspect", action="store_true",
+                        help="skip `dramaturg checkpoint inspect` of the checkpoint made with --make")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--logs", type=Path, help="write every process's log into this one file")
     return parser.parse_args(argv)
@@ -430,6 +433,15 @@ def main(argv=None) -> int:
             result["sync_s"] = round(sync_files(checkpoint), 2)
             print(f"made in {result['make_s']:.1f} s; fsync of what was still dirty: {result['sync_s']:.1f} s",
                   flush=True)
+            if not args.no_inspect:
+                from services.common.checkpoint_report import inspect_checkpoint
+
+                t0 = time.perf_counter()
+                report = inspect_checkpoint(checkpoint)   # `dramaturg checkpoint inspect`
+                result["inspect"] = {"ok": report.ok, "seconds": round(time.perf_counter() - t0, 2),
+                                     "problems": report.problems[:20]}
+                print(f"dramaturg checkpoint inspect: {'OK' if report.ok else report.problems[:5]} "
+                      f"({result['inspect']['seconds']:.1f} s)", flush=True)
             save()
         result["size_bytes"] = dir_bytes(checkpoint)
         result["size_gb"] = round(result["size_bytes"] / 1e9, 3)

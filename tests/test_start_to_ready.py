@@ -38,7 +38,7 @@ def test_tiny_cpu_run_times_every_stage(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert code == 0, printed
-    assert result["make_s"] > 0 and result["size_gb"] > 0
+    assert result["make_s"] > 0 and result["size_gb"] > 0 and result["inspect"]["ok"] is True
     (run,) = result["runs"]
     assert result["start_to_ready_s"] == run["start_to_ready_s"] and result["start_to_ready_run"] == "cold page cache, together"
     assert run["cache"] == "cold" and run["order"] == "together" and run["prepare"]["dropped"] is True
