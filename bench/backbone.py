@@ -7,9 +7,11 @@
 
 Random weights are made on the device (`random_backbone`, no checkpoint, no LM head). Timed
 through `BackboneEngine.step`, i.e. what the server runs per step, host ids in and hidden rows
-out: prefill of one session with 256 and 1024 text rows, then for each batch size B, B sessions
-prefilled with `--context` rows and `--steps` decode steps of one row per session (median and
-p90 ms, rows/s). Peak memory is the device's max allocated bytes during each measurement.
+out: prefill of one session with 256 and 1024 text rows (the first call, then the median of
+`--prefill-repeats`), then for each batch size B, B sessions prefilled with `--context` rows and
+`--steps` decode steps of one row per session (median and p90 ms, rows/s). `--served-warm-up`
+first runs the server's warm-up (BackboneEngine.warm_up) and times it; `--profile-prefill ROWS`
+prints profiler tables of one prefill. Peak memory is the device's max allocated bytes during each measurement.
 This times the model code of services/backbone as it is: on CUDA in BF16 that is the kernel path
 (issue #7); --decode-graphs times each batch size eagerly and then replayed from CUDA graphs (the
 first graphed step of each batch bucket captures, so keep --warmup >= 1).
@@ -48,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peer", action="store_true", help="also time transformers at batch 1")
     parser.add_argument("--decode-graphs", action="store_true",
                         help="replay decode steps from CUDA graphs (kernel path on CUDA; captured on first use)")
+    parser.add_argument("--served-warm-up", action="store_true",
+                        help="run BackboneEngine.warm_up first (what the server does before SERVING: compiles "
+                             "the step shapes, captures the decode graphs) and report its time")
+    parser.add_argument("--profile-prefill", type=int, metavar="ROWS",
+                        help="print torch.profiler tables of one prefill of ROWS rows")
+    parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per length after the first")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
                         "per-row path is many tiny ops that threads only slow down)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -72,21 +80,44 @@ def _text_rows(n: int, vocab: int, gen: torch.Generator):
     return torch.randint(0, vocab, (n,), generator=gen), None
 
 
-def bench_prefill(engine, n: int, gen, device) -> dict:
+def bench_prefill(engine, n: int, gen, device, repeats: int = 3) -> dict:
+    """One session's prompt of n text rows in one step: the first call at this size (Triton
+    compilation for new specialisations included, unless the served warm-up ran), then the
+    median of `repeats` more (steady state)."""
+    vocab = engine.model.config.vocab_size
+    times = []
+    _reset_peak(device)
+    for _ in range(1 + repeats):
+        slot = engine.open()
+        tokens, frames = _text_rows(n, vocab, gen)
+        _sync(device)
+        started = time.perf_counter()
+        engine.step([(slot, tokens, frames)])
+        _sync(device)
+        times.append((time.perf_counter() - started) * 1000)
+        engine.release(slot)
+    steady = statistics.median(times[1:]) if repeats else times[0]
+    return {"rows": n, "first_ms": times[0], "ms": steady, "rows_per_s": n / steady * 1000,
+            "peak_gib": _peak_gib(device)}
+
+
+def profile_prefill(engine, n: int, gen, device, rows: int = 25) -> str:
+    """torch.profiler tables (by device time and by host time) of one steady-state prefill of n rows."""
     vocab = engine.model.config.vocab_size
     slot = engine.open()
-    engine.step([(slot, *_text_rows(8, vocab, gen))])       # warm-up (kernels, RoPE table)
+    engine.step([(slot, *_text_rows(n, vocab, gen))])
     engine.release(slot)
     slot = engine.open()
-    tokens, frames = _text_rows(n, vocab, gen)
-    _reset_peak(device)
-    _sync(device)
-    started = time.perf_counter()
-    engine.step([(slot, tokens, frames)])
-    _sync(device)
-    elapsed = time.perf_counter() - started
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.step([(slot, *_text_rows(n, vocab, gen))])
+        _sync(device)
     engine.release(slot)
-    return {"rows": n, "ms": elapsed * 1000, "rows_per_s": n / elapsed, "peak_gib": _peak_gib(device)}
+    table = prof.key_averages()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return (table.table(sort_by=sort, row_limit=rows, max_name_column_width=60) + "\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
 
 
 def bench_decode(engine, batch: int, args, gen, device) -> dict:
@@ -189,11 +220,18 @@ def main(argv=None) -> dict:
           f"weights {mem['weights'] / 2**30:.2f} GiB, cache pool {mem['cache'] / 2**30:.2f} GiB "
           f"({engine.max_sessions} x {max_context} rows), built in {build_s:.1f} s")
     results = {"prefill": [], "decode": [], "peer": None}
-    print(f"{'prefill rows':>12} {'ms':>10} {'rows/s':>10} {'peak GiB':>9}")
+    if args.served_warm_up:
+        started = time.perf_counter()
+        buckets = engine.warm_up()
+        results["warm_up"] = {"s": time.perf_counter() - started, "graph_buckets": buckets}
+        print(f"served warm-up: {results['warm_up']['s']:.1f} s, decode graph buckets {buckets}")
+    print(f"{'prefill rows':>12} {'first ms':>10} {'ms':>10} {'rows/s':>10} {'peak GiB':>9}")
     for n in args.prefill:
-        r = bench_prefill(engine, n, gen, device)
+        r = bench_prefill(engine, n, gen, device, args.prefill_repeats)
         results["prefill"].append(r)
-        print(f"{n:>12} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} {_fmt(r['peak_gib']):>9}")
+        print(f"{n:>12} {r['first_ms']:>10.1f} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} {_fmt(r['peak_gib']):>9}")
+    if args.profile_prefill:
+        print(profile_prefill(engine, args.profile_prefill, gen, device))
     print(f"{'batch':>5} {'graphs':>6} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
     for batch in args.batch:
         for graphs in ((False, True) if model.decode_graphs else (False,)):   # eager, then graphed
