@@ -19,6 +19,22 @@ and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
 frame-serial path, as the server does. --ablate adds FP16 eager rows with the reference ops
 (fast=False), with each fast path flipped alone, and with cudnn.benchmark on.
+
+Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
+ablation rows), with channels_last still on in FP16 (median ms):
+                                  FP16 eager  FP16 graphed  FP32 eager  FP32 graphed
+  stream chunk of 1 (after 200)         8.44          1.94       12.33          2.51
+  stream chunk of 4 (after 200)         8.82          2.34       12.58          3.07
+  tick: 8 / 32 / 64 sessions x 4   82 / 298 / 303  75 / 292 / 298   16 / 21 / 43   7.0 / 18.3 / 34.3
+  decode 215 frames (10 s)            488           574          30.2          32.3
+  encode 10 s (FP32)                   25.5
+Before (issue #7): FP16 eager chunk 17-23 ms, 10 s 37.8 ms. The FP16 rows that grow with the
+frame count (~2.3 ms per frame) are cuDNN's F16 NHWC convs, so Codec.prepare keeps F16 in torch's
+default layout now (channels_last only in float32); those rows are not re-measured yet.
+Accuracy (24 frames, vs float32 without TF32 on the same weights): decoder convs x0.5 (speech
+level, nothing saturated): reference ops 8.7e-4, fast eager 7.9e-4, graphed 7.9e-4; §10.2's
+random weights as they are saturate tanh on 89% of samples and are chaotic: 6.7e-2 / 6.1e-2 /
+6.0e-2 (reference ops included), so the 1e-2 target is measured on the x0.5 recipe.
 """
 
 from __future__ import annotations
