@@ -73,14 +73,38 @@ def codec(tiny_checkpoint):
     return load_codec(tiny_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def fast_codec(tiny_checkpoint):
+    """The GPU fast paths on CPU float32 (all but the Triton snake): channels_last tails in the
+    pool, the fused attention, the dequant table."""
+    model = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
+    assert model.decode_options == {"channels_last": True, "fused_snake": False,
+                                    "fused_attention": True, "dequant_table": True}
+    model.frame_serial = False
+    return model
+
+
+def test_fast_paths_match_the_reference_on_cpu(codec, fast_codec):
+    codes = torch.stack([random_codes(codec, 13, seed=s) for s in (1, 2)])
+    reference = codec.decode(codes)
+    assert rel_err(fast_codec.decode(codes), reference) < 5e-4
+    stream = fast_codec.stream(2)
+    streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 5), (5, 13))], -1)
+    assert rel_err(streamed, reference) < 5e-4
+
+
 def small_pool(codec, slots: int = 4) -> GraphedDecoder:
     return GraphedDecoder(codec, slots, lengths=(1, 2, 4), buckets=(1, 2, 4))
 
 
-def test_interleaved_sessions_equal_their_own_streams(codec):
+@pytest.mark.parametrize("which", ["reference", "fast"])
+def test_interleaved_sessions_equal_their_own_streams(codec, fast_codec, which):
     """Three sessions at different positions, chunks of 1…9 frames (9 = 4+4+1 pieces), batched in
     changing company: each one's audio equals the Codec's offline decode of its frames, and its
-    pool state equals an eager stream's state after the same frames."""
+    pool state equals an eager stream's state after the same frames (with the reference ops and
+    with the fast paths, whose conv tails are channels_last)."""
+    reference = codec
+    codec = fast_codec if which == "fast" else codec
     pool = small_pool(codec)
     slots = [pool.acquire() for _ in range(3)]
     codes = [random_codes(codec, 30, seed=i) for i in range(3)]
@@ -96,7 +120,7 @@ def test_interleaved_sessions_equal_their_own_streams(codec):
             audio[s].append(out)
             done[s] += n
     for s in range(3):
-        expected = codec.decode(codes[s][None, :, :done[s]])[0]
+        expected = reference.decode(codes[s][None, :, :done[s]])[0]
         # float32 up to rounding (batched, chunked): test_batched_chunk_path_matches_serial's bound
         assert rel_err(torch.cat(audio[s]), expected) < 5e-4, s
         eager = codec.stream()
