@@ -263,10 +263,10 @@ def cpu_warm_up_plan(sessions: int, context: int, prefill_rows: int, decode_step
 def cuda_warm_up_plan(sessions: int, context: int):
     """[(step, eager)] for the kernel path on CUDA (see BackboneEngine.warm_up); trimmed to fit
     `sessions` slots (at most 3 used) of `context` rows. Row counts: 72 and 40 (112 rows, 896 MoE
-    pairs: the decode routing, divisible by 16, two segments from 0: fla's varlen mode), 7 (one
-    segment after its start, nothing divisible: fla's plain mode), 200 and 129 (1600 and 1032
-    pairs: the grouped routing, both remainders), 64 (one segment, divisible), then decode at
-    batch 1 and 2 eagerly and mixed steps (graphed decode + prefill of one and two segments)."""
+    pairs: the decode routing, divisible by 16, two segments from 0), 7 (one segment after its
+    start, nothing divisible), 200 and 129 (1600 and 1032 pairs: the grouped routing, both
+    remainders), 64 (one segment, divisible), then decode at batch 1 and 2 eagerly and mixed steps
+    (graphed decode rows beside a prefill piece)."""
     want = [([(0, 72), (1, 40)], False), ([(0, 7)], False), ([(1, 200)], False), ([(2, 129)], False),
             ([(2, 64)], False),
             ([(0, 1)], True), ([(0, 1), (1, 1)], True), ([(0, 1), (2, 1)], False),

@@ -428,14 +428,9 @@ class GatedDeltaNet(nn.Module):
             mixed = varlen_causal_conv(proj[:, :channels], self.conv_weight, cache.conv, plan)
             q, k, v = self._heads(mixed)
             g, beta = kgdn.gdn_gates(a, b, self.A_log, self.dt_bias)
-            # one segment: fla's plain (not varlen) mode; several: varlen with the offsets also
-            # on the host, else fla derives its chunk table with a device-to-host copy, a sync
-            # of the host with the GPU in every GDN layer (host-bound prefill, docs/perf.md)
-            single = len(batch.segments) == 1
             o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
                                                    initial_state=cache.state[plan.seg_slots],
-                                                   cu_seqlens=None if single else plan.cu_seqlens,
-                                                   cu_seqlens_cpu=None if single else plan.cu_seqlens_cpu)
+                                                   cu_seqlens=plan.cu_seqlens)
             cache.state[plan.seg_slots] = state
             o = o[0]
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps)

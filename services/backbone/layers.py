@@ -154,7 +154,6 @@ class StepPlan:
     conv_base: torch.Tensor | None = None        # int64 [R]: packed row of each row's first conv tap
     conv_state_rows: torch.Tensor | None = None  # int64 [N·(K_c−1)]: where each segment's conv state goes
     conv_tail_rows: torch.Tensor | None = None   # int64 [N·(K_c−1)]: each segment's new conv state
-    cu_seqlens_cpu: torch.Tensor | None = None   # cu_seqlens on the host (fla's varlen chunk table, no sync)
 
 
 @dataclass(frozen=True)

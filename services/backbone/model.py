@@ -265,7 +265,7 @@ class Backbone(nn.Module):
         sizes = [p.numel() for p in parts]
         tensors = torch.cat(parts).to(self.device).split(sizes)
         context = max(s.start + s.count for s in segments) if context is None else context
-        return StepPlan(*tensors[:4], decode=decode, context=context, cu_seqlens_cpu=parts[3], **dict(zip(
+        return StepPlan(*tensors[:4], decode=decode, context=context, **dict(zip(
             ("conv_base", "conv_state_rows", "conv_tail_rows"), tensors[4:])))
 
     def _decode_graphed(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:

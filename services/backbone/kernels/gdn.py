@@ -152,13 +152,12 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = Non
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True,
-                           cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None):
+                           cu_seqlens: torch.Tensor | None = None):
     """Prefill: fla's chunk kernel on CUDA (native GVA, l2 norm in kernel), else the reference.
     Same arguments and layout as naive_recurrent_gated_delta_rule; o comes back in v.dtype.
 
     cu_seqlens: int64 [N+1] row offsets of N sequences packed along T (B must be 1; fla's varlen
-    mode, chunks start at each sequence's first row); initial_state is then [N, Hv, K, V].
-    cu_seqlens_cpu: the same offsets on the host (fla then builds its chunk table without a sync)."""
+    mode, chunks start at each sequence's first row); initial_state is then [N, Hv, K, V]."""
     ops = _fla() if q.is_cuda else None
     if ops is None:
         if cu_seqlens is None:
@@ -173,10 +172,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, out
             outs.append(o.to(v.dtype))
             states.append(s)
         return torch.cat(outs, dim=1), torch.cat(states)
-    extra = {} if cu_seqlens_cpu is None else {"cu_seqlens_cpu": cu_seqlens_cpu}
     return ops[0](q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                  **extra)
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
