@@ -14,7 +14,18 @@ first runs the server's warm-up (BackboneEngine.warm_up) and times it; `--profil
 prints profiler tables of one prefill. Peak memory is the device's max allocated bytes during each measurement.
 This times the model code of services/backbone as it is: on CUDA in BF16 that is the kernel path
 (issue #7); --decode-graphs times each batch size eagerly and then replayed from CUDA graphs (the
-first graphed step of each batch bucket captures, so keep --warmup >= 1).
+first graphed step of each batch bucket captures, so keep --warmup >= 1, or --served-warm-up).
+
+H200, 2026-11-29 21:37 UTC (commit b2d2057: Triton decode attention, decode graphs captured in the
+warm-up; the GPU tests ran at the same time on the same machine, so a little noisy):
+`python3 bench/backbone.py --preset full --device cuda --prefill 256 1024 --batch 1 8 32 --context 256
+--steps 10 --warmup 3 --decode-graphs --served-warm-up --profile-prefill 1024`
+
+    served warm-up 81.2 s (Triton/fla compilation and autotuning, graphs for buckets 1..32)
+    prefill 256 rows: first call 166.8 ms, steady 146.4 ms; 1024 rows: 173.0 / 134.2 ms
+    decode ms (median), eager / graphed: batch 1 42.5 / 5.41, batch 8 65.2 / 10.0, batch 32 63.8 / 20.5
+    prefill 1024 profile: 176 ms host, 66.5 ms device (MoE grouped gate_up 20.4 + down 12.7 ms,
+    GEMMs 7.2 ms); fla's ChunkGatedDeltaRuleFunction 41.8 ms of host time over 30 calls, 3079 launches
 """
 
 from __future__ import annotations
