@@ -87,6 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-steps", type=int, help="timed steps per stage in step 4 (default 20 cuda, 4 cpu)")
     parser.add_argument("--micro-context", type=int, help="rows before the timed steps (default 256 cuda, 32 cpu)")
     parser.add_argument("--skip-micro", action="store_true", help="leave out step 4")
+    parser.add_argument("--stack-info", type=Path,
+                        help="measure a stack that is already up (bench.stack --info-file) instead of "
+                             "starting one; its start-to-ready times come from that file")
+    parser.add_argument("--stack-json", type=Path,
+                        help="with --micro-only: the stack figures of an earlier run (its --json)")
+    parser.add_argument("--micro-only", action="store_true",
+                        help="only step 4, merged with --stack-json's stack figures")
     parser.add_argument("--smi-period", type=float, default=0.5,
                         help="seconds between nvidia-smi samples (each one costs the host some CPU)")
     parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a temporary directory)")
@@ -326,23 +333,25 @@ def _free(device: torch.device) -> None:
 
 
 def micro_backbone(preset: str, device: torch.device, context: int, steps: int) -> dict[str, float]:
-    """Decode step at batch 1 as the server runs it; on the kernel path also replayed from CUDA
-    graphs (Backbone.decode_graphs, which the server does not turn on yet)."""
+    """Decode step at batch 1 as the server runs it (on CUDA: replayed from the decode graph the
+    engine's warm-up captures, DRAMA_DECODE_GRAPHS' default), and the same step eager."""
     from bench.backbone import bench_decode
     from services.backbone.engine import BackboneEngine
     from services.common.random_weights import random_backbone_stage
 
     model = random_backbone_stage(preset, device, decode_graphs=device.type == "cuda")
     engine = BackboneEngine(model, max_sessions=1, max_context=context + 2 * steps + 16)
+    can_graph = model.decode_graphs
+    if can_graph:
+        model.capture_decode_graphs(engine.caches, 1)
     args = SimpleNamespace(context=context, warmup=3, steps=steps)
-    out, can_graph = {}, model.decode_graphs
+    out = {}
     with torch.inference_mode():
-        for key, graphs in (("backbone_step_ms_b1", False), ("backbone_step_ms_b1_graphs", True)):
-            if graphs and not can_graph:
-                continue
+        for key, graphs in (("backbone_step_ms_b1", can_graph), ("backbone_step_ms_b1_eager", False)):
             model.decode_graphs = graphs
             out[key] = bench_decode(engine, 1, args, torch.Generator().manual_seed(0), device)["median_ms"]
-    out["backbone_path"] = f"kernels={model.kernels}, exact={model.exact}"
+    out["backbone_path"] = (f"kernels={model.kernels}, exact={model.exact}, "
+                            f"{'CUDA-graph replay' if can_graph else 'eager'}")
     del engine, model
     _free(device)
     return out
@@ -355,6 +364,7 @@ def micro_tower(preset: str, device: torch.device, context: int, steps: int) -> 
 
     model, cfg = random_tower_stage(preset, device)
     engine = TowerEngine(model, cfg, max_sessions=1, max_context=context + steps + 8)
+    engine.warm_up()                   # as the server does: captures the decode graphs on CUDA
     args = SimpleNamespace(context=context, warmup=3, steps=steps)
     with torch.inference_mode():
         result = bench_batch(engine, 1, args, torch.Generator().manual_seed(0))
@@ -459,8 +469,7 @@ def build_table(r: dict) -> str:
         (f"E2E ms per frame, {words[1]} words (text-chunk prefills included)",
          ms(long.get("steady_ms_per_frame")), ""),
         (f"backbone step, batch 1 (in-process; {r['backbone_path']})", ms(r["backbone_step_ms_b1"]), ""),
-        ("backbone step, batch 1, CUDA-graph replay (in-process; not on in the server)",
-         ms(r["backbone_step_ms_b1_graphs"]), ""),
+        ("backbone step, batch 1, eager (in-process; for comparison)", ms(r["backbone_step_ms_b1_eager"]), ""),
         ("tower step, batch 1 (in-process)", ms(r["tower_step_ms_b1"]), ""),
         ("codec 4-frame chunk (in-process)", ms(r["codec_chunk_ms_4f"]), TARGETS["codec_chunk_ms_4f"] + " ms"),
         ("gRPC/IPC + scheduling per frame (E2E - stage sum)", ms(r["overhead_ms_per_frame"]), ""),
@@ -499,7 +508,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
         "transformers_step_ms_b1": peer_ms,
         "transformers_step_source": peer_source,
         "backbone_speedup_vs_transformers_b1": peer_ms / backbone if peer_ms and backbone else None,
-        "backbone_step_ms_b1_graphs": micro.get("backbone_step_ms_b1_graphs"),
+        "backbone_step_ms_b1_eager": micro.get("backbone_step_ms_b1_eager"),
         "backbone_path": micro.get("backbone_path"),
         "tower_step_ms_b1": tower,
         "codec_chunk_ms_4f": codec,
@@ -524,7 +533,9 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
                      "sample_rate": preset_config(args.preset).codec.sample_rate,
                      "DRAMA_MAX_ROWS": stage_env()["DRAMA_MAX_ROWS"],
                      "DRAMA_MAX_CONTEXT_TOKENS": stage_env()["DRAMA_MAX_CONTEXT_TOKENS"],
-                     "micro_context": args.micro_context, "micro_steps": args.micro_steps},
+                     "micro_context": args.micro_context, "micro_steps": args.micro_steps,
+                     "stack": (f"attached ({args.stack_info})" if args.stack_info
+                               else f"from {args.stack_json}" if args.micro_only else "own")},
         "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
         "torch": torch.__version__,
         "commit": commit(),
@@ -548,16 +559,72 @@ class StackRun:
     error: str | None = None
 
 
-def run_stack(args) -> StackRun:
-    """Steps 1-3: start the stack, time the requests, stop it. Failures are recorded, not raised,
-    so that the per-stage timings still run."""
+def measure_requests(args, url: str, out: StackRun) -> None:
+    """Step 2 against a ready gateway: the first, warm-up, short and long requests."""
     import httpx
-
-    from services.common.make_checkpoint import make_checkpoint
 
     cfg = preset_config(args.preset)
     chunk_size = cfg.text_chunking.text_chunk_size
     audio = (chunk_size, cfg.codec.frame_samples, cfg.codec.sample_rate)
+    with httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
+        # The first request after ready pays one-time costs (kernel compilation); the
+        # second one is the yardstick for the frame budget.
+        for name, n in (("first", 8), ("warmup", 24)):
+            warmup = out.requests[name] = speak(client, url, args.words[0], n, *audio)
+            print(f"{name} request: TTFA {warmup.ttfa_ms:.0f} ms, {warmup.frames:.0f} frames in "
+                  f"{warmup.wall_ms:.0f} ms", flush=True)
+        chunks = [count_chunks(make_text(w), chunk_size) for w in args.words]
+        frames, out.frames_note = plan_frames(list(args.frames), chunks, warmup, args.budget_s)
+        if out.frames_note:
+            print(out.frames_note, flush=True)
+        for name, words, n in (("short", args.words[0], frames[0]), ("long", args.words[1], frames[1])):
+            r = out.requests[name] = speak(client, url, words, n, *audio)
+            print(f"{words} words: TTFA {r.ttfa_ms:.0f} ms, {r.frames:.0f} frames, RTF {r.rtf:.3f}, "
+                  f"{_fmt(r.steady_ms_per_frame, 2)} ms per frame", flush=True)
+
+
+def run_attached(args) -> StackRun:
+    """Steps 2-3 against a stack that is already up (bench.stack --info-file); it is left running."""
+    info = json.loads(args.stack_info.read_text())
+    out = StackRun(ready_s={k: float(v) for k, v in info["ready_s"].items()})
+    sampler = None
+    if args.device.startswith("cuda"):
+        sampler = GpuMemorySampler({int(pid): name for name, pid in info["pids"].items()}, args.smi_period).start()
+    try:
+        measure_requests(args, info["url"], out)
+    except Exception as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        print(f"bench.e2e: {out.error}", file=sys.stderr)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+            out.peak_gpu_gb = sampler.peak_gb()
+            out.peak_gpu_note = sampler.error
+    log = Path(info["log_dir"]) / "backbone.log"
+    if log.is_file():
+        out.backbone_memory = next((line for line in log.read_text().splitlines()
+                                    if line.startswith("backbone memory:")), None)
+    return out
+
+
+def stack_from_json(path: Path) -> StackRun:
+    """The stack figures of an earlier `--json` (for --micro-only)."""
+    data = json.loads(path.read_text())
+    requests = {name: Spoken(**{k: q[k] for k in ("words", "chunks", "frames", "audio_s", "ttfa_ms",
+                                                   "wall_ms", "steady_ms_per_frame")},
+                             max_new_tokens=q["max_new_tokens_per_chunk"])
+                for name, q in data["requests"].items()}
+    note = data["peak_gpu_source"].partition("; sampler error: ")[2] or None
+    return StackRun(ready_s=data["start_to_ready_s"], requests=requests, peak_gpu_gb=data["peak_gpu_gb"],
+                    peak_gpu_note=note, frames_note=data["frames_note"],
+                    backbone_memory=data["backbone_memory_report"], error=data["stack_error"])
+
+
+def run_stack(args) -> StackRun:
+    """Steps 1-3: start the stack, time the requests, stop it. Failures are recorded, not raised,
+    so that the per-stage timings still run."""
+    from services.common.make_checkpoint import make_checkpoint
+
     out = StackRun()
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         config_dir = Path(tmp) / "config"
@@ -574,21 +641,7 @@ def run_stack(args) -> StackRun:
         try:
             wait_stack_ready(stack, args.ready_timeout)
             print("ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in stack.ready_s.items()), flush=True)
-            with httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
-                # The first request after ready pays one-time costs (kernel compilation); the
-                # second one is the yardstick for the frame budget.
-                for name, n in (("first", 8), ("warmup", 24)):
-                    warmup = out.requests[name] = speak(client, stack.url, args.words[0], n, *audio)
-                    print(f"{name} request: TTFA {warmup.ttfa_ms:.0f} ms, {warmup.frames:.0f} frames in "
-                          f"{warmup.wall_ms:.0f} ms", flush=True)
-                chunks = [count_chunks(make_text(w), chunk_size) for w in args.words]
-                frames, out.frames_note = plan_frames(list(args.frames), chunks, warmup, args.budget_s)
-                if out.frames_note:
-                    print(out.frames_note, flush=True)
-                for name, words, n in (("short", args.words[0], frames[0]), ("long", args.words[1], frames[1])):
-                    r = out.requests[name] = speak(client, stack.url, words, n, *audio)
-                    print(f"{words} words: TTFA {r.ttfa_ms:.0f} ms, {r.frames:.0f} frames, RTF {r.rtf:.3f}, "
-                          f"{_fmt(r.steady_ms_per_frame, 2)} ms per frame", flush=True)
+            measure_requests(args, stack.url, out)
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}"
             print(f"bench.e2e: {out.error}", file=sys.stderr)
@@ -608,7 +661,14 @@ def run_stack(args) -> StackRun:
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python -m bench.e2e " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    stack = run_stack(args)
+    if args.micro_only:
+        if not args.stack_json:
+            raise SystemExit("bench.e2e: --micro-only needs --stack-json")
+        stack = stack_from_json(args.stack_json)
+    elif args.stack_info:
+        stack = run_attached(args)
+    else:
+        stack = run_stack(args)
     micro = {"errors": {}}
     if not args.skip_micro:
         print("per-stage compute in this process (batch 1):", flush=True)

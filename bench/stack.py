@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import signal
 import sys
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sessions", type=int, default=8)
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--url-file", type=Path, default=None)
+    parser.add_argument("--info-file", type=Path, default=None,
+                        help="also write {url, pids, ready_s, log_dir} as JSON once ready (bench.e2e --stack-info)")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -69,6 +72,10 @@ def main(argv=None) -> int:
         wait_stack_ready(stack, args.ready_timeout)
         print(f"ready ({', '.join(f'{k} {v:.1f} s' for k, v in stack.ready_s.items())}): {stack.url} "
               f"(logs in {log_dir})", flush=True)
+        if args.info_file:       # written before the URL file, which is what scripts wait for
+            info = {"url": stack.url, "pids": {name: p.popen.pid for name, p in stack.processes.items()},
+                    "ready_s": stack.ready_s, "log_dir": str(log_dir)}
+            args.info_file.write_text(json.dumps(info, indent=2) + "\n")
         if args.url_file:
             args.url_file.write_text(stack.url + "\n")
         while not stopping:

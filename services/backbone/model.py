@@ -41,7 +41,7 @@ from .moe import SparseMoE
 from .rope import RotaryTable
 
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (decode_graphs)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
 
 
 @dataclass(frozen=True)
