@@ -374,21 +374,21 @@ def micro_tower(preset: str, device: torch.device, context: int, steps: int) -> 
 
 
 def micro_codec(preset: str, device: torch.device, history: int, repeats: int) -> float:
+    """A 4-frame chunk of one stream `history` frames in, as the server decodes it: through the
+    slot pool (services/codec/graphs.py), replayed from a CUDA graph on CUDA, PCM16 on the host."""
     from bench.codec import random_codes, timed
+    from services.codec.graphs import GraphedDecoder
     from services.common.random_weights import random_codec_stage
 
     codec = random_codec_stage(preset, device)
+    pool = GraphedDecoder(codec, 2, lengths=(1, 4), buckets=(1,))
     with torch.inference_mode():
-        state = codec.new_state()
-        codec.decode_streams([state], [random_codes(codec, history)[0]])
+        pool.capture()
+        slot = pool.acquire()
+        pool.decode_streams([slot], [random_codes(codec, history)[0]])
         chunk = random_codes(codec, 4)[0]
-
-        def one_chunk():
-            fresh = type(state)(state.position.clone(), {k: v.clone() for k, v in state.tensors.items()})
-            codec.decode_streams([fresh], [chunk])
-
-        times = timed(one_chunk, device, repeats, warmup=2)
-    del codec
+        times = timed(lambda: pool.decode_pcm16([slot], [chunk]), device, repeats, warmup=2)
+    del pool, codec
     _free(device)
     return statistics.median(times)
 
@@ -512,8 +512,8 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
         "backbone_path": micro.get("backbone_path"),
         "tower_step_ms_b1": tower,
         "codec_chunk_ms_4f": codec,
-        "stage_compute_source": "in-process micro-timing at batch 1 after the stack stopped "
-                                "(the stages expose no step timings)",
+        "stage_compute_source": "in-process micro-timing at batch 1 after the stack stopped, on the "
+                                "servers' paths (decode graphs, the codec's slot pool)",
         "e2e_ms_per_frame": e2e,
         "stage_sum_ms_per_frame": stage_sum,
         "overhead_ms_per_frame": e2e - stage_sum if e2e is not None and stage_sum is not None else None,
@@ -531,8 +531,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
                      "frames_asked": list(args.frames), "budget_s": args.budget_s, "seed": SEED, "voice": VOICE,
                      "latency": "low", "response_format": "pcm", "stream": True,
                      "sample_rate": preset_config(args.preset).codec.sample_rate,
-                     "DRAMA_MAX_ROWS": stage_env()["DRAMA_MAX_ROWS"],
-                     "DRAMA_MAX_CONTEXT_TOKENS": stage_env()["DRAMA_MAX_CONTEXT_TOKENS"],
+                     **stack.pool,
                      "micro_context": args.micro_context, "micro_steps": args.micro_steps,
                      "stack": (f"attached ({args.stack_info})" if args.stack_info
                                else f"from {args.stack_json}" if args.micro_only else "own")},
@@ -557,6 +556,8 @@ class StackRun:
     frames_note: str | None = None
     backbone_memory: str | None = None                              # the backbone's own report line
     error: str | None = None
+    pool: dict = field(default_factory=lambda: {k: stage_env()[k] for k in ("DRAMA_MAX_ROWS",
+                                                                           "DRAMA_MAX_CONTEXT_TOKENS")})
 
 
 def measure_requests(args, url: str, out: StackRun) -> None:
@@ -587,6 +588,7 @@ def run_attached(args) -> StackRun:
     """Steps 2-3 against a stack that is already up (bench.stack --info-file); it is left running."""
     info = json.loads(args.stack_info.read_text())
     out = StackRun(ready_s={k: float(v) for k, v in info["ready_s"].items()})
+    out.pool = {"DRAMA_MAX_ROWS": str(info.get("max_sessions")), "DRAMA_MAX_CONTEXT_TOKENS": str(info.get("max_context"))}
     sampler = None
     if args.device.startswith("cuda"):
         sampler = GpuMemorySampler({int(pid): name for name, pid in info["pids"].items()}, args.smi_period).start()
@@ -617,7 +619,8 @@ def stack_from_json(path: Path) -> StackRun:
     note = data["peak_gpu_source"].partition("; sampler error: ")[2] or None
     return StackRun(ready_s=data["start_to_ready_s"], requests=requests, peak_gpu_gb=data["peak_gpu_gb"],
                     peak_gpu_note=note, frames_note=data["frames_note"],
-                    backbone_memory=data["backbone_memory_report"], error=data["stack_error"])
+                    backbone_memory=data["backbone_memory_report"], error=data["stack_error"],
+                    pool={k: data["settings"][k] for k in ("DRAMA_MAX_ROWS", "DRAMA_MAX_CONTEXT_TOKENS")})
 
 
 def run_stack(args) -> StackRun:

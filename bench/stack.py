@@ -74,7 +74,8 @@ def main(argv=None) -> int:
               f"(logs in {log_dir})", flush=True)
         if args.info_file:       # written before the URL file, which is what scripts wait for
             info = {"url": stack.url, "pids": {name: p.popen.pid for name, p in stack.processes.items()},
-                    "ready_s": stack.ready_s, "log_dir": str(log_dir)}
+                    "ready_s": stack.ready_s, "log_dir": str(log_dir),
+                    "max_sessions": args.max_sessions, "max_context": args.max_context}
             args.info_file.write_text(json.dumps(info, indent=2) + "\n")
         if args.url_file:
             args.url_file.write_text(stack.url + "\n")
