@@ -56,6 +56,7 @@ import collections
 import logging
 import random
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
@@ -63,6 +64,8 @@ from typing import AsyncIterator, Protocol
 import torch
 from opentelemetry import metrics, propagate, trace
 from torch import Tensor
+
+from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 from .prefix_cache import PrefixCache, prefix_key
 from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_chunk,  # noqa: F401
@@ -257,6 +260,64 @@ class _InFlight:
     span: object | None
 
 
+class _StageMetrics:
+    """The backbone's series (API.md §1.7) on one meter, made once per meter: the SDK keeps only
+    the first callback of a gauge registered twice under one name, so the gauges observe every
+    open scheduler of the meter rather than the first one made (a server has exactly one)."""
+
+    _by_meter: dict[int | None, "_StageMetrics"] = {}
+
+    @classmethod
+    def of(cls, meter: metrics.Meter | None) -> "_StageMetrics":
+        """The instruments on `meter`; None: on the process's meter, made once (get_meter hands
+        out a new proxy per call until a MeterProvider is set)."""
+        key = None if meter is None else id(meter)
+        if key not in cls._by_meter:
+            cls._by_meter[key] = cls(meter or metrics.get_meter("services.backbone"))
+        return cls._by_meter[key]
+
+    def __init__(self, meter: metrics.Meter):
+        self.meter = meter          # held, so its id stays its own
+        # Weak references, copied as a whole (atomic) by the exporter's thread.
+        self.schedulers: list[weakref.ref] = []
+        self.batch_rows = meter.create_histogram(
+            "drama_backbone_batch_rows", unit="{row}", description="rows per backbone step",
+            explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS)
+        self.step_seconds = meter.create_histogram(
+            "drama_backbone_step_seconds", unit="s", description="backbone compute time per step",
+            explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
+        meter.create_observable_gauge(
+            "drama_backbone_queue_depth", [self._queue_depth],
+            unit="{session}", description="sessions waiting for admission")
+        meter.create_observable_gauge(
+            "drama_backbone_kv_usage_ratio", [self._kv_usage],
+            unit="1", description="rows held over the cache pool's rows")
+        self.rows_skipped = meter.create_counter(
+            "drama_backbone_prefix_rows_skipped", unit="{row}",
+            description="prompt rows restored from the voice-prefix cache instead of prefilled")
+        self.fallbacks = meter.create_counter(
+            "drama_backbone_prefix_fallbacks", unit="{restore}",
+            description="voice-prefix restores the tower could not serve (full prefill instead)")
+
+    def add(self, scheduler: "Scheduler") -> None:
+        self.schedulers = [r for r in self.schedulers if r() is not None] + [weakref.ref(scheduler)]
+
+    def remove(self, scheduler: "Scheduler") -> None:
+        self.schedulers = [r for r in self.schedulers if r() not in (None, scheduler)]
+
+    def _open(self) -> list["Scheduler"]:
+        return [s for s in (r() for r in list(self.schedulers)) if s is not None]
+
+    # Gauge callbacks, on the metric reader's thread; no scheduler open: no point.
+    def _queue_depth(self, _options):
+        open_ = self._open()
+        return [metrics.Observation(sum(s.queued_sessions for s in open_))] if open_ else []
+
+    def _kv_usage(self, _options):
+        open_ = self._open()
+        return [metrics.Observation(max(s.kv_usage_ratio for s in open_))] if open_ else []
+
+
 class Scheduler:
     """Admission queue, continuous batching loop and per-session output streams."""
 
@@ -295,23 +356,10 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-engine")
         self._task: asyncio.Task | None = None
-        meter = meter or metrics.get_meter("services.backbone")
-        self._batch_rows = meter.create_histogram(
-            "drama_backbone_batch_rows", unit="{row}", description="rows per backbone step")
-        self._step_seconds = meter.create_histogram(
-            "drama_backbone_step_seconds", unit="s", description="backbone compute time per step")
-        meter.create_observable_gauge(
-            "drama_backbone_queue_depth", [lambda _: [metrics.Observation(len(self._queue))]],
-            unit="{session}", description="sessions waiting for admission")
-        meter.create_observable_gauge(
-            "drama_backbone_kv_usage_ratio", [lambda _: [metrics.Observation(self.kv_usage_ratio)]],
-            description="rows held over the cache pool's rows")
-        self._rows_skipped = meter.create_counter(
-            "drama_backbone_prefix_rows_skipped", unit="{row}",
-            description="prompt rows restored from the voice-prefix cache instead of prefilled")
-        self._fallbacks = meter.create_counter(
-            "drama_backbone_prefix_fallbacks", unit="{restore}",
-            description="voice-prefix restores the tower could not serve (full prefill instead)")
+        self._metrics = _StageMetrics.of(meter)
+        self._metrics.add(self)
+        self._batch_rows, self._step_seconds = self._metrics.batch_rows, self._metrics.step_seconds
+        self._rows_skipped, self._fallbacks = self._metrics.rows_skipped, self._metrics.fallbacks
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -321,6 +369,7 @@ class Scheduler:
     async def close(self) -> None:
         """Stop the loop; sessions still open end UNAVAILABLE."""
         self.accepting = False
+        self._metrics.remove(self)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -594,7 +643,6 @@ class Scheduler:
                 "drama.batch.sessions": len(entries)})
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         if work:
-            started = time.perf_counter()
             store = [e for e in entries if e.store]
             try:
                 hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
@@ -609,8 +657,6 @@ class Scheduler:
             for e, snapshot in zip(store, snapshots):
                 self.prefix_cache.put(e.session.prefix[0], snapshot)
                 e.session.store_prefix = False
-            self._step_seconds.record(time.perf_counter() - started)
-            self._batch_rows.record(sum(len(e.rows) for e in entries))
             hidden = torch.cat(hidden)
         else:   # a release-only message
             hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
@@ -643,8 +689,17 @@ class Scheduler:
         self._inflight.append(_InFlight(entries, result, span))
 
     def _compute(self, work, store_slots: list[int]):
-        """On the engine thread: the step, then snapshots of the slots that just ended a prefix."""
+        """On the engine thread: the step (timed here), then snapshots of the slots that just
+        ended a prefix."""
+        started = time.perf_counter()
         hidden = self.engine.step(work)
+        if hidden and hidden[0].is_cuda:
+            # engine.step only queues the GPU work. Its rows go to the host right after this
+            # returns (tower_client.step_request, on the event loop), so waiting for them here
+            # costs nothing, and makes the step time include the GPU's.
+            torch.cuda.synchronize(hidden[0].device)
+        self._step_seconds.record(time.perf_counter() - started)
+        self._batch_rows.record(sum(len(token_ids) for _, token_ids, _ in work))
         return hidden, [self.engine.snapshot(slot) for slot in store_slots]
 
     def _finish_step(self, step: _InFlight) -> None:

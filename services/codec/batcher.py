@@ -14,10 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import metrics
 
 from services.codec.state import StreamState
+from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 log = logging.getLogger(__name__)
+
+# API.md §1.7; no-ops until a MeterProvider is set (telemetry.setup_telemetry when exporting).
+_meter = metrics.get_meter("services.codec")
+_decode_seconds = _meter.create_histogram(
+    "drama_codec_decode_seconds", unit="s", description="time of one batched decode call",
+    explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
+_batch_size = _meter.create_histogram(
+    "drama_codec_batch_size", unit="{session}", description="sessions per batched decode call",
+    explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS)
 
 
 def pcm16_bytes(samples: torch.Tensor) -> bytes:
@@ -95,11 +106,18 @@ class DecodeBatcher:
     def _decode_pcm16(self, states: list, chunks: list[torch.Tensor]) -> list[bytes]:
         """On the worker thread: decode, and bring the samples to the host as PCM16 there, so the
         event loop never waits on a device copy. `codec` is the Codec (states: StreamState) or a
-        GraphedDecoder (states: its slots), which quantises on the device itself."""
+        GraphedDecoder (states: its slots), which quantises on the device itself.
+
+        Timed here: both paths end with the PCM on the host, so the time includes the GPU's."""
+        started = time.perf_counter()
         decode_pcm16 = getattr(self.codec, "decode_pcm16", None)
         if decode_pcm16 is not None:
-            return decode_pcm16(states, chunks)
-        return [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
+            pcm = decode_pcm16(states, chunks)
+        else:
+            pcm = [pcm16_bytes(pcm.cpu()) for pcm in self.codec.decode_streams(states, chunks)]
+        _decode_seconds.record(time.perf_counter() - started)
+        _batch_size.record(len(states))
+        return pcm
 
     async def close(self) -> None:
         self._task.cancel()

@@ -19,6 +19,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanProcessor
 log = logging.getLogger(__name__)
 _configured = False
 
+# Histogram buckets of the stage series (API.md §1.7, docs/metrics.md), given to the SDK as
+# advisory boundaries: a step or decode call takes about 1 ms on a GPU and up to about 1 s on a
+# CPU (the SDK's default buckets, 0-10000, suit milliseconds, not seconds); batch sizes (rows per
+# backbone step, sessions per codec call) in powers of two up to a full prefill budget.
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
 
 def _exporting(signal: str) -> bool:
     chosen = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER")

@@ -21,21 +21,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.common import grpcutil
-from services.common.telemetry import extract_context
+from services.common.telemetry import STEP_SECONDS_BUCKETS, extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
 from services.tower.engine import StepEntry, StepResult, TowerEngine
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "drama.tower.v1.Tower"
+
+# API.md §1.7; a no-op until a MeterProvider is set (telemetry.setup_telemetry when exporting).
+_step_seconds = metrics.get_meter("services.tower").create_histogram(
+    "drama_tower_step_seconds", unit="s", description="tower time per Step request (all its rows)",
+    explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,8 +84,13 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
         span = trace.get_tracer("services.tower").start_as_current_span(
             "tower.step", context=extract_context(request.trace_context),
             attributes={"drama.batch.rows": rows, "drama.batch.entries": len(entries)})
+    started = time.perf_counter()
     with span:
         result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+    # engine.step copies the drawn codes to the host, which waits for the GPU, so a step with a
+    # draw is timed with its device work; a prefill-only step returns once its work is queued,
+    # and that work shows in the next step's time.
+    _step_seconds.record(time.perf_counter() - started)
     return response_from_result(request.step_id, result)
 
 
