@@ -271,6 +271,10 @@ class SpeechSession:
                             self._room.clear()
                             await self._room.wait()
                     elif kind == "done":
+                        # The codec ends the stream right after `done`: wait for its status, so
+                        # aclose() finds the call finished instead of cancelling a stream that
+                        # ended well (a cancel racing the codec's last write interrupts it there).
+                        await self._dec_call.code()
                         self._out.put_nowait(("done", reply.done.total_samples))
                         return
                 self._out.put_nowait(("error", ApiError(500, "internal_error",

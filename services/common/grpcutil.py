@@ -19,6 +19,7 @@ Errors carry the API's error code and field path in trailing metadata:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -115,12 +116,48 @@ def _traced(details) -> bool:
     return not any(method.lstrip("/").startswith(s) for s in _UNTRACED_SERVICES)
 
 
+class _StreamsEndInTheirTask(grpc.aio.ServerInterceptor):
+    """Response streams written by a coroutine that closes the handler's generator in its own task.
+
+    grpc.aio drives an async-generator handler with `async for response in handler(...): await
+    write(response)` and does not close the generator when that loop is left: when the client
+    cancels (or the write fails) while the handler is suspended at its `yield`, the generator is
+    abandoned and later closed by asyncio's finalizer hook, in a new task. The OpenTelemetry
+    interceptor's generator has attached the trace context in the call's task, so its `detach`
+    then fails ("Failed to detach context ... was created in a different Context") and the
+    handler's own `finally` runs late and elsewhere. Listed first, so it wraps the traced
+    handler: the call's task writes the responses itself and, however the loop ends, closes the
+    generator (GeneratorExit at the `yield`) before the task finishes.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
+        if not inspect.isasyncgenfunction(behavior):
+            return handler
+
+        async def write_responses(request_or_iterator, context):
+            responses = behavior(request_or_iterator, context)
+            try:
+                async for response in responses:
+                    await context.write(response)
+            finally:
+                await responses.aclose()
+
+        factory = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
+                   else grpc.unary_stream_rpc_method_handler)
+        return factory(write_responses, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+
 def _server_interceptors() -> list:
     try:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
     except ImportError:  # tracing is optional at run time
-        return []
-    return [aio_server_interceptor(filter_=_traced)]
+        return [_StreamsEndInTheirTask()]
+    return [_StreamsEndInTheirTask(), aio_server_interceptor(filter_=_traced)]
 
 
 def _client_interceptors() -> list:
