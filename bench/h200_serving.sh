@@ -35,7 +35,8 @@ if [[ $part == all ]]; then
              --info-file "$info" --url-file "$url_file" --log-dir "$OUT/stack-logs")
   if [[ $PRESET == full ]]; then stack_cmd+=(--random-weights full); fi
   echo "+ ${stack_cmd[*]}" | tee -a "$OUT/commands.txt"
-  "${stack_cmd[@]}" > "$OUT/stack.log" 2>&1 &
+  # The stages print their step histograms every 2 s (bench/stage_metrics.py reads them back).
+  OTEL_METRICS_EXPORTER=console OTEL_METRIC_EXPORT_INTERVAL=2000 "${stack_cmd[@]}" > "$OUT/stack.log" 2>&1 &
   stack=$!
   for _ in $(seq 1200); do
     [[ -f $url_file ]] && break
@@ -48,7 +49,7 @@ if [[ $part == all ]]; then
   fi
   url=$(cat "$url_file")
   cat "$OUT/stack.log"
-  grep -h "memory\|warm\|graph" "$OUT"/stack-logs/*.log | head -20
+  grep -h "memory\|warm\|graph" "$OUT"/stack-logs/*.log | grep -v resource_metrics | head -20
   smi=""
   if command -v nvidia-smi > /dev/null; then   # card memory every 2 s (peak = the largest line)
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -l 2 > "$OUT/gpu_memory.csv" 2>&1 &
@@ -58,11 +59,12 @@ if [[ $part == all ]]; then
       --budget-s 60 --json "$OUT/e2e_stack.json"
   run python3 -m bench.load --url "$url" --sweep "${SWEEP:-1,8,32,64,128}" --duration "${DURATION:-15}" \
       --max-new-tokens "${FRAMES:-100}" --formats pcm --sample-rate 44100 --ramp-s 2 --json "$OUT/load.json"
+  run python3 -m bench.stage_metrics "$OUT/stack-logs" --load "$OUT/load.json" --json "$OUT/stage_metrics.json"
   run python3 -m bench.voice_prefix --url "$url" --reference-s 20 --repeats 5 --frames 4 \
       --json "$OUT/voice_prefix.json"
   run python3 -m bench.batch_invariance --url "$url" --batches 8 32 --frames 24 --json "$OUT/batch_invariance.json"
   kill $smi $stack 2>/dev/null; wait $stack
-  tail -n 3 "$OUT"/stack-logs/*.log
+  for log in "$OUT"/stack-logs/*.log; do echo "== $log"; grep -v resource_metrics "$log" | tail -n 3; done
   [[ -n $smi ]] && echo "peak card memory while serving: $(sort -t, -k2 -n "$OUT/gpu_memory.csv" | tail -1)"
   run python3 -m bench.e2e --preset "$PRESET" --device "$DEVICE" --micro-only --stack-json "$OUT/e2e_stack.json" \
       --micro-steps 20 --json "$OUT/e2e.json" --markdown "$OUT/e2e.md"

@@ -101,6 +101,8 @@ class LoadResult:
     underrun_max_s: float = 0.0
     streams_without_underrun: int = 0   # whole streams with no deficit after a 1 s start buffer
     rtf_p50: float | None = None        # per stream: request wall time / audio duration
+    started_unix: float = 0.0           # wall clock of the level's start and end (bench/stage_metrics.py
+    ended_unix: float = 0.0             # lines the stages' metric exports up with the levels)
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
     def table(self) -> str:
@@ -218,6 +220,7 @@ async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tok
     counter = iter(range(10 ** 9))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     started = time.monotonic()
+    started_unix = time.time()
     stop_at = started + duration_s
 
     async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits, headers=headers) as client:
@@ -245,7 +248,7 @@ async def run_load(url: str, *, concurrency: int, duration_s: float, max_new_tok
         underrun_max_s=max((o.underrun_s for o in ok), default=0.0),
         streams_without_underrun=sum(o.underrun_after_1s <= 0.0 for o in ok),
         rtf_p50=percentile([o.e2e_s / o.audio_s for o in ok if o.audio_s > 0], 50),
-        outcomes=outcomes)
+        started_unix=started_unix, ended_unix=time.time(), outcomes=outcomes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,20 +5,31 @@ and the voice-prefix benchmark must run end to end and report its ratio."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from bench import batch_invariance, voice_prefix
+from bench import batch_invariance, stage_metrics, voice_prefix
+from bench.load import run_load
+from services.common import telemetry
 
 
 @pytest.fixture(scope="module")
-def stack_url(tiny_checkpoint, tmp_path_factory):
+def stack_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-stack-logs")
+
+
+@pytest.fixture(scope="module")
+def stack_url(tiny_checkpoint, tmp_path_factory, stack_logs):
     url_file = tmp_path_factory.mktemp("bench-stack") / "url"
+    # The stages print their metric exports (one JSON line each) every 300 ms, as the GPU runs do.
+    env = {**os.environ, "OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300"}
     process = subprocess.Popen([sys.executable, "-m", "bench.stack", "--checkpoint", str(tiny_checkpoint),
-                                "--device", "cpu", "--max-sessions", "4", "--url-file", str(url_file)])
+                                "--device", "cpu", "--max-sessions", "4", "--url-file", str(url_file),
+                                "--log-dir", str(stack_logs)], env=env)
     deadline = time.monotonic() + 240
     try:
         while not url_file.exists():
@@ -45,3 +56,36 @@ def test_voice_prefix_benchmark_reports_the_ratio(stack_url):
     assert result["voice_prefix_ttfa_ratio"] == pytest.approx(
         result["ttfa_ms_reference_cached"] / result["ttfa_ms_no_reference"])
     assert "ratio cached / no reference" in voice_prefix.table(result)
+
+
+def test_stage_metrics_show_each_stage_busy_during_a_load(stack_url, stack_logs):
+    result = asyncio.run(run_load(stack_url, concurrency=2, duration_s=2.0, max_new_tokens=4, formats=("pcm",)))
+    assert result.ok >= 2 and result.errors == 0
+    time.sleep(1.0)                                 # one more export after the last step
+    series = stage_metrics.read_logs(stack_logs)
+    rows = stage_metrics.summarise(series, [("load", result.started_unix, result.ended_unix + 0.9)])
+    row = rows[0]
+    for stage in ("backbone", "tower", "codec"):
+        figures = row[stage]
+        assert figures is not None and figures["steps"] > 0, (stage, row)
+        assert figures["mean_ms"] > 0 and 0 < figures["busy"] <= 1.5, (stage, figures)
+    assert row["backbone"]["mean_batch"] >= 1 and row["codec"]["mean_batch"] >= 1
+    assert "busy" in stage_metrics.table(rows)
+
+
+@pytest.mark.parametrize("value, endpoint, expected", [
+    (None, None, set()),                     # no collector: nothing exported anywhere
+    (None, "http://collector:4317", {"otlp"}),
+    ("console", None, {"console"}),
+    ("otlp, console", None, {"otlp", "console"}),
+    ("none", "http://collector:4317", set()),
+    ("prometheus,console", None, {"console"}),   # unsupported names are ignored (with a warning)
+])
+def test_exporters_follow_the_standard_environment(monkeypatch, value, endpoint, expected):
+    for name in ("OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    if value is not None:
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", value)
+    if endpoint is not None:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    assert telemetry.exporters("metrics") == expected

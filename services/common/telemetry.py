@@ -27,19 +27,41 @@ STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def _exporting(signal: str) -> bool:
+def exporters(signal: str) -> set[str]:
+    """The exporters chosen for `signal` ("traces" or "metrics") by the standard environment:
+    OTEL_<SIGNAL>_EXPORTER is a comma-separated list of "otlp", "console" and "none"; unset, it
+    is "otlp" when an OTLP endpoint is configured and nothing otherwise (so a process with no
+    collector sends nothing anywhere)."""
     chosen = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER")
-    if chosen is not None:
-        return chosen.strip().lower() not in ("", "none")
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+    if chosen is None:
+        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+        return {"otlp"} if endpoint else set()
+    names = {name.strip().lower() for name in chosen.split(",")} - {"", "none"}
+    unknown = names - {"otlp", "console"}
+    if unknown:
+        log.warning("OTEL_%s_EXPORTER: %s not supported (otlp, console, none); ignored",
+                    signal.upper(), ", ".join(sorted(unknown)))
+    return names - unknown
+
+
+def _exporting(signal: str) -> bool:
+    return bool(exporters(signal))
+
+
+def metrics_json_line(metrics_data) -> str:
+    """The console metric exporter's format: one compact JSON document per line (the SDK's
+    default is indented over many lines, which cannot be picked out of a log)."""
+    return metrics_data.to_json(indent=None) + "\n"
 
 
 def setup_telemetry(service_name: str, *, span_processor: SpanProcessor | None = None) -> TracerProvider:
-    """Configure tracing (and OTLP metrics when exporting) for this process; idempotent.
+    """Configure tracing and metrics for this process from the environment; idempotent.
 
-    OTEL_SERVICE_NAME overrides `service_name`; OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG)
-    and OTEL_PROPAGATORS are read by the SDK itself.
+    OTEL_SERVICE_NAME overrides `service_name`; OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG),
+    OTEL_PROPAGATORS and OTEL_METRIC_EXPORT_INTERVAL are read by the SDK itself. Exporters: see
+    `exporters` ("console" metrics: one JSON line per export on stdout, e.g. for benchmarks that
+    read the stage histograms from the logs; bench/stage_metrics.py).
     """
     global _configured
     provider = trace.get_tracer_provider()
@@ -51,22 +73,32 @@ def setup_telemetry(service_name: str, *, span_processor: SpanProcessor | None =
     provider = TracerProvider(resource=resource)
     if span_processor is not None:
         provider.add_span_processor(span_processor)
-    if _exporting("traces"):
+    trace_exporters = exporters("traces")
+    if "otlp" in trace_exporters:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         except ImportError:
             log.warning("OTLP exporter not installed: traces are not exported")
+    if "console" in trace_exporters:
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     trace.set_tracer_provider(provider)
-    if _exporting("metrics"):
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-            from opentelemetry.sdk.metrics import MeterProvider
-            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-            metrics.set_meter_provider(MeterProvider(
-                resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
-        except ImportError:
-            log.warning("OTLP metric exporter not installed: metrics are not exported")
+    readers = []
+    metric_exporters = exporters("metrics")
+    if metric_exporters:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+        if "otlp" in metric_exporters:
+            try:
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+                readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+            except ImportError:
+                log.warning("OTLP metric exporter not installed: metrics are not exported over OTLP")
+        if "console" in metric_exporters:
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(formatter=metrics_json_line)))
+        if readers:
+            metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     _configured = True
     return provider
 
