@@ -307,6 +307,32 @@ async def test_micro_server(tiny_checkpoint, tmp_path):
         await stop(running)
 
 
+def test_decode_dtype_setting(monkeypatch):
+    from services.codec.__main__ import parse_args
+
+    monkeypatch.setenv("DRAMA_CHECKPOINT", "/ckpt")
+    assert parse_args([]).dtype is None                      # load_codec's default for the device
+    monkeypatch.setenv("DRAMA_CODEC_DTYPE", "BFloat16")
+    assert parse_args([]).dtype is torch.bfloat16
+    monkeypatch.setenv("DRAMA_CODEC_DTYPE", "half")
+    with pytest.raises(SystemExit):                          # named, not guessed
+        parse_args([])
+
+
+async def test_server_decodes_in_the_chosen_dtype(tiny_checkpoint):
+    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, dtype=torch.bfloat16)
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
+    running = Running(server, port, servicer, channel)
+    try:
+        assert running.codec.decode_dtype is torch.bfloat16
+        assert "bfloat16" in (await running.stub.GetInfo(codec_pb2.GetInfoRequest())).build
+        codes = random_codes(running.codec, 3, seed=4)
+        pcm, _ = await run_decode(running.stub, decode_requests(codes, [1, 2]))
+        assert pcm == pcm16_bytes(running.codec.decode(codes[None])[0])
+    finally:
+        await stop(running)
+
+
 def test_pcm16_rounding():
     samples = torch.tensor([-2.0, -1.0, -0.5, 0.0, 1e-6, 0.5, 1.0, 3.0])
     values = np.frombuffer(pcm16_bytes(samples), dtype="<i2")

@@ -8,12 +8,17 @@ request and DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads
 torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA graphs on a CUDA
 device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
+DRAMA_CODEC_DTYPE: the decode dtype, float16 | bfloat16 | float32 (unset: float16 on CUDA, float32
+on CPU; encode always runs in float32). On the H200 FP16 and FP32 trade places by case
+(docs/perf.md), so an operator can pick what their GPU runs fastest.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import torch
 
 from services.codec.server import serve
 from services.common import random_weights
@@ -36,7 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
     args.graphs = graphs_setting()
     args.slots = env_default("DRAMA_CODEC_SLOTS", 256, int)
+    dtype = env_default("DRAMA_CODEC_DTYPE", None)
+    if dtype is not None and dtype.strip().lower() not in DECODE_DTYPES:
+        parser.error(f"DRAMA_CODEC_DTYPE must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
+    args.dtype = None if dtype is None else DECODE_DTYPES[dtype.strip().lower()]
     return args
+
+
+DECODE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def graphs_setting() -> bool | None:
@@ -48,12 +60,12 @@ def graphs_setting() -> bool | None:
 async def run(args: argparse.Namespace) -> None:
     codec = None
     if args.random_weights:
-        codec = random_weights.random_codec_stage(args.random_weights, args.device)
+        codec = random_weights.random_codec_stage(args.random_weights, args.device, dtype=args.dtype)
     server, _, health, servicer = await serve(None if codec else args.checkpoint, host=args.host,
                                               port=args.port, device=args.device,
                                               max_encode_seconds=args.max_encode_seconds,
                                               cpu_threads=args.cpu_threads, codec=codec,
-                                              graphs=args.graphs, slots=args.slots)
+                                              graphs=args.graphs, slots=args.slots, dtype=args.dtype)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()

@@ -278,13 +278,15 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
 
 async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 50053, device: str = "cpu",
                 max_encode_seconds: float = 60.0, cpu_threads: int | None = 1, codec=None,
-                ready: asyncio.Event | None = None, graphs: bool | None = None, slots: int = 256):
+                ready: asyncio.Event | None = None, graphs: bool | None = None, slots: int = 256,
+                dtype: torch.dtype | None = None):
     """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
 
     Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`;
     `cpu_threads` is the worker's intra-op thread count on CPU (None: torch's default).
     `graphs` (None: on for CUDA): decode through a pool of `slots` stream slots and CUDA graphs
     captured here, before SERVING (graphs.py); on CPU it means the same pool with eager ticks.
+    `dtype`: the decode dtype of a codec loaded from `checkpoint` (None: load_codec's default).
     """
     on_cpu = torch.device(device).type == "cpu" if codec is None else codec.device.type == "cpu"
     worker = await start_model_worker(cpu_threads if on_cpu else None)
@@ -297,7 +299,7 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
     def load():
         from services.codec.model import load_codec
 
-        model = codec if codec is not None else load_codec(checkpoint, device=device)
+        model = codec if codec is not None else load_codec(checkpoint, device=device, dtype=dtype)
         warm_up(model)
         use_graphs = model.device.type == "cuda" if graphs is None else graphs
         streams = None
