@@ -319,6 +319,38 @@ def test_decode_dtype_setting(monkeypatch):
         parse_args([])
 
 
+def test_graph_lengths_setting(monkeypatch):
+    from services.codec.__main__ import parse_args
+
+    monkeypatch.setenv("DRAMA_CHECKPOINT", "/ckpt")
+    assert parse_args([]).graph_lengths is None
+    monkeypatch.setenv("DRAMA_CODEC_GRAPH_LENGTHS", "8, 4,2,1")
+    assert parse_args([]).graph_lengths == (1, 2, 4, 8)
+    for bad in ("2,4", "1,x", "0,1"):                        # 1 is needed to split any chunk
+        monkeypatch.setenv("DRAMA_CODEC_GRAPH_LENGTHS", bad)
+        with pytest.raises(SystemExit):
+            parse_args([])
+
+
+async def test_pool_with_fewer_graph_lengths_splits_chunks(tiny_checkpoint):
+    """Lengths (1, 2, 4): a 7-frame chunk runs as 4 + 2 + 1 and still equals the offline decode."""
+    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, graphs=True, graph_lengths=(1, 2, 4))
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
+    running = Running(server, port, servicer, channel)
+    try:
+        assert servicer.streams.lengths == (1, 2, 4)
+        codes = random_codes(running.codec, 10, seed=6)
+        pcm, _ = await run_decode(running.stub, decode_requests(codes, [7, 3]))
+        # The pool runs whole pieces, not the frame-serial CPU path: equal up to rounding.
+        got = np.frombuffer(pcm, dtype="<i2").astype(np.int32)
+        want = np.frombuffer(pcm16_bytes(running.codec.decode(codes[None])[0]), dtype="<i2").astype(np.int32)
+        assert got.shape == want.shape
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3   # test_codec_graphs' bound + PCM16
+        assert servicer.streams.ticks >= 3 + 2          # 7 = 4 + 2 + 1 and 3 = 2 + 1: one tick each
+    finally:
+        await stop(running)
+
+
 async def test_server_decodes_in_the_chosen_dtype(tiny_checkpoint):
     server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, dtype=torch.bfloat16)
     channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)

@@ -8,6 +8,8 @@ request and DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads
 torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA graphs on a CUDA
 device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
+DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1-8;
+must include 1: other lengths are split into these).
 DRAMA_CODEC_DTYPE: the decode dtype, float16 | bfloat16 | float32 (unset: float16 on CUDA, float32
 on CPU; encode always runs in float32). On the H200 FP16 and FP32 trade places by case
 (docs/perf.md), so an operator can pick what their GPU runs fastest.
@@ -41,6 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
     args.graphs = graphs_setting()
     args.slots = env_default("DRAMA_CODEC_SLOTS", 256, int)
+    lengths = env_default("DRAMA_CODEC_GRAPH_LENGTHS", None)
+    args.graph_lengths = None
+    if lengths is not None:
+        try:
+            args.graph_lengths = tuple(sorted({int(part) for part in lengths.split(",") if part.strip()}))
+        except ValueError:
+            parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be comma-separated integers, got {lengths!r}")
+        if 1 not in args.graph_lengths or min(args.graph_lengths) < 1:
+            parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be positive and include 1, got {lengths!r}")
     dtype = env_default("DRAMA_CODEC_DTYPE", None)
     if dtype is not None and dtype.strip().lower() not in DECODE_DTYPES:
         parser.error(f"DRAMA_CODEC_DTYPE must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
@@ -65,7 +76,8 @@ async def run(args: argparse.Namespace) -> None:
                                               port=args.port, device=args.device,
                                               max_encode_seconds=args.max_encode_seconds,
                                               cpu_threads=args.cpu_threads, codec=codec,
-                                              graphs=args.graphs, slots=args.slots, dtype=args.dtype)
+                                              graphs=args.graphs, slots=args.slots, dtype=args.dtype,
+                                              graph_lengths=args.graph_lengths)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()
