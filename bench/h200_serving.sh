@@ -8,7 +8,9 @@
 #   bash bench/h200_serving.sh e2e        bench.e2e alone, with its own single-stream stack
 #
 # Environment: OUT (default ./bench-out), DEVICE (cuda), PRESET (full), SWEEP (1,8,32,64,128),
-# DURATION (15 s per level), FRAMES (100 per request). Every Python command is echoed to
+# DURATION (15 s per level), FRAMES (100 per request). Stage settings pass through the
+# environment, e.g. DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
+# sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
 set -uo pipefail
 OUT=${OUT:-bench-out}

@@ -520,3 +520,38 @@ async def test_a_mismatched_tower_is_never_served(tower_addr, tiny_config):
         assert "refused" in client.last_error and "hidden_dim" in client.last_error
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 1.5])
+async def test_prefill_interval_spaces_prefill_steps_while_streams_decode(stage, interval_s):
+    """DRAMA_PREFILL_INTERVAL_MS: a session arriving while another decodes waits for the next
+    prefill step (at most `interval_s` after the last one); the first session, with nobody
+    decoding, is prefilled at once; and the decoding stream keeps its frames coming meanwhile."""
+    from services.backbone.scheduler import PrefillDone
+
+    scheduler, _ = await stage(prefill_interval_s=interval_s)
+    events: dict[str, list] = {"a": [], "b": []}
+
+    async def consume(name, session):
+        async for event in scheduler.events(session):
+            events[name].append((time.time_ns(), event))
+
+    a_sent = time.time_ns()
+    a = asyncio.create_task(consume("a", scheduler.submit(_job("a", turns=("hello",), max_new=150,
+                                                               first=1, every=1))))
+    while not any(isinstance(e, FramesOut) for _, e in events["a"]):     # a is decoding
+        await asyncio.sleep(0.005)
+    b_sent = time.time_ns()
+    b = asyncio.create_task(consume("b", scheduler.submit(_job("b", turns=("hi",), max_new=2))))
+    await asyncio.wait_for(b, 60)
+    a.cancel()
+    (a_prefill,) = [e for _, e in events["a"] if isinstance(e, PrefillDone)]
+    b_prefill = next(e for _, e in events["b"] if isinstance(e, PrefillDone))
+    assert a_prefill.start_ns - a_sent < 1.0e9                  # nobody decoding: at once
+    if interval_s:
+        assert b_prefill.start_ns - a_prefill.start_ns >= interval_s * 1e9 - 0.05e9
+        # a's frames kept coming while b waited for its prefill step
+        between = [t for t, e in events["a"] if isinstance(e, FramesOut) and b_sent < t < b_prefill.start_ns]
+        assert len(between) >= 3
+    else:
+        assert b_prefill.start_ns - b_sent < 1.0e9

@@ -5,6 +5,7 @@ geometry with random values made on the device (services/common/random_weights.p
 Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_TOWER_ADDR, DRAMA_DEVICE, DRAMA_HOST,
 DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
 DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKENS (2048),
+DRAMA_PREFILL_INTERVAL_MS (0: while streams decode, prefill steps at most this often; Scheduler),
 DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
 Step requests at the tower at once, capped by the tower's own), DRAMA_PREFIX_CACHE_MB (voice-prefix
 cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
@@ -58,6 +59,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         max_context_tokens=env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int),
         max_queue=env_default("DRAMA_MAX_QUEUE", 256, int),
         prefill_chunk_tokens=env_default("DRAMA_PREFILL_CHUNK_TOKENS", 2048, int),
+        prefill_interval_ms=env_default("DRAMA_PREFILL_INTERVAL_MS", 0.0, float),
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),

@@ -326,9 +326,18 @@ class Scheduler:
                  step_prefill_rows: int | None = None, session_buffer_frames: int = 1024,
                  step_span_sample: float = 0.01, max_inflight_steps: int = 2,
                  idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
-                 prefix_cache: PrefixCache | None = None, model_identity: str = ""):
+                 prefix_cache: PrefixCache | None = None, model_identity: str = "",
+                 prefill_interval_s: float = 0.0):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
-        goes into its keys, so snapshots of different weights or numerics never mix."""
+        goes into its keys, so snapshots of different weights or numerics never mix.
+
+        prefill_interval_s: while sessions are decoding, a step carries prefill pieces only when
+        this long has passed since the last step that did; new sessions wait for that step
+        and share it. 0 (the default) prefills in every step that has a piece to run. Why: a
+        step with a prefill piece costs what the piece costs (on the GPU the prefill path is
+        host-bound, ~140 ms whatever its size, against ~5-30 ms for a graphed decode step), and
+        every running stream waits for it; spacing the prefill steps trades up to this much
+        TTFA for the running streams' cadence. With no session decoding, prefill runs at once."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -338,6 +347,8 @@ class Scheduler:
         # Prefill rows per step over all sessions, so one long prompt cannot stall the decode
         # cadence of the running streams.
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
+        self.prefill_interval_s = prefill_interval_s
+        self._last_prefill_step = float("-inf")    # time.monotonic() of the last step with prefill
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
         self.max_inflight_steps = max_inflight_steps
@@ -614,8 +625,15 @@ class Scheduler:
                 entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True,
                                       timeline=session.timeline))
         budget = self.step_prefill_rows
+        now = time.monotonic()
+        # Streams past their prompt: decoding now, or waiting at the tower for their frame (with
+        # two groups in flight, a prefill step in the other group delays them just the same).
+        streaming = any(s.rows is not None and not s.prefilling for s in self._active)
+        if streaming and now - self._last_prefill_step < self.prefill_interval_s:
+            budget = 0                       # no prefill piece: the prefill step is not due yet
         for session in runnable:
             if session.prefilling and len(entries) < limit and budget > 0:
+                self._last_prefill_step = now
                 n = min(len(session.rows) - session.sent, self.prefill_chunk_tokens, budget)
                 prefix_rows = session.prefix[1] if session.prefix else 0
                 if session.store_prefix and session.sent < prefix_rows:

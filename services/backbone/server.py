@@ -281,6 +281,7 @@ class Settings:
     max_context_tokens: int = 8192
     max_queue: int = 256
     prefill_chunk_tokens: int = 2048
+    prefill_interval_ms: float = 0.0  # while sessions decode, prefill steps at most this often (Scheduler)
     session_buffer_frames: int = 1024
     step_span_sample: float = 0.01
     max_inflight_steps: int = 2      # Step requests at the tower at once (also capped by the tower's)
@@ -440,6 +441,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     scheduler = Scheduler(engine, tower, semantic_start_token_id=config.semantic_start_token_id,
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                          prefill_interval_s=settings.prefill_interval_ms / 1000,
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
