@@ -202,8 +202,13 @@ async def start_server(add_servicers: Iterable[Callable[[grpc.aio.Server], None]
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Set every service's health; turning SERVING also starts naming late kernel compiles
+    (kernel_watch: after the warm-up, a new kernel specialisation is a shape it missed)."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
+    if serving:
+        from services.common.kernel_watch import watch_after_serving
+        watch_after_serving()
     for name in getattr(health_servicer, "_drama_names", [""]):
         await health_servicer.set(name, status)
 
