@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from bench.stack import background
 
 PROBE = "The quiet harbour lights came on one by one as the last boat turned for home."
 OTHERS = ("Seven travellers watched the silver river under a low autumn sky.",
@@ -88,24 +88,9 @@ def main(argv=None) -> int:
     parser.add_argument("--frames", type=int, default=24, help="max_new_tokens of each request")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    stack = None
-    url = args.url
-    if url is None:
-        url_file = Path(tempfile.mkdtemp(prefix="bench-bi-")) / "url"
-        stack = subprocess.Popen([sys.executable, "-m", "bench.stack", "--device", args.device,
-                                  "--max-sessions", str(max(args.batches)), "--url-file", str(url_file)])
-        deadline = time.monotonic() + 300
-        while not url_file.exists():
-            if stack.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("bench.batch_invariance: the stack did not come up")
-            time.sleep(0.2)
-        url = url_file.read_text().strip()
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(background(["--device", args.device, "--max-sessions", str(max(args.batches))]))
         result = asyncio.run(run(url, args.batches, args.frames))
-    finally:
-        if stack is not None:
-            stack.terminate()
-            stack.wait(60)
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -598,15 +598,23 @@ def run_attached(args) -> StackRun:
         out.error = f"{type(exc).__name__}: {exc}"
         print(f"bench.e2e: {out.error}", file=sys.stderr)
     finally:
-        if sampler is not None:
-            sampler.stop()
-            out.peak_gpu_gb = sampler.peak_gb()
-            out.peak_gpu_note = sampler.error
+        stop_sampler(sampler, out)
     log = Path(info["log_dir"]) / "backbone.log"
     if log.is_file():
-        out.backbone_memory = next((line for line in log.read_text().splitlines()
-                                    if line.startswith("backbone memory:")), None)
+        out.backbone_memory = memory_line(log.read_text().splitlines())
     return out
+
+
+def stop_sampler(sampler: "GpuMemorySampler | None", out: StackRun) -> None:
+    if sampler is not None:
+        sampler.stop()
+        out.peak_gpu_gb = sampler.peak_gb()
+        out.peak_gpu_note = sampler.error
+
+
+def memory_line(log_lines: list[str]) -> str | None:
+    """The backbone's own "backbone memory: ..." report line."""
+    return next((line for line in log_lines if line.startswith("backbone memory:")), None)
 
 
 def stack_from_json(path: Path) -> StackRun:
@@ -651,13 +659,9 @@ def run_stack(args) -> StackRun:
             for process in stack.processes.values():
                 print(f"--- {process.name} ---\n{process.log_tail(20)}", file=sys.stderr)
         finally:
-            if sampler is not None:
-                sampler.stop()
-                out.peak_gpu_gb = sampler.peak_gb()
-                out.peak_gpu_note = sampler.error
+            stop_sampler(sampler, out)
             stack.stop()
-            log = stack.processes["backbone"].log_tail(200).splitlines()
-            out.backbone_memory = next((line for line in log if line.startswith("backbone memory:")), None)
+            out.backbone_memory = memory_line(stack.processes["backbone"].log_tail(200).splitlines())
     return out
 
 

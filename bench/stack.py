@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import subprocess
 import io
 import json
 import os
@@ -25,6 +26,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def background(stack_args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 300.0):
+    """`python -m bench.stack STACK_ARGS` in the background; yields the gateway URL once the stack
+    is ready and stops it afterwards (for the benches and tests that need a stack of their own)."""
+    url_file = Path(tempfile.mkdtemp(prefix="bench-stack-")) / "url"
+    process = subprocess.Popen([sys.executable, "-m", "bench.stack", *stack_args, "--url-file", str(url_file)],
+                               env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not url_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"bench.stack exited ({process.returncode}) before the stack was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench.stack: not ready in {timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield url_file.read_text().strip()
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def main(argv=None) -> int:

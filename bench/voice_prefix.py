@@ -18,18 +18,19 @@ TTFA of the hits / median TTFA without a reference (the issue's target: <= 1.10)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import soundfile as sf
+
+from bench.stack import background
 
 TEXT = ("The morning train left the station while seven quiet travellers watched the river turn "
         "silver under a low sky.")
@@ -107,24 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--frames", type=int, default=4, help="max_new_tokens of each request")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    stack = None
-    url = args.url
-    if url is None:
-        url_file = Path(tempfile.mkdtemp(prefix="bench-vp-")) / "url"
-        stack = subprocess.Popen([sys.executable, "-m", "bench.stack", "--device", args.device,
-                                  "--url-file", str(url_file)])
-        deadline = time.monotonic() + 300
-        while not url_file.exists():
-            if stack.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("bench.voice_prefix: the stack did not come up")
-            time.sleep(0.2)
-        url = url_file.read_text().strip()
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(background(["--device", args.device]))
         result = measure(url, reference_s=args.reference_s, repeats=args.repeats, frames=args.frames)
-    finally:
-        if stack is not None:
-            stack.terminate()
-            stack.wait(60)
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from bench import batch_invariance, stage_metrics, voice_prefix
 from bench.load import run_load
+from bench.stack import background
 from services.common import telemetry
 
 
@@ -23,23 +22,12 @@ def stack_logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack_url(tiny_checkpoint, tmp_path_factory, stack_logs):
-    url_file = tmp_path_factory.mktemp("bench-stack") / "url"
+def stack_url(tiny_checkpoint, stack_logs):
     # The stages print their metric exports (one JSON line each) every 300 ms, as the GPU runs do.
     env = {**os.environ, "OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300"}
-    process = subprocess.Popen([sys.executable, "-m", "bench.stack", "--checkpoint", str(tiny_checkpoint),
-                                "--device", "cpu", "--max-sessions", "4", "--url-file", str(url_file),
-                                "--log-dir", str(stack_logs)], env=env)
-    deadline = time.monotonic() + 240
-    try:
-        while not url_file.exists():
-            assert process.poll() is None, "bench.stack exited before the stack was ready"
-            assert time.monotonic() < deadline, "bench.stack: not ready in 240 s"
-            time.sleep(0.2)
-        yield url_file.read_text().strip()
-    finally:
-        process.terminate()
-        process.wait(60)
+    with background(["--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--max-sessions", "4",
+                     "--log-dir", str(stack_logs)], env=env, timeout_s=240) as url:
+        yield url
 
 
 def test_same_seed_gives_the_same_audio_alone_and_inside_a_batch(stack_url):

@@ -626,10 +626,11 @@ class Scheduler:
                                       timeline=session.timeline))
         budget = self.step_prefill_rows
         now = time.monotonic()
-        # Streams past their prompt: decoding now, or waiting at the tower for their frame (with
-        # two groups in flight, a prefill step in the other group delays them just the same).
-        streaming = any(s.rows is not None and not s.prefilling for s in self._active)
-        if streaming and now - self._last_prefill_step < self.prefill_interval_s:
+        # Not due while streams are past their prompt: decoding now, or waiting at the tower for
+        # their frame (with two groups in flight, a prefill step in the other group delays them
+        # just the same). Checked only inside the interval, so the default (0) costs nothing.
+        if (now - self._last_prefill_step < self.prefill_interval_s
+                and any(s.rows is not None and not s.prefilling for s in self._active)):
             budget = 0                       # no prefill piece: the prefill step is not due yet
         for session in runnable:
             if session.prefilling and len(entries) < limit and budget > 0:
