@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the step shapes, captures the decode graphs) and report its time")
     parser.add_argument("--profile-prefill", type=int, metavar="ROWS",
                         help="print torch.profiler tables of one prefill of ROWS rows")
+    parser.add_argument("--profile-decode", type=int, nargs="+", metavar="BATCH",
+                        help="print the top kernels of a decode step at each of these batch sizes (graph replay "
+                             "with --decode-graphs): where the step's device time goes, kernel by kernel")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per length after the first")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
                         "per-row path is many tiny ops that threads only slow down)")
@@ -129,6 +132,34 @@ def profile_prefill(engine, n: int, gen, device, rows: int = 25) -> str:
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     return (table.table(sort_by=sort, row_limit=rows, max_name_column_width=60) + "\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def profile_decode(engine, batch: int, args, gen, device, steps: int = 5, rows: int = 30) -> str:
+    """torch.profiler table of `steps` decode steps of `batch` sessions: device time per kernel
+    (kernels inside a replayed CUDA graph are traced one by one), kernels per step and the device
+    total per step, to compare with the wall time and the bandwidth floor."""
+    vocab = engine.model.config.vocab_size
+    slots = [engine.open() for _ in range(batch)]
+    engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+    for _ in range(3):
+        engine.step([(s, *_text_rows(1, vocab, gen)) for s in slots])
+    _sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step([(s, *_text_rows(1, vocab, gen)) for s in slots])
+        _sync(device)
+    for s in slots:
+        engine.release(s)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    count = sum(e.count for e in kernels) / steps
+    device_ms = sum(e.self_device_time_total for e in kernels) / steps / 1000
+    head = (f"decode step profile, batch {batch}, graphs {engine.model.decode_graphs}: {count:.0f} kernels and "
+            f"{device_ms:.2f} ms of kernel time per step")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return head + "\n" + events.table(sort_by=sort, row_limit=rows, max_name_column_width=70)
 
 
 def bench_decode(engine, batch: int, args, gen, device) -> dict:
@@ -252,6 +283,8 @@ def main(argv=None) -> dict:
             results["decode"].append(r)
             print(f"{batch:>5} {str(graphs):>6} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} "
                   f"{_fmt(r['peak_gib']):>9}")
+    for batch in args.profile_decode or ():
+        print(profile_decode(engine, batch, args, gen, device))
     if args.peer:
         del engine, model
         if device.type == "cuda":

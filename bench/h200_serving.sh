@@ -8,7 +8,8 @@
 #   bash bench/h200_serving.sh e2e        bench.e2e alone, with its own single-stream stack
 #
 # Environment: OUT (default ./bench-out), DEVICE (cuda), PRESET (full), SWEEP (1,8,32,64,128),
-# DURATION (15 s per level), FRAMES (100 per request). Stage settings pass through the
+# DURATION (15 s per level), FRAMES (100 per request); SKIP_VOICE=1 / SKIP_INVARIANCE=1 / SKIP_MICRO=1
+# leave out the voice-prefix run, the batch-invariance run, or the in-process stage timings. Stage settings pass through the
 # environment, e.g. DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
 # sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
@@ -62,13 +63,16 @@ if [[ $part == all ]]; then
   run python3 -m bench.load --url "$url" --sweep "${SWEEP:-1,8,32,64,128}" --duration "${DURATION:-15}" \
       --max-new-tokens "${FRAMES:-100}" --formats pcm --sample-rate 44100 --ramp-s 2 --json "$OUT/load.json"
   run python3 -m bench.stage_metrics "$OUT/stack-logs" --load "$OUT/load.json" --json "$OUT/stage_metrics.json"
-  run python3 -m bench.voice_prefix --url "$url" --reference-s 20 --repeats 5 --frames 4 \
-      --json "$OUT/voice_prefix.json"
-  run python3 -m bench.batch_invariance --url "$url" --batches 8 32 --frames 24 --json "$OUT/batch_invariance.json"
+  [[ ${SKIP_VOICE:-0} == 1 ]] || run python3 -m bench.voice_prefix --url "$url" --reference-s 20 --repeats 5 \
+      --frames 4 --json "$OUT/voice_prefix.json"
+  [[ ${SKIP_INVARIANCE:-0} == 1 ]] || run python3 -m bench.batch_invariance --url "$url" --batches 8 32 \
+      --frames 24 --json "$OUT/batch_invariance.json"
   kill $smi $stack 2>/dev/null; wait $stack
   for log in "$OUT"/stack-logs/*.log; do echo "== $log"; grep -v resource_metrics "$log" | tail -n 3; done
   [[ -n $smi ]] && echo "peak card memory while serving: $(sort -t, -k2 -n "$OUT/gpu_memory.csv" | tail -1)"
-  run python3 -m bench.e2e --preset "$PRESET" --device "$DEVICE" --micro-only --stack-json "$OUT/e2e_stack.json" \
+  echo "Triton kernels first compiled after SERVING (kernel_watch; a request paid for each):"
+  grep -h "after SERVING\|kernel_watch" "$OUT"/stack-logs/*.log | grep -v resource_metrics | head -20
+  [[ ${SKIP_MICRO:-0} == 1 ]] || run python3 -m bench.e2e --preset "$PRESET" --device "$DEVICE" --micro-only --stack-json "$OUT/e2e_stack.json" \
       --micro-steps 20 --json "$OUT/e2e.json" --markdown "$OUT/e2e.md"
 fi
 exit $status

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call of the lent GPU machine (the `device` tool): set the machine up, run one part, pack
+# what it wrote into at most 8 files under $OUT.
+#
+#   bash bench/h200_run.sh serving     bench/h200_serving.sh all (one 128-session stack: requests,
+#                                      sweep, stage metrics, batch invariance), in-process timings skipped
+#   bash bench/h200_run.sh stages      each stage in-process: codec bench (FP16/FP32, profile), backbone
+#                                      prefill + graphed decode with a kernel profile, tower step
+#
+# Carry `.whl` (the wheels the machine lacks) and, if a previous call brought one back,
+# `.triton-cache` (its Triton cache, compiled kernels + autotune results): a fresh machine then skips
+# most of the stages' ~100 s warm-up. The cache of this call comes back as $OUT/triton-cache.tgz;
+# unpack it into .triton-cache/ for the next call. Stage settings pass through the environment.
+set -uo pipefail
+part=${1:?serving or stages}
+OUT=${OUT:?set by the device tool}
+work=/tmp/bench-out
+mkdir -p "$work"
+export PYTHONUNBUFFERED=1
+if [[ -d .whl ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[[ -d .triton-cache ]] && cp -r .triton-cache/. "$TRITON_CACHE_DIR"/
+echo "triton cache at start: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+status=0
+case $part in
+  serving)
+    OUT=$work SKIP_MICRO=${SKIP_MICRO:-1} bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
+    status=${PIPESTATUS[0]} ;;
+  stages)
+    for cmd in \
+      "python3 bench/codec.py --dtype fp16 fp32 --frames 1 4 215 --batch 8 64 --profile --out $work/codec.json" \
+      "python3 bench/backbone.py --preset full --device cuda --prefill 256 1024 --batch 1 32 128 --context 256 \
+--steps 10 --warmup 2 --decode-graphs --served-warm-up --profile-decode 1 32 --out $work/backbone.json" \
+      "python3 bench/tower.py --steps 20 --warmup 3"; do
+      echo "+ $cmd" | tee -a "$work/commands.txt"
+      $cmd 2>&1 | tee -a "$work/stages.log" || status=$?
+    done ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
+
+tar -czf "$OUT/bench-out.tgz" -C "$work" . 2>/dev/null
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
+ls -la "$OUT"
+exit $status
