@@ -21,6 +21,9 @@ fuses q|k|v into one GEMM, does q/k norm + RoPE + the KV write in one Triton lau
 (kernels/decode_graph.attention_prologue); a decode step attends in one Triton call over the slot
 pool (`attend_slots`), other steps per segment through SDPA (`attend_segment`). Neither lets torch
 pick cuDNN, whose SDPA re-plans for every new key length.
+Batch invariance (issue #8): both GEMMs go through services/common/invariant.linear_rows; the
+prologue works per row; decode attention's split size comes from the pool length (not from the
+step's longest row); a prefill segment's SDPA call sees only that session's rows and keys.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from services.common import invariant
 from services.common.config import TextConfig
 
 from .kernels import attention as kattn
@@ -214,15 +218,18 @@ class GatedAttention(nn.Module):
         """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
-        qkv = u @ self.qkv_fused.T                                        # [R, 2·n_q·d + 2·n_kv·d]
+        qkv = invariant.linear_rows(u, self.qkv_fused)                   # [R, 2·n_q·d + 2·n_kv·d]
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
         if plan.decode:
-            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.context, self.scale)
+            # Batch invariance: the split size follows `context`, so an eager step must not take
+            # it from its own longest row; the pool length is what a captured graph uses too.
+            context = cache.k.shape[2] if invariant.active(u) else plan.context
+            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, context, self.scale)
         else:
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])
         gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
         y = (o * torch.sigmoid(gate)).reshape(rows, n_q * d)
-        return torch.addmm(x, y, self.o_weight.T)
+        return invariant.linear_rows(y, self.o_weight, x)                # x + y·W_oᵀ, one rounding

@@ -35,6 +35,11 @@ of services/backbone/kernels/gdn.py: one fused [qkv | z | b | a] GEMM; a decode 
 session) runs the conv update and the in-place recurrence on the slot pool directly (conv state
 [S, c, K_c−1] BF16, state [S, H, K, V] F32); any other step packs all sessions' rows into one
 varlen conv (`varlen_causal_conv`) and one fla chunk call with cu_seqlens.
+Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows; the
+conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
+launch configs; fla's varlen chunk kernels give each sequence its own chunks (chunk_indices from
+cu_seqlens), and their autotuning keys hold head counts and sizes, never T or the number of
+sequences, so a session's rows get the same kernels alone or packed with others.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common import invariant
 from services.common.config import TextConfig
 
 from .kernels import gdn as kgdn
@@ -416,7 +422,7 @@ class GatedDeltaNet(nn.Module):
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
-        proj = u @ self.in_proj_fused.T                                   # [R, c + n_v·d_v + 2·n_v]
+        proj = invariant.linear_rows(u, self.in_proj_fused)              # [R, c + n_v·d_v + 2·n_v]
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
@@ -434,7 +440,7 @@ class GatedDeltaNet(nn.Module):
             cache.state[plan.seg_slots] = state
             o = o[0]
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps)
-        return torch.addmm(x, y.view(rows, hv * dv), self.out_weight.T)
+        return invariant.linear_rows(y.view(rows, hv * dv), self.out_weight, x)   # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):
         """Conv output [R, c] -> q, k [R, n_k, d_k], v [R, n_v, d_v] (views; l2 norm and scale in the kernels)."""

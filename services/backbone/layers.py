@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.fp8 import dequantize_block_fp8
+from services.common.invariant import linear_rows
 
 
 def rms_norm_plus(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,6 +67,8 @@ class Linear(nn.Module):
     FP8 storage keeps `weight` float8_e4m3fn and `weight_scale_inv` [⌈out/b0⌉, ⌈in/b1⌉] as loaded
     (never requantised). On CPU the weight is dequantised per call and multiplied in the compute
     dtype; the §4.7 FP8 GEMM with dynamic activation quantisation is the GPU path's job.
+    On CUDA the product goes through `linear_rows` (each row's bits independent of the batch,
+    services/common/invariant.py); on the CPU it is the plain product, as the exact path needs.
     """
 
     def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype = torch.float32,
@@ -90,6 +93,8 @@ class Linear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return linear_rows(x, self.dense_weight())
         return F.linear(x, self.dense_weight())
 
     def extra_repr(self) -> str:

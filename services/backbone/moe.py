@@ -16,6 +16,9 @@ The kernel path (Backbone.kernels) stacks gate|up at load (`w_gate_up` [E, 2I, H
 the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert kernels (decode
 block table for T·k <= 1024 pairs, grouped prefill above); the shared expert's gate, up and its
 scalar gate are one BF16 GEMM, and one combine kernel adds everything to the residual.
+Batch invariance (issue #8): the router, shared-expert and BF16-expert GEMMs of the kernel path go
+through services/common/invariant.linear_rows; the routed FP8 experts use one kernel config for
+every pair count (fp8_moe.kernel_config); top-k and combine work one row per program.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import TextConfig
+from services.common.invariant import linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
 from .kernels import decode_graph as dg
@@ -49,6 +53,12 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) ⊙ up(x)); weights [I, H], [I, H], [H, I]."""
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def _swiglu_rows(x, w_gate, w_up, w_down):
+    """swiglu through invariant.linear_rows (kernel path: an expert's rows are whichever rows of
+    the step routed to it, so a plain GEMM's kernel would follow that count)."""
+    return linear_rows(F.silu(linear_rows(x, w_gate)) * linear_rows(x, w_up), w_down)
 
 
 def naive_moe(x, router, experts, shared, shared_gate, k: int) -> torch.Tensor:
@@ -183,9 +193,9 @@ class SparseMoE(nn.Module):
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine)."""
         i_s = self.shared_down.shape[1]
-        logits = F.linear(u.float(), self.gate.weight)                   # router in F32 (§4.6)
-        fused = u @ self.shared_fused.T                                  # [R, 2·I_s + 1]
-        shared = dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]) @ self.shared_down.T
+        logits = linear_rows(u.float(), self.gate.weight)                # router in F32 (§4.6)
+        fused = linear_rows(u, self.shared_fused)                        # [R, 2·I_s + 1]
+        shared = linear_rows(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         gate_logit = fused[:, 2 * i_s]
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
@@ -199,6 +209,6 @@ class SparseMoE(nn.Module):
             pairs = torch.zeros(u.shape[0], 1, u.shape[1], dtype=torch.float32, device=u.device)
             for e in torch.unique(experts).tolist():
                 rows, rank = torch.nonzero(experts == e, as_tuple=True)
-                y = swiglu(u[rows], *self.experts.weights(e)).float()
+                y = _swiglu_rows(u[rows], *self.experts.weights(e)).float()
                 pairs[rows, 0] += y * weights[rows, rank, None]
         return dg.moe_combine(pairs, h, shared, gate_logit)

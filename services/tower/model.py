@@ -21,7 +21,11 @@ products (`torch.bmm` with one row per batch item; a plain GEMM changes its summ
 the row count) and attention runs one row at a time over exactly its own `p + 1` positions. That
 is what makes prefill split invariance and batch invariance bit-exact. On GPU the fast path
 is used instead: GEMMs, and the Triton kernels of services/tower/kernels.py for decode attention,
-RMSNorm+ and the q/k norm + RoPE (SDPA without cuDNN for multi-row prefill segments).
+RMSNorm+ and the q/k norm + RoPE (SDPA without cuDNN for multi-row prefill segments). It keeps
+batch invariance (issue #8) by other means: the GEMMs go through invariant.linear_rows (cuBLAS
+always sees 128-row pieces, services/common/invariant.py), the norm, prologue and draw kernels
+work per row, decode attention splits a row's history by the pool length only, and a prefill
+segment's SDPA call holds one session's rows. Prefill split invariance is not kept there.
 
 Shape letters: T rows in the call, D hidden size, N codebooks, H query heads, K KV heads,
 d head dim, L cache length (max_context), S session slots.
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.config import DramaConfig
+from services.common.invariant import linear_rows
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
 Sampler = Callable[[int, Tensor], Tensor]
@@ -310,7 +315,9 @@ class RowLinear(nn.Linear):
     """A bias-free linear whose batch-invariant mode computes every row as its own
     matrix-vector product (bmm with one row per batch item), so a row's result never depends on
     how many rows share the call. MKL's GEMM picks its kernel by row count, which changes the
-    summation order; measured on torch 2.13 CPU: row counts 1, 2, 3, 5, 7, 9 all differ."""
+    summation order; measured on torch 2.13 CPU: row counts 1, 2, 3, 5, 7, 9 all differ.
+    The other mode (the GPU's) is `linear_rows`: on CUDA a GEMM over 128-row pieces, invariant
+    too and about as fast as one GEMM; on the CPU the plain product."""
 
     def __init__(self, in_features: int, out_features: int, batch_invariant: bool):
         super().__init__(in_features, out_features, bias=False)
@@ -318,7 +325,7 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.batch_invariant:
-            return F.linear(x, self.weight)
+            return linear_rows(x, self.weight) if x.dim() == 2 else F.linear(x, self.weight)
         rows = x.shape[0]
         weight_t = self.weight.t()
         return torch.bmm(x[:, None, :], weight_t.expand(rows, *weight_t.shape)).squeeze(1)

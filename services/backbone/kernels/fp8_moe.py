@@ -48,6 +48,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from services.common import invariant
+
 from . import HAS_TRITON, use_triton
 
 FP8_MAX = 448.0
@@ -397,6 +399,27 @@ FAST_DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, num_warps=4, num_stages=4
 PREFILL_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=128, num_warps=8, num_stages=3)
 
 
+def kernel_config(grouped: bool) -> dict:
+    """The GEMM kernels' config for a call: DECODE_CONFIG, or PREFILL_CONFIG for the grouped path
+    when batch invariance is off (DRAMA_BATCH_INVARIANT=0).
+
+    Why one config (issue #8): a pair's output is a sum over H (gate/up) or I (down) in 128-wide
+    steps of `tl.dot` with F32 accumulation. Inside one compiled kernel the MMA computes each row
+    of a block from that row alone, in a K order fixed by the constexprs, so neither the other
+    pairs of the block, nor the block table, nor n changes a pair's bits. A different config is a
+    different kernel (on the H200, BM = 16 lowers `tl.dot` to mma.sync, BM = 64 with 8 warps most
+    likely to wgmma), and nothing promises that two kernels accumulate a row bit for bit alike. The decode/grouped choice follows the
+    step's pair count (T·k > DECODE_MAX_PAIRS), i.e. the other sessions' rows: a session's prompt
+    rows would take one kernel alone and the other inside a large prefill step. So the grouped
+    path keeps the decode kernels (its blocks are then 16 rows: more blocks and weight reads for
+    long prefills, fewer padded rows for short ones). Everything else here is per row already:
+    the router (one row per program, fixed BE), the activation quantiser (a row's 128-groups;
+    max and IEEE division do not depend on BM), the split-K reduce (fixed SPLIT, in order), and
+    the route tables (`_route_kernel`'s NP changes the table's construction, not its contents).
+    """
+    return PREFILL_CONFIG if grouped and not invariant.ENABLED else DECODE_CONFIG
+
+
 def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-kernel §4.7 quantiser run on its own: x [M, K] (CUDA) -> (x_q [M, K] fp8, a [M, ⌈K/128⌉])."""
     m, k = x.shape
@@ -483,7 +506,7 @@ def moe_fp8_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_dow
     _, _, e, _ = _check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
     if grouped is None:
         grouped = topk_ids.numel() > DECODE_MAX_PAIRS
-    cfg = config or (PREFILL_CONFIG if grouped else DECODE_CONFIG)
+    cfg = config or kernel_config(grouped)
     tables = (align_blocks_torch if grouped else route_blocks)(topk_ids, e, cfg["BM"])
     return _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, *tables, cfg)
 
@@ -509,5 +532,6 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, *,
 
 
 def moe_fp8_grouped(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, **kwargs) -> torch.Tensor:
-    """Prefill path: pairs sorted by expert with torch ops, padded to BM = 64 rows, grouped GEMM."""
+    """Prefill path: pairs sorted by expert with torch ops, padded to BM rows (kernel_config: 16,
+    or 64 with batch invariance off), grouped GEMM."""
     return moe_fp8(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, grouped=True, **kwargs)

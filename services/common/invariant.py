@@ -1,0 +1,122 @@
+"""Batch-invariant dense projections (issue #8): a row's result never depends on the other rows.
+
+    linear_rows(x [M, K], weight [N, K], residual [M, N] | None) -> x·Wᵀ (+ residual) [M, N]
+    linear_rows_reference(...)   the same product one row at a time in float64 (tests)
+    active(x) -> bool            does linear_rows pad for this tensor (CUDA and the switch on)
+
+Why: API.md's seed contract says the same request gives the same codes alone or inside any
+batch. A GEMM computes each output element as one dot product, but cuBLAS (like MKL on the CPU)
+picks its kernel from the problem shape, M included: tile sizes, split-K factor, stream-K
+schedule. Another kernel sums the same products in another order, so a session's row changed its
+last bits when 8 or 32 other sessions shared the step, and sampled codes drifted from there.
+
+How: on CUDA the rows are copied into a buffer padded with zeros to a multiple of TILE = 128,
+and the product runs as one GEMM per 128-row piece, always with the same call (`torch.mm`, or
+`torch.addmm` with the residual; pieces of a long prefill are concatenated). cuBLAS then always
+sees (M = 128, N, K), the same dtypes and strides, and 256-byte aligned operands (fresh buffers
+and the fixed weight), so it picks the same kernel every time (its heuristics are a pure
+function of that descriptor and of the workspace size, which torch fixes per stream). Each
+output row then depends only on its own input row. A decode step (buckets
+1..128 in CUDA graphs) is one GEMM per projection, as before; a prefill step of R rows is
+⌈R/128⌉ GEMMs that each read the weight (weights are streamed once per 128 rows, which the
+prefill's arithmetic intensity absorbs; the extra launches cost host time in eager prefill).
+Everything is shapes known on the host: no sync, capturable in a CUDA graph.
+
+Why 128: the largest decode bucket, so a decode step never reads a weight twice; and 128 rows
+are 128 flop per bf16 weight byte, still under the H200's ridge point (~200), so batch 1 pays
+the padding in tensor-core time that the weight stream mostly hides. Smaller tiles would read
+the weights several times per decode step at batch 128; larger ones would make every decode
+step compute-bound.
+
+What the padding does not settle, and how it is checked: a stream-K kernel gives different
+output tiles different K splits, so with a 64-row tile inside M = 128 a row's bits could depend
+on its position in the piece. tests/test_invariant_linear.py puts a row at every position of
+the piece at the real model shapes on the GPU and demands identical bits.
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction (default True) lets cuBLAS
+reduce split-K partial sums in bf16, and allow_tf32 (default False) would let the F32 router
+GEMM use TF32: both change precision, not invariance (with the shape fixed, the split and its
+reduction order are fixed), so they are left as torch sets them. cuBLAS results are
+reproducible run to run on one GPU model and library version (cuBLAS docs, "Results
+reproducibility"); atomics-based reductions are off by default (CUBLAS_ATOMICS_NOT_ALLOWED).
+
+On the CPU the exact path is invariant by its own means (layers.per_row; the tower's bmm mode),
+so linear_rows is a plain product there unless a test forces the padded path (`force=True`,
+MKL also picks kernels by M, so the test means the same thing there).
+
+Switch: DRAMA_BATCH_INVARIANT (read once at import): 1 (default) pads on CUDA, 0 runs plain
+GEMMs of the batch's own size (slightly faster at batch 1, not batch-invariant). The FP8 MoE
+kernel config (backbone/kernels/fp8_moe.py) and the decode attention's split size
+(backbone/attention.py) follow the same switch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+TILE = 128
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _read_switch() -> bool:
+    value = os.environ.get("DRAMA_BATCH_INVARIANT", "1").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"DRAMA_BATCH_INVARIANT must be 1 or 0, got {value!r}")
+
+
+ENABLED = _read_switch()
+
+
+def active(x: torch.Tensor) -> bool:
+    """True when linear_rows pads for x: CUDA tensors with the switch on."""
+    return ENABLED and x.is_cuda
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
+                force: bool | None = None) -> torch.Tensor:
+    """x [M, K] · weight [N, K]ᵀ, plus residual [M, N] when given (added in the GEMM's epilogue,
+    as torch.addmm: one rounding). Same dtype rules as torch.mm / addmm.
+
+    force=None pads when `active(x)`; True pads on any device (tests); False never pads.
+    Returns a [M, N] tensor (rows of a padded buffer when padded: contiguous, row stride N).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_rows wants x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    pad = active(x) if force is None else force
+    rows, n = x.shape[0], weight.shape[0]
+    if residual is not None and tuple(residual.shape) != (rows, n):
+        raise ValueError(f"residual {tuple(residual.shape)}: expected {(rows, n)}")
+    if not pad or rows == 0:
+        return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.T)
+    padded = -(-rows // TILE) * TILE
+    a = x.new_empty(padded, x.shape[1])
+    a[:rows].copy_(x)
+    if padded > rows:
+        a[rows:].zero_()
+    wt = weight.T
+    pieces = []
+    for start in range(0, padded, TILE):
+        if residual is None:
+            pieces.append(torch.mm(a[start:start + TILE], wt))
+            continue
+        # addmm copies its `self` into a fresh result before the GEMM, so the residual's layout
+        # never reaches cuBLAS; only the last piece needs padding rows
+        res = residual[start:start + TILE]
+        if res.shape[0] < TILE:
+            res = torch.cat([res, res.new_zeros(TILE - res.shape[0], n)])
+        pieces.append(torch.addmm(res, a[start:start + TILE], wt))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out[:rows]
+
+
+def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """The product one row at a time in float64 (what linear_rows approximates), on x's device."""
+    w = weight.double()
+    out = torch.stack([w @ row for row in x.double()]) if x.shape[0] else x.new_zeros(0, w.shape[0]).double()
+    return out if residual is None else out + residual.double()
