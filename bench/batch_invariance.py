@@ -1,18 +1,22 @@
-"""Same seed -> same audio, alone or inside a batch of other streams (issue #8), through the gateway.
+"""Same seed -> same codes, alone or inside a batch of other streams (issue #8), through the gateway.
 
     python -m bench.batch_invariance --url http://127.0.0.1:8000 [--batches 8 32] [--frames 24]
     python -m bench.batch_invariance --device cpu          (starts a tiny CPU stack; bench/stack.py)
 
 A probe request (fixed text, voice, seed; pcm) is sent alone, then again while `B - 1` other
 requests (other texts and seeds) run beside it, started together so the stages batch their rows
-(backbone decode rows in one step, tower draws in one step, codec chunks in one tick). Batch
-invariance holds when the probe's PCM bytes are identical in every case. The probe is also
-repeated alone once more (same seed, nothing else running), which separates "not
-deterministic" from "not batch-invariant". Prints a table and `batch_invariant` (true/false).
+(backbone decode rows in one step, tower draws in one step, codec chunks in one tick). The seed
+contract (API.md, "Seed contract") is about codes: each response names its take (`X-Take-Id`),
+and `GET /v1/takes/{id}` returns the take's `vq_codes`, which are compared with the probe's
+alone. `batch_invariant` is true when the codes are identical in every case. The PCM bytes are
+compared beside them (`pcm_invariant`): the codec's batched convolutions are outside the
+contract, so equal codes with different PCM points at the codec, different codes at the backbone
+or the tower. The probe is also repeated alone once more (same seed, nothing else running),
+which separates "not deterministic" from "not batch-invariant". Prints a table.
 
-On the CPU float32 exact path this must hold bit for bit (tests/test_bench_serving.py runs it);
-on the GPU it depends on every kernel computing a row independently of the batch's size
-(cuBLAS picks kernels by the number of rows, so it usually does not).
+On the CPU float32 exact path both must hold bit for bit (tests/test_bench_serving.py runs it);
+on the GPU codes hold when every kernel computes a row independently of the batch's size
+(services/common/invariant.py: cuBLAS picks kernels by the number of rows unless it is fixed).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,16 +41,56 @@ OTHERS = ("Seven travellers watched the silver river under a low autumn sky.",
           "Somebody at the back of the carriage began to hum an old song.")
 
 
+@dataclass(frozen=True)
+class Take:
+    """One response: its PCM bytes and its take's codes ([codebook][frame], as `vq_codes`)."""
+    pcm: bytes
+    codes: list[list[int]]
+
+    @property
+    def frames(self) -> int:
+        return len(self.codes[0]) if self.codes else 0
+
+
 def body(text: str, seed: int, frames: int) -> dict:
     return {"model": "drama-3", "input": text, "voice": "alloy", "response_format": "pcm", "stream": True,
             "seed": seed, "max_new_tokens": frames, "latency": "low"}
 
 
-async def fetch(client: httpx.AsyncClient, url: str, payload: dict) -> bytes:
+async def fetch(client: httpx.AsyncClient, url: str, payload: dict) -> Take:
+    """POST the request, read the whole body, then GET its take (stored before the body ends)."""
     response = await client.post(f"{url}/v1/audio/speech", json=payload)
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-    return response.content
+    take_id = response.headers.get("X-Take-Id")
+    if not take_id:
+        raise RuntimeError("the response has no X-Take-Id header")
+    take = await client.get(f"{url}/v1/takes/{take_id}")
+    if take.status_code != 200:
+        raise RuntimeError(f"GET /v1/takes/{take_id}: HTTP {take.status_code}: {take.text[:300]}")
+    return Take(response.content, take.json()["vq_codes"])
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
+    """The first frame index at which two takes' codes differ (any codebook, or one take ends),
+    None when they are identical."""
+    if a == b:
+        return None
+    frames_a, frames_b = (len(c[0]) if c else 0 for c in (a, b))
+    if len(a) != len(b):
+        return 0
+    for frame in range(min(frames_a, frames_b)):
+        if any(ca[frame] != cb[frame] for ca, cb in zip(a, b)):
+            return frame
+    return min(frames_a, frames_b)
+
+
+def case(name: str, streams: int, got: Take, alone: Take) -> dict:
+    return {"case": name, "streams": streams, "frames": got.frames,
+            "codes_equal": got.codes == alone.codes, "first_differing_frame": first_difference(got.codes, alone.codes),
+            "codes_sha256": hashlib.sha256(json.dumps(got.codes).encode()).hexdigest()[:16],
+            "bytes": len(got.pcm), "pcm_equal": got.pcm == alone.pcm,
+            "sha256": hashlib.sha256(got.pcm).hexdigest()[:16]}
 
 
 async def run(url: str, batches: list[int], frames: int) -> dict:
@@ -55,27 +100,30 @@ async def run(url: str, batches: list[int], frames: int) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits) as client:
         alone = await fetch(client, url, probe)
         again = await fetch(client, url, probe)
-        cases = [{"case": "alone", "streams": 1, "bytes": len(alone), "equal": True,
-                  "sha256": hashlib.sha256(alone).hexdigest()[:16]},
-                 {"case": "alone, repeated", "streams": 1, "bytes": len(again), "equal": again == alone,
-                  "sha256": hashlib.sha256(again).hexdigest()[:16]}]
+        cases = [case("alone", 1, alone, alone), case("alone, repeated", 1, again, alone)]
         for batch in batches:
             others = [body(OTHERS[i % len(OTHERS)], 1000 + i, frames) for i in range(batch - 1)]
             # The probe goes in the middle so it is neither the first nor the last row of a step.
             payloads = others[: len(others) // 2] + [probe] + others[len(others) // 2:]
             results = await asyncio.gather(*(fetch(client, url, p) for p in payloads))
-            got = results[len(others) // 2]
-            cases.append({"case": f"inside a batch of {batch}", "streams": batch, "bytes": len(got),
-                          "equal": got == alone, "sha256": hashlib.sha256(got).hexdigest()[:16]})
-    return {"frames": frames, "cases": cases, "deterministic": cases[1]["equal"],
-            "batch_invariant": all(c["equal"] for c in cases)}
+            cases.append(case(f"inside a batch of {batch}", batch, results[len(others) // 2], alone))
+    return {"frames": frames, "cases": cases,
+            "deterministic": cases[1]["codes_equal"] and cases[1]["pcm_equal"],
+            "batch_invariant": all(c["codes_equal"] for c in cases),
+            "pcm_invariant": all(c["pcm_equal"] for c in cases)}
 
 
 def table(result: dict) -> str:
-    lines = ["| probe | streams | PCM bytes | sha256 (16) | equal to alone |", "|---|---:|---:|---|---|"]
+    lines = ["| probe | streams | frames | codes sha256 (16) | codes equal to alone | first differing frame "
+             "| PCM bytes | PCM sha256 (16) | PCM equal to alone |",
+             "|---|---:|---:|---|---|---:|---:|---|---|"]
     for c in result["cases"]:
-        lines.append(f"| {c['case']} | {c['streams']} | {c['bytes']} | {c['sha256']} | {'yes' if c['equal'] else 'NO'} |")
-    lines.append(f"\nbatch_invariant: {str(result['batch_invariant']).lower()} "
+        diff = "-" if c["first_differing_frame"] is None else str(c["first_differing_frame"])
+        lines.append(f"| {c['case']} | {c['streams']} | {c['frames']} | {c['codes_sha256']} "
+                     f"| {'yes' if c['codes_equal'] else 'NO'} | {diff} | {c['bytes']} | {c['sha256']} "
+                     f"| {'yes' if c['pcm_equal'] else 'NO'} |")
+    lines.append(f"\nbatch_invariant (codes): {str(result['batch_invariant']).lower()}; "
+                 f"pcm_invariant: {str(result['pcm_invariant']).lower()} "
                  f"(deterministic alone: {str(result['deterministic']).lower()})")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """The serving benchmarks of issue #8 against a real tiny CPU stack (bench/stack.py in the
-background, as the GPU runs use it): batch invariance must hold bit for bit on the CPU exact path,
-and the voice-prefix benchmark must run end to end and report its ratio."""
+background, as the GPU runs use it): batch invariance (the take's codes and the PCM) must hold bit
+for bit on the CPU exact path, and the voice-prefix benchmark must run end to end and report its
+ratio."""
 
 from __future__ import annotations
 
@@ -30,12 +31,35 @@ def stack_url(tiny_checkpoint, stack_logs):
         yield url
 
 
-def test_same_seed_gives_the_same_audio_alone_and_inside_a_batch(stack_url):
+def test_same_seed_gives_the_same_codes_and_audio_alone_and_inside_a_batch(stack_url):
     result = asyncio.run(batch_invariance.run(stack_url, batches=[4], frames=6))
     cases = {c["case"]: c for c in result["cases"]}
-    assert cases["alone"]["bytes"] > 0
+    assert cases["alone"]["bytes"] > 0 and cases["alone"]["frames"] > 0
     assert result["deterministic"], result
-    assert result["batch_invariant"], batch_invariance.table(result)
+    for c in result["cases"]:
+        assert c["codes_equal"] and c["first_differing_frame"] is None, batch_invariance.table(result)
+        assert c["pcm_equal"], batch_invariance.table(result)
+    assert result["batch_invariant"] and result["pcm_invariant"], batch_invariance.table(result)
+    assert "codes equal to alone" in batch_invariance.table(result)
+
+
+def test_batch_invariance_compares_codes_frame_by_frame():
+    """The codes comparison the GPU verdict rests on: a take that differs in one code, or ends
+    early, is not equal, and the first differing frame is named; the table says NO."""
+    alone = batch_invariance.Take(b"pcm", [[1, 2, 3, 4], [5, 6, 7, 8]])
+    same = batch_invariance.Take(b"other pcm", [[1, 2, 3, 4], [5, 6, 7, 8]])
+    late = batch_invariance.Take(b"pcm", [[1, 2, 3, 4], [5, 6, 7, 9]])
+    short = batch_invariance.Take(b"pcm", [[1, 2], [5, 6]])
+    assert batch_invariance.first_difference(same.codes, alone.codes) is None
+    assert batch_invariance.first_difference(late.codes, alone.codes) == 3
+    assert batch_invariance.first_difference(short.codes, alone.codes) == 2
+    cases = [batch_invariance.case(name, 2, take, alone)
+             for name, take in (("same codes", same), ("late", late), ("short", short))]
+    assert [c["codes_equal"] for c in cases] == [True, False, False]
+    assert [c["pcm_equal"] for c in cases] == [False, True, True]
+    result = {"cases": cases, "deterministic": True, "batch_invariant": False, "pcm_invariant": False}
+    text = batch_invariance.table(result)
+    assert "| late | 2 | 4 |" in text and "| NO | 3 |" in text and "batch_invariant (codes): false" in text
 
 
 def test_voice_prefix_benchmark_reports_the_ratio(stack_url):
