@@ -11,6 +11,12 @@ twenty. Each fused kernel sits beside its torch reference (same arguments).
         k and v written to the caches [S, n_kv, L, d_h] at (seq[m], pos[m])
     moe_combine(pairs [T, k, H] f32, residual, shared, shared_gate_logit) -> residual + bf16(Σ pairs + σ(g)·shared)
     GraphedStep(fn, *static_inputs)                         capture once, .replay() per step
+
+Batch invariance (issue #8): every kernel here runs one row per program (or one row and one
+column block) with launch constants fixed by the hidden/head sizes, never by the row count, and
+`moe_combine` adds a row's k pairs in slot order, then the gated shared expert: a row's bits do
+not depend on the other rows of the step. The dense GEMMs around them go through
+services/common/invariant.linear_rows.
 """
 
 from __future__ import annotations
