@@ -38,8 +38,11 @@ varlen conv (`varlen_causal_conv`) and one fla chunk call with cu_seqlens.
 Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows; the
 conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
 launch configs; fla's varlen chunk kernels give each sequence its own chunks (chunk_indices from
-cu_seqlens), and their autotuning keys hold head counts and sizes, never T or the number of
-sequences, so a session's rows get the same kernels alone or packed with others.
+cu_seqlens), and their autotuning keys hold head counts and sizes, not T or the number of
+sequences (checked on fla's main branch), so a session's rows get the same kernels alone or
+packed with others. One exception: fla's q/k l2norm keys its config on NB = ⌈T·n_k/65536⌉,
+which is 1 for every step of up to 65536/n_k rows (4096 at the full geometry), above the
+scheduler's prefill row budget.
 """
 
 from __future__ import annotations
