@@ -4,6 +4,7 @@
 #
 #   bash bench/h200_run.sh serving     bench/h200_serving.sh all (one 128-session stack: requests,
 #                                      sweep, stage metrics, batch invariance), in-process timings skipped
+#   bash bench/h200_run.sh cmd C1 C2   the given shell commands, in order, output in cmd.log
 #   bash bench/h200_run.sh stages      each stage in-process: codec bench (FP16/FP32, profile), backbone
 #                                      prefill + graphed decode with a kernel profile, tower step
 #
@@ -42,10 +43,21 @@ case $part in
       echo "+ $cmd" | tee -a "$work/commands.txt"
       $cmd 2>&1 | tee -a "$work/stages.log" || status=$?
     done ;;
+  cmd)   # any commands: bash bench/h200_run.sh cmd "python3 ..." "python3 ..."
+    shift
+    for cmd in "$@"; do
+      echo "+ $cmd" | tee -a "$work/commands.txt"
+      bash -c "$cmd" 2>&1 | tee -a "$work/cmd.log"
+      [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
 
 tar -czf "$OUT/bench-out.tgz" -C "$work" . 2>/dev/null
+# only what a cache hit loads (binaries, metadata, autotune results): the IR files would push the
+# carried cache past the device tool's 64 MiB
+find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttgir" -o -name "*.ttir" \
+  -o -name "*.source" \) -delete
 tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
 ls -la "$OUT"
 exit $status

@@ -101,7 +101,8 @@ class DecoderLayer(nn.Module):
         u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache)
-        return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h)
+        return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
+                                        decode=batch.plan.decode)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:

@@ -32,6 +32,7 @@ from services.common.invariant import linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
 from .kernels import decode_graph as dg
+from .kernels import moe_decode
 from .kernels import fp8_moe
 from .kernels import use_triton
 from .layers import Linear, fuse_linears, per_row
@@ -189,9 +190,14 @@ class SparseMoE(nn.Module):
         self.shared_fused = fuse_linears([shared.gate_proj, shared.up_proj, self.shared_expert_gate])
         self.shared_down = shared.down_proj.dense_weight()
 
-    def forward_kernels(self, u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
-        rounded once, then added to the residual (decode_graph.moe_combine)."""
+        rounded once, then added to the residual (decode_graph.moe_combine).
+
+        `decode` (a step whose every segment is one row: a decode step, graphed or not) takes
+        kernels/moe_decode.py's expert-major split-K kernels, every other step fp8_moe's block
+        tables. The choice follows the kind of a session's rows, never the other sessions' rows,
+        so a row's bits do not depend on the batch either way (issue #8)."""
         i_s = self.shared_down.shape[1]
         logits = linear_rows(u.float(), self.gate.weight)                # router in F32 (§4.6)
         fused = linear_rows(u, self.shared_fused)                        # [R, 2·I_s + 1]
@@ -200,8 +206,8 @@ class SparseMoE(nn.Module):
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
-            if use_triton(u, self.w_gate_up):
-                pairs = fp8_moe.moe_fp8_pairs(*args)                      # [R, k, H] F32, weighted
+            if use_triton(u, self.w_gate_up):                            # [R, k, H] F32, weighted
+                pairs = moe_decode.moe_decode_pairs(*args) if decode else fp8_moe.moe_fp8_pairs(*args)
             else:
                 pairs = fp8_moe.naive_moe_fp8(*args)[:, None]
         else:                 # BF16/F32 experts: the batched path's loop over routed experts

@@ -2,6 +2,8 @@
 
     fp8_moe.py       routed FP8 experts (MODEL.md §4.5, §4.7): Triton decode step + grouped prefill,
                      a one-launch router/top-k, and `naive_moe_fp8` (loops, float32)
+    moe_decode.py    the decode step's routed experts: routed by expert in parallel, laid out by
+                     active expert, split-K gate/up (same contract and arithmetic as fp8_moe)
     gdn.py           Gated DeltaNet core (§4.3): fla kernels on CUDA (chunked prefill, recurrent
                      decode), an in-place Triton decode step, the causal depthwise conv with its
                      state, the gated RMSNorm, and float32 references

@@ -1,0 +1,133 @@
+"""Routed FP8 experts of a decode step, 40 layers: fp8_moe's block-table path against
+moe_decode's expert-major split-K path, config by config, one table (issue #7 / #8).
+
+    python3 bench/moe_decode.py                        full geometry (H 2048, I 512, E 256, k 8) on cuda
+    python3 bench/moe_decode.py --rows 1 128 --quick   the default configs only
+
+Each layer has its own random FP8 experts (32 GB for 40 layers, so L2 holds nothing between
+layers) and its own random router logits; the 40 `moe_*_pairs` calls are captured as one CUDA graph
+and replayed (median of triton.testing.do_bench). Floor = FP8 bytes + scales of the distinct
+experts the routes select / the measured copy bandwidth. Before timing, each config's output is
+checked against `naive_moe_fp8` on 3 rows of layer 0, and moe_decode's rows are checked to be
+bit-identical alone and inside the largest batch (batch invariance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+H, I, E, K = 2048, 512, 256, 8
+
+
+def do_bench(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 2 / (do_bench(lambda: b.copy_(a)) * 1e-3)
+
+
+def layer_weights(gen_seed: int):
+    torch.manual_seed(gen_seed)
+    w_gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    s_gu = (torch.rand(E, 2 * I // 128, H // 128, device="cuda") + 0.5) / math.sqrt(H)
+    w_d = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    s_d = (torch.rand(E, H // 128, I // 128, device="cuda") + 0.5) / math.sqrt(I)
+    return w_gu, s_gu, w_d, s_d
+
+
+def expert_bytes(unique: int) -> int:
+    return unique * (3 * I * H + 4 * (2 * (I // 128) * (H // 128) + (H // 128) * (I // 128)))
+
+
+def main(argv=None) -> dict:
+    from services.backbone.kernels import decode_graph as dg
+    from services.backbone.kernels import fp8_moe, moe_decode
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; building {args.layers} layers of experts ...", flush=True)
+    layers = [layer_weights(i) for i in range(args.layers)]
+    variants = [("fp8_moe decode", dict(fp8_moe.DECODE_CONFIG), fp8_moe.moe_fp8_pairs),
+                ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs)]
+    if not args.quick:
+        variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
+        base = moe_decode.DECODE_CONFIG
+        for split, bn1, bn2, stages in [(2, 64, 32, 3), (8, 64, 32, 3), (16, 64, 32, 3), (4, 128, 32, 3),
+                                        (4, 32, 32, 3), (4, 64, 64, 3), (4, 64, 16, 3), (8, 32, 32, 2),
+                                        (8, 64, 16, 2), (4, 64, 32, 2)]:
+            variants.append(("moe_decode", dict(base, SPLIT=split, BN_GU=bn1, BN_DOWN=bn2, num_stages=stages),
+                             moe_decode.moe_decode_pairs))
+
+    # correctness on layer 0, 3 rows
+    x3 = torch.randn(3, H, device="cuda").bfloat16()
+    ids3, w3 = fp8_moe.router_topk(torch.randn(3, E, device="cuda"), K)
+    ref = fp8_moe.naive_moe_fp8(x3, ids3, w3, *layers[0])
+    for name, cfg, fn in variants:
+        got = fn(x3, ids3, w3, *layers[0], config=cfg).sum(1)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        cfg["rel_err_vs_naive"] = err
+        if err > 1e-2:
+            print(f"WARNING {name} {cfg}: rel err {err:.2e} against naive_moe_fp8")
+
+    results = {"copy_tb_s": bw / 1e12, "rows": {}}
+    big = max(args.rows)
+    xb = torch.randn(big, H, device="cuda").bfloat16()
+    idsb, wb = fp8_moe.router_topk(torch.randn(big, E, device="cuda"), K)
+    print(f"{'T':>4} {'variant':<16} {'config':<58} {'ms/40 layers':>12} {'x floor':>8} {'TB/s':>6}")
+    for t in args.rows:
+        x = torch.randn(t, H, device="cuda").bfloat16()
+        routes = [fp8_moe.router_topk(torch.randn(t, E, device="cuda"), K) for _ in layers]
+        unique = sum(int(ids.unique().numel()) for ids, _ in routes)
+        floor_ms = expert_bytes(unique) / bw * 1e3
+        rows = []
+        for name, cfg, fn in variants:
+            kernel_cfg = {k: v for k, v in cfg.items() if k != "rel_err_vs_naive"}
+
+            def run(fn=fn, kernel_cfg=kernel_cfg):
+                for weights, (ids, w) in zip(layers, routes):
+                    fn(x, ids, w, *weights, config=kernel_cfg)
+            try:
+                graph = dg.GraphedStep(run)
+                ms = do_bench(graph.replay)
+            except Exception as exc:   # one failing config must not cost the run
+                print(f"{t:>4} {name:<16} {str(kernel_cfg):<58} failed: {type(exc).__name__}: {exc}"[:300])
+                continue
+            rows.append(dict(variant=name, config=kernel_cfg, ms=ms, x_floor=ms / floor_ms,
+                             rel_err=cfg["rel_err_vs_naive"]))
+            short = ",".join(f"{k}={v}" for k, v in kernel_cfg.items() if k not in ("BM", "num_warps"))
+            print(f"{t:>4} {name:<16} {short:<58} {ms:>12.3f} {ms / floor_ms:>8.2f} "
+                  f"{expert_bytes(unique) / (ms * 1e-3) / 1e12:>6.2f}", flush=True)
+        results["rows"][t] = dict(floor_ms=floor_ms, unique_per_layer=unique / len(layers), variants=rows)
+
+    # batch invariance of moe_decode at its default config: each row alone == inside the big batch
+    inside = moe_decode.moe_decode_pairs(xb, idsb, wb, *layers[0])
+    same = all(torch.equal(moe_decode.moe_decode_pairs(xb[r:r + 1], idsb[r:r + 1], wb[r:r + 1], *layers[0]),
+                           inside[r:r + 1]) for r in range(0, big, max(1, big // 16)))
+    results["moe_decode_batch_invariant"] = same
+    print(f"moe_decode rows alone == inside a batch of {big}: {same}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

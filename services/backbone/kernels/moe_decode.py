@@ -1,0 +1,219 @@
+"""Routed FP8 experts for the decode step: expert-major, split-K (MODEL.md §4.5, §4.7).
+
+Same contract as `fp8_moe.moe_fp8_pairs` (per-pair weighted outputs [T, k, H] F32 for
+`decode_graph.moe_combine`), same §4.7 arithmetic and rounding points, same weight layout
+(`fp8_moe.pack_gate_up`); `fp8_moe.naive_moe_fp8` is the reference. What differs is how the work
+is laid out, because the decode step is bound by how many weight bytes are in flight at once:
+
+1. Route by expert, in parallel. `_expert_lists_kernel` runs one program per expert: it compares
+   the step's n = T·k expert ids with its own, writes the matching pair indices in ascending
+   order (a cumsum gives each its rank) and its count, and, if it has any, claims a slot in the
+   list of active experts with one atomic add. O(E·n) compares spread over E programs, where
+   fp8_moe's one-program block table does O(n²) in one program: at T = 128 (n = 1024) that was
+   ~0.3 ms per layer, most of a 128-row step's MoE time.
+2. Programs are laid out by active expert, not by padded row block: program (slot, column
+   stripe, K split) reads its expert's weights for BN columns over H/SPLIT of the reduction,
+   once, and applies them to every pair of that expert (BM rows at a time). At T = 1 the 8
+   experts give 8 · (2I/BN) · SPLIT programs with a few K steps each, so many loads are in flight
+   at once; fp8_moe's K loop of 16 dependent steps per program left the decode step latency-bound
+   (25 µs per layer for 16.8 MB of gate/up weights).
+3. The K split is a fixed constant (4), not chosen by batch size, and partial sums are reduced in
+   split order by `fp8_moe._split_reduce_quant_kernel` (which also §4.7-quantises h for the down
+   GEMM): a pair's bits depend on its own row only, whatever the step's batch (issue #8; a
+   config that changed with T would be a different summation order).
+
+The active-slot order from the atomic add varies from run to run; nothing depends on it: a
+program's results depend on which expert it holds, not on its slot.
+
+H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
+ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
+64: 15.2 vs 19.9; 128: 17.2 vs 31.2 (2.3x the byte floor of the selected experts, from 4.2x).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import HAS_TRITON
+from . import fp8_moe
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# BM pairs per tl.dot (16 is tl.dot's smallest M), BN_GU / BN_DOWN output columns per program
+# (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H.
+# One config for every batch size: see the module docstring, item 3.
+DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3)
+MAX_ROWS = 128      # rows per decode step this path is for (the largest graph bucket)
+
+
+def _dot_args() -> dict:
+    """bf16 operands for tl.dot (FP8 values are exact in bf16, products exact in F32). Triton's CPU
+    interpreter (TRITON_INTERPRET=1, for checking these kernels without a GPU) multiplies bf16 as
+    raw bits, so there the operands are float32 with IEEE products: the same values."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dict(DOT=tl.float32, PREC="ieee")
+    return dict(DOT=tl.bfloat16, PREC=None)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _expert_lists_kernel(ids_ptr, counts_ptr, lists_ptr, active_ptr, num_active_ptr, n, T,
+                             NP: tl.constexpr):
+        """Program e: pair indices p (ascending) with ids[p] == e -> lists[e, :count], counts[e];
+        a non-empty expert appends itself to `active` (num_active must be 0 before the launch)."""
+        e = tl.program_id(0)
+        p = tl.arange(0, NP)
+        ids = tl.load(ids_ptr + p, mask=p < n, other=-1)
+        hit = ids == e
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        count = tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(lists_ptr + e * T + rank, p, mask=hit)
+        tl.store(counts_ptr + e, count)
+        slot = tl.atomic_add(num_active_ptr, 1, mask=count > 0)
+        tl.store(active_ptr + slot, e, mask=count > 0)
+
+    @triton.jit
+    def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
+                        num_active_ptr, n_pairs, top_k, T, H, I, SG,
+                        stride_we, stride_wn, stride_se, stride_sn,
+                        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                        PREC: tl.constexpr):
+        """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
+        ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert."""
+        slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if slot >= tl.load(num_active_ptr):
+            return
+        expert = tl.load(active_ptr + slot)
+        count = tl.load(counts_ptr + expert)
+        G = tl.cdiv(H, 128)
+        per = tl.cdiv(G, SPLIT)
+        k_first = pid_k * per
+        k_last = tl.minimum(G, k_first + per)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, 128)
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        w_up = w_gate + I * stride_wn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+        for r0 in range(0, count, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < count
+            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0)
+            tokens = (pairs // top_k).to(tl.int64)
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for kb in range(k_first, k_last):
+                kk = kb * 128 + offs_k
+                k_ok = kk < H
+                xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
+                wm = n_ok[:, None] & k_ok[None, :]
+                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(DOT)
+                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(DOT)
+                sg = tl.load(s_base + kb).to(tl.float32)
+                su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
+                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
+                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
+            out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
+            mask = r_ok[:, None] & n_ok[None, :]
+            tl.store(out, acc_g, mask=mask)
+            tl.store(out + I, acc_u, mask=mask)
+
+    @triton.jit
+    def _down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
+                     num_active_ptr, T, H, I,
+                     stride_we, stride_wn, stride_se, stride_sn,
+                     BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr):
+        """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
+        expert and BN hidden columns (h pre-quantised per 1x128 group)."""
+        slot, pid_n = tl.program_id(0), tl.program_id(1)
+        if slot >= tl.load(num_active_ptr):
+            return
+        expert = tl.load(active_ptr + slot)
+        count = tl.load(counts_ptr + expert)
+        G = tl.cdiv(I, 128)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, 128)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+        for r0 in range(0, count, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < count
+            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for kb in range(0, G):
+                kk = kb * 128 + offs_k
+                k_ok = kk < I
+                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
+                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                s = tl.load(s_base + kb).to(tl.float32)
+                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
+            rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
+                     mask=r_ok[:, None] & n_ok[None, :])
+
+
+def expert_lists(topk_ids: torch.Tensor, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch: (counts [E], lists [E, T] pair indices ascending, active [min(E, n)] expert ids
+    in slot order, num_active [1]) for topk_ids [T, k] int32 on CUDA. Entries past an expert's count
+    and slots past num_active are left unwritten."""
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    lists = torch.empty(num_experts, t, dtype=torch.int32, device=dev)
+    active = torch.empty(min(num_experts, n), dtype=torch.int32, device=dev)
+    num_active = torch.zeros(1, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    _expert_lists_kernel[(num_experts,)](ids, counts, lists, active, num_active, n, t,
+                                         NP=max(16, triton.next_power_of_2(n)), num_warps=4)
+    return counts, lists, active, num_active
+
+
+def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
+                     config: dict | None = None) -> torch.Tensor:
+    """CUDA only: the weighted per-pair expert outputs w_j·E_{e_j}(x_t), [T, k, H] float32.
+    Arguments as fp8_moe.moe_fp8_pairs; no host sync, so a decode step can be graph-captured."""
+    t, h, e, i = fp8_moe._check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
+    cfg = config or DECODE_CONFIG
+    k = topk_ids.shape[1]
+    n = t * k
+    bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
+    if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
+        raise ValueError("BN must divide 128 so a program's columns share one scale block")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    counts, lists, active, num_active = expert_lists(topk_ids, e)
+    slots = active.numel()
+    xq, xa = fp8_moe.quantize_rows_fp8_triton(x)
+    ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(slots, triton.cdiv(i, bn1), split)](
+        xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
+        s_gate_up.shape[1] // 2,
+        w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
+        BM=bm, BN=bn1, SPLIT=split, **_dot_args(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=x.device)
+    fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
+        ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
+    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1)
+    _down_kernel[(slots, triton.cdiv(h, bn2))](
+        hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
+        w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
+        BM=bm, BN=bn2, **_dot_args(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out.view(t, k, h)
