@@ -4,13 +4,15 @@ CPU (fast, always run):
 - linear_rows' padded path (forced on the CPU: MKL also picks its kernel by the row count) gives
   a row bit-identical results alone and inside batches of 1..300 rows of other data, at any
   position, with and without a residual; and it equals the float64 product within tolerance;
+- an input whose storage already covers the padded rows is multiplied in place, and whatever
+  those rows hold (NaN, Inf) never reaches the real rows;
 - without the force, the CPU keeps the plain product (the exact path's numerics are unchanged);
 - the switch's parsing, and the FP8 MoE kernel config following it.
 
 CUDA (skipped without a GPU):
 - the same bit-identity in BF16 (and F32 for the router) at every projection shape of the full
   Drama 3 backbone and tower, a row at every position of a 128-row piece, eagerly and inside a
-  captured CUDA graph;
+  captured CUDA graph; the backbone kernels that feed GEMMs hand over padded buffers;
 - a mid-size backbone on the kernel path: a session's hidden rows (a prefill piece, then decode
   steps) are bit-identical alone and with other sessions in the same steps, eagerly and from
   the decode graphs, and graphed equals eager;
@@ -123,6 +125,39 @@ def test_row_linear_and_backbone_linear_keep_cpu_numerics():
     lin = Linear(32, 24)
     lin.weight.data.normal_(generator=gen)
     assert torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+def _aligned_rows(rows: int, cols: int, storage_rows: int, fill: float) -> torch.Tensor:
+    """A [rows, cols] float32 CPU tensor starting 256-byte aligned inside a storage that extends
+    over `storage_rows` rows, the rows past `rows` filled with `fill` (the in-place case)."""
+    big = torch.full((storage_rows * cols + 64,), fill)
+    offset = (-big.data_ptr() % 256) // 4
+    return big[offset:offset + storage_rows * cols].view(storage_rows, cols)[:rows]
+
+
+@pytest.mark.parametrize("rows", [3, TILE, 200])
+def test_padding_rows_read_in_place_never_reach_the_real_rows(rows):
+    """An input (and residual) whose storage already covers the padded rows is multiplied in
+    place, whatever those rows hold (NaN here): the real rows equal the copied path's bits."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 64, generator=gen)
+    padded = invariant.padded_rows(rows)
+    x = _aligned_rows(rows, 64, padded, float("nan"))
+    res = _aligned_rows(rows, 40, padded, float("inf"))
+    x.copy_(torch.randn(rows, 64, generator=gen))
+    res.copy_(torch.randn(rows, 40, generator=gen))
+    assert invariant._padded_view(x, padded) is not None and invariant._padded_view(res, padded) is not None
+    for r in (None, res):
+        got = linear_rows(x, weight, r, force=True)
+        copied = linear_rows(x.clone(), weight, None if r is None else r.clone(), force=True)
+        assert torch.isfinite(got).all() and torch.equal(got, copied)
+        # the output's own storage covers the padded rows: the next GEMM can read it in place too
+        assert got.storage_offset() == 0 and got.untyped_storage().nbytes() >= padded * 40 * 4
+
+
+def test_empty_rows_is_plain_off_cuda():
+    t = invariant.empty_rows(5, 7, dtype=torch.float32, device="cpu")
+    assert t.shape == (5, 7) and t.untyped_storage().nbytes() == 5 * 7 * 4
 
 
 def test_padded_path_works_with_grad_enabled_weights():
@@ -244,6 +279,24 @@ def test_cuda_graph_replay_gives_the_eager_bits(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@cuda
+def test_cuda_gemm_inputs_come_padded_from_their_producers(monkeypatch):
+    """The backbone's norm, SwiGLU and combine kernels allocate with empty_rows, and linear_rows'
+    own outputs cover the padded rows: the next GEMM reads them with no padding copy."""
+    from services.backbone.kernels import decode_graph as dg
+
+    monkeypatch.setattr(invariant, "ENABLED", True)
+    rows, h = 5, 256
+    x = torch.randn(rows, h, device="cuda").bfloat16()
+    w = torch.randn(h, device="cuda").bfloat16()
+    pairs = torch.randn(rows, 8, h, device="cuda")
+    outputs = {"rms_norm_plus": dg.rms_norm_plus(x, w), "silu_mul": dg.silu_mul(x, x),
+               "moe_combine": dg.moe_combine(pairs, x, x, x[:, 0]),
+               "linear_rows": linear_rows(x, torch.randn(64, h, device="cuda").bfloat16())}
+    for name, t in outputs.items():
+        assert invariant._padded_view(t, TILE) is not None, name
 
 
 def _mid_backbone(decode_graphs: bool):

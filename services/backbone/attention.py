@@ -231,5 +231,6 @@ class GatedAttention(nn.Module):
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])
         gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
-        y = (o * torch.sigmoid(gate)).reshape(rows, n_q * d)
+        y = invariant.empty_rows(rows, n_q * d, dtype=o.dtype, device=o.device)   # o_proj reads it in place
+        torch.mul(o, torch.sigmoid(gate), out=y.view(rows, n_q, d))
         return invariant.linear_rows(y, self.o_weight, x)                # x + y·W_oᵀ, one rounding

@@ -442,7 +442,8 @@ class GatedDeltaNet(nn.Module):
                                                    cu_seqlens=plan.cu_seqlens)
             cache.state[plan.seg_slots] = state
             o = o[0]
-        y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps)
+        y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
+        y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
         return invariant.linear_rows(y.view(rows, hv * dv), self.out_weight, x)   # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):

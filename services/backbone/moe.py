@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import TextConfig
-from services.common.invariant import linear_rows
+from services.common.invariant import empty_rows, linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
 from .kernels import decode_graph as dg
@@ -199,7 +199,8 @@ class SparseMoE(nn.Module):
         tables. The choice follows the kind of a session's rows, never the other sessions' rows,
         so a row's bits do not depend on the batch either way (issue #8)."""
         i_s = self.shared_down.shape[1]
-        logits = linear_rows(u.float(), self.gate.weight)                # router in F32 (§4.6)
+        u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
+        logits = linear_rows(u32.copy_(u), self.gate.weight)             # router in F32 (§4.6)
         fused = linear_rows(u, self.shared_fused)                        # [R, 2·I_s + 1]
         shared = linear_rows(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         gate_logit = fused[:, 2 * i_s]

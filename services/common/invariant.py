@@ -3,6 +3,7 @@
     linear_rows(x [M, K], weight [N, K], residual [M, N] | None) -> x·Wᵀ (+ residual) [M, N]
     linear_rows_reference(...)   the same product one row at a time in float64 (tests)
     active(x) -> bool            does linear_rows pad for this tensor (CUDA and the switch on)
+    empty_rows(rows, cols, ...)  an output buffer for a GEMM input's producer, padded in storage
 
 Why: API.md's seed contract says the same request gives the same codes alone or inside any
 batch. A GEMM computes each output element as one dot product, but cuBLAS (like MKL on the CPU)
@@ -10,17 +11,20 @@ picks its kernel from the problem shape, M included: tile sizes, split-K factor,
 schedule. Another kernel sums the same products in another order, so a session's row changed its
 last bits when 8 or 32 other sessions shared the step, and sampled codes drifted from there.
 
-How: on CUDA the rows are copied into a buffer padded with zeros to a multiple of TILE = 128,
-and the product runs as one GEMM per 128-row piece, always with the same call (`torch.mm`, or
-`torch.addmm` with the residual; pieces of a long prefill are concatenated). cuBLAS then always
-sees (M = 128, N, K), the same dtypes and strides, and 256-byte aligned operands (fresh buffers
-and the fixed weight), so it picks the same kernel every time (its heuristics are a pure
-function of that descriptor and of the workspace size, which torch fixes per stream). Each
-output row then depends only on its own input row. A decode step (buckets
-1..128 in CUDA graphs) is one GEMM per projection, as before; a prefill step of R rows is
-⌈R/128⌉ GEMMs that each read the weight (weights are streamed once per 128 rows, which the
-prefill's arithmetic intensity absorbs; the extra launches cost host time in eager prefill).
-Everything is shapes known on the host: no sync, capturable in a CUDA graph.
+How: on CUDA the rows sit in a buffer padded to a multiple of TILE = 128 rows, and the product
+runs as one GEMM per 128-row piece, always with the same call (`torch.mm`, or `torch.addmm` with
+the residual; the pieces of a long prefill are concatenated). cuBLAS then always sees (M = 128,
+N, K), the same dtypes and strides and 256-byte aligned operands, so it picks the same kernel
+every time (its heuristics are a pure function of that descriptor and of the workspace size,
+which torch fixes per stream), and each output row depends only on its own input row. The
+padding rows are never zeroed: whatever they hold only reaches output rows that are dropped.
+The padded buffer costs nothing when the input's producer allocated it (`empty_rows`: the
+backbone's norms, gated norm, SwiGLU and attention output do) or when the input is itself an
+output of linear_rows; any other input is copied once. A decode step (buckets 1..128 in CUDA
+graphs) is one GEMM per projection, as before; a prefill step of R rows is ⌈R/128⌉ GEMMs that
+each read the weight (weights are streamed once per 128 rows, which the prefill's arithmetic
+intensity absorbs; the extra launches cost host time in eager prefill). Everything is shapes
+known on the host: no sync, capturable in a CUDA graph.
 
 Why 128: the largest decode bucket, so a decode step never reads a weight twice; and 128 rows
 are 128 flop per bf16 weight byte, still under the H200's ridge point (~200), so batch 1 pays
@@ -77,13 +81,46 @@ def active(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda
 
 
+def padded_rows(rows: int) -> int:
+    """Rows of the buffer linear_rows multiplies: `rows` rounded up to a multiple of TILE."""
+    return -(-rows // TILE) * TILE
+
+
+def empty_rows(rows: int, cols: int, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty(rows, cols) whose storage holds padded_rows(rows) rows when padding is on for
+    `device` (CUDA). Producers of a GEMM input allocate their output with it; linear_rows then
+    multiplies that storage in place instead of copying the rows into a padded buffer."""
+    device = torch.device(device)
+    if not (ENABLED and device.type == "cuda"):
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    return torch.empty(padded_rows(rows), cols, dtype=dtype, device=device)[:rows]
+
+
+def _padded_view(t: torch.Tensor, padded: int) -> torch.Tensor | None:
+    """t [M, C] as the first M rows of a [padded, C] view of its own storage, or None.
+
+    Possible when t is contiguous, starts 256-byte aligned (as a fresh buffer does: the same
+    alignment class for cuBLAS either way) and its storage extends over `padded` rows (empty_rows,
+    linear_rows' own outputs, leading rows of a bigger buffer). The rows past M hold whatever is
+    there, possibly stale or non-finite values: a GEMM never mixes rows, and those rows' outputs
+    are dropped."""
+    rows, cols = t.shape
+    if not t.is_contiguous() or t.data_ptr() % 256:
+        return None
+    if t.untyped_storage().nbytes() < (t.storage_offset() + padded * cols) * t.element_size():
+        return None
+    return t.as_strided((padded, cols), (cols, 1))
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
                 force: bool | None = None) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ, plus residual [M, N] when given (added in the GEMM's epilogue,
     as torch.addmm: one rounding). Same dtype rules as torch.mm / addmm.
 
     force=None pads when `active(x)`; True pads on any device (tests); False never pads.
-    Returns a [M, N] tensor (rows of a padded buffer when padded: contiguous, row stride N).
+    Returns a [M, N] tensor; when padded, the leading rows of a [padded_rows(M), N] buffer (so a
+    following linear_rows, or a residual, is read in place).
+    Padding rows are not zeroed: each GEMM output row depends on its own input row only.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_rows wants x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -93,23 +130,22 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         raise ValueError(f"residual {tuple(residual.shape)}: expected {(rows, n)}")
     if not pad or rows == 0:
         return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.T)
-    padded = -(-rows // TILE) * TILE
-    a = x.new_empty(padded, x.shape[1])
-    a[:rows].copy_(x)
-    if padded > rows:
-        a[rows:].zero_()
-    wt = weight.T
-    pieces = []
-    for start in range(0, padded, TILE):
-        if residual is None:
-            pieces.append(torch.mm(a[start:start + TILE], wt))
-            continue
+    padded = padded_rows(rows)
+    a = _padded_view(x, padded)
+    if a is None:                                  # copy the rows into a fresh padded buffer
+        a = x.new_empty(padded, x.shape[1])
+        a[:rows].copy_(x)
+    res = None
+    if residual is not None:
         # addmm copies its `self` into a fresh result before the GEMM, so the residual's layout
-        # never reaches cuBLAS; only the last piece needs padding rows
-        res = residual[start:start + TILE]
-        if res.shape[0] < TILE:
-            res = torch.cat([res, res.new_zeros(TILE - res.shape[0], n)])
-        pieces.append(torch.addmm(res, a[start:start + TILE], wt))
+        # never reaches cuBLAS; it only has to cover the padded rows
+        res = _padded_view(residual, padded)
+        if res is None:
+            res = residual.new_empty(padded, n)
+            res[:rows].copy_(residual)
+    wt = weight.T
+    pieces = [torch.mm(a[i:i + TILE], wt) if res is None else torch.addmm(res[i:i + TILE], a[i:i + TILE], wt)
+              for i in range(0, padded, TILE)]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out[:rows]
 

@@ -16,13 +16,16 @@ Batch invariance (issue #8): every kernel here runs one row per program (or one 
 column block) with launch constants fixed by the hidden/head sizes, never by the row count, and
 `moe_combine` adds a row's k pairs in slot order, then the gated shared expert: a row's bits do
 not depend on the other rows of the step. The dense GEMMs around them go through
-services/common/invariant.linear_rows.
+services/common/invariant.linear_rows; the outputs that feed a GEMM (or become a residual) are
+allocated with invariant.empty_rows, so the GEMM reads them in place, with no padding copy.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from services.common.invariant import empty_rows
 
 from . import HAS_TRITON, use_triton
 
@@ -83,7 +86,7 @@ def rms_norm_plus(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.
     if not use_triton(x) or x.dim() != 2 or x.stride(1) != 1:
         return naive_rms_norm_plus(x, w, eps)
     m, h = x.shape
-    out = torch.empty(m, h, dtype=torch.bfloat16, device=x.device)
+    out = empty_rows(m, h, dtype=torch.bfloat16, device=x.device)      # a GEMM input: padded storage
     _rms_norm_kernel[(m,)](x, w, out, eps, h, x.stride(0), BH=triton.next_power_of_2(h), num_warps=8)
     return out
 
@@ -92,7 +95,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not use_triton(gate) or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
         return naive_silu_mul(gate, up)
     m, n = gate.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=gate.device)
+    out = empty_rows(m, n, dtype=torch.bfloat16, device=gate.device)
     _silu_mul_kernel[(m,)](gate, up, out, n, gate.stride(0), up.stride(0), BN=triton.next_power_of_2(n), num_warps=4)
     return out
 
@@ -115,7 +118,7 @@ def moe_combine(pairs, residual, shared=None, shared_gate_logit=None):
     if not use_triton(pairs, residual):
         return naive_moe_combine(pairs, residual, shared, shared_gate_logit)
     t, k, h = pairs.shape
-    out = torch.empty(t, h, dtype=torch.bfloat16, device=pairs.device)
+    out = empty_rows(t, h, dtype=torch.bfloat16, device=pairs.device)  # the next layer's residual
     has_shared = shared is not None
     _moe_combine_kernel[(t, triton.cdiv(h, 1024))](
         pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual, out,
