@@ -408,9 +408,10 @@ def kernel_config(grouped: bool) -> dict:
     of a block from that row alone, in a K order fixed by the constexprs, so neither the other
     pairs of the block, nor the block table, nor n changes a pair's bits. A different config is a
     different kernel (on the H200, BM = 16 lowers `tl.dot` to mma.sync, BM = 64 with 8 warps most
-    likely to wgmma), and nothing promises that two kernels accumulate a row bit for bit alike. The decode/grouped choice follows the
-    step's pair count (T·k > DECODE_MAX_PAIRS), i.e. the other sessions' rows: a session's prompt
-    rows would take one kernel alone and the other inside a large prefill step. So the grouped
+    likely to wgmma), and nothing promises that two kernels accumulate a row bit for bit alike.
+    The decode/grouped choice follows the step's pair count (T·k > DECODE_MAX_PAIRS), i.e. the
+    other sessions' rows: a session's prompt rows would take one kernel alone and the other
+    inside a large prefill step. So the grouped
     path keeps the decode kernels (its blocks are then 16 rows: more blocks and weight reads for
     long prefills, fewer padded rows for short ones). Everything else here is per row already:
     the router (one row per program, fixed BE), the activation quantiser (a row's 128-groups;
