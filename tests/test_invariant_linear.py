@@ -155,9 +155,10 @@ def test_padding_rows_read_in_place_never_reach_the_real_rows(rows):
         assert got.storage_offset() == 0 and got.untyped_storage().nbytes() >= padded * 40 * 4
 
 
-def test_empty_rows_is_plain_off_cuda():
+def test_empty_rows_and_padded_input_are_plain_off_cuda():
     t = invariant.empty_rows(5, 7, dtype=torch.float32, device="cpu")
     assert t.shape == (5, 7) and t.untyped_storage().nbytes() == 5 * 7 * 4
+    assert invariant.padded_input(t) is t
 
 
 def test_padded_path_works_with_grad_enabled_weights():
@@ -294,9 +295,12 @@ def test_cuda_gemm_inputs_come_padded_from_their_producers(monkeypatch):
     pairs = torch.randn(rows, 8, h, device="cuda")
     outputs = {"rms_norm_plus": dg.rms_norm_plus(x, w), "silu_mul": dg.silu_mul(x, x),
                "moe_combine": dg.moe_combine(pairs, x, x, x[:, 0]),
-               "linear_rows": linear_rows(x, torch.randn(64, h, device="cuda").bfloat16())}
+               "linear_rows": linear_rows(x, torch.randn(64, h, device="cuda").bfloat16()),
+               "padded_input": invariant.padded_input(x)}
     for name, t in outputs.items():
         assert invariant._padded_view(t, TILE) is not None, name
+    assert torch.equal(outputs["padded_input"], x)
+    assert invariant.padded_input(outputs["rms_norm_plus"]) is outputs["rms_norm_plus"]   # no second copy
 
 
 def _mid_backbone(decode_graphs: bool):

@@ -4,6 +4,7 @@
     linear_rows_reference(...)   the same product one row at a time in float64 (tests)
     active(x) -> bool            does linear_rows pad for this tensor (CUDA and the switch on)
     empty_rows(rows, cols, ...)  an output buffer for a GEMM input's producer, padded in storage
+    padded_input(x)              x in such a buffer (one copy for several projections of x)
 
 Why: API.md's seed contract says the same request gives the same codes alone or inside any
 batch. A GEMM computes each output element as one dot product, but cuBLAS (like MKL on the CPU)
@@ -94,6 +95,16 @@ def empty_rows(rows: int, cols: int, *, dtype: torch.dtype, device) -> torch.Ten
     if not (ENABLED and device.type == "cuda"):
         return torch.empty(rows, cols, dtype=dtype, device=device)
     return torch.empty(padded_rows(rows), cols, dtype=dtype, device=device)[:rows]
+
+
+def padded_input(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K], or a copy of it in an empty_rows buffer when linear_rows would otherwise copy it:
+    for an input that several projections read (one copy instead of one per projection)."""
+    if not active(x) or x.dim() != 2 or _padded_view(x, padded_rows(x.shape[0])) is not None:
+        return x
+    out = empty_rows(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    out.copy_(x)
+    return out
 
 
 def _padded_view(t: torch.Tensor, padded: int) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.config import DramaConfig
-from services.common.invariant import linear_rows
+from services.common.invariant import linear_rows, padded_input
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
 Sampler = Callable[[int, Tensor], Tensor]
@@ -267,6 +267,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
         t = x.shape[0]
+        x = padded_input(x)              # CUDA: q, k and v read one padded copy (invariant.linear_rows)
         q_and_gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
         q, gate = q_and_gate.split(self.head_dim, dim=-1)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -292,6 +293,7 @@ class SwiGLU(nn.Module):
         self.down_proj = RowLinear(intermediate_size, hidden_size, batch_invariant)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = padded_input(x)              # CUDA: gate and up read one padded copy
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
