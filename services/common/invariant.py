@@ -21,7 +21,8 @@ which torch fixes per stream), and each output row depends only on its own input
 padding rows are never zeroed: whatever they hold only reaches output rows that are dropped.
 The padded buffer costs nothing when the input's producer allocated it (`empty_rows`: the
 backbone's norms, gated norm, SwiGLU and attention output do) or when the input is itself an
-output of linear_rows; any other input is copied once. A decode step (buckets 1..128 in CUDA
+output of linear_rows; any other input is copied once (`padded_input` shares one copy among
+several projections of the same input: the tower's q/k/v and gate/up). A decode step (buckets 1..128 in CUDA
 graphs) is one GEMM per projection, as before; a prefill step of R rows is ⌈R/128⌉ GEMMs that
 each read the weight (weights are streamed once per 128 rows, which the prefill's arithmetic
 intensity absorbs; the extra launches cost host time in eager prefill). Everything is shapes
