@@ -12,13 +12,21 @@ values). Timed, per decode dtype, on two paths:
   offline decode of 1, 4 and 215 frames (215 frames = 10 s), one stream; a streaming chunk of 1
   and of 4 frames of a stream already 200 frames in (full attention window); a server tick: B
   sessions with a 4-frame chunk each in one `decode_streams` call;
-- graphed (CUDA only; services/codec/graphs.py): the same chunks and ticks through the slot pool
-  as the server runs them (`decode_pcm16`: replay, PCM16 on the device, copy to the host), and
-  the 215-frame offline decode through the offline-length graphs;
+- graphed (services/codec/graphs.py; on CPU the same pool with eager ticks, "pool (eager)"): the
+  same chunks and ticks through the slot pool as the server runs them (`decode_pcm16`: replay,
+  PCM16 on the device, copy to the host); per --frames length the offline decode (`decode`:
+  batch-1 graphs, last piece padded, 215 frames = 128 + 64 + 32) and "server chunk of N frames",
+  one Decode message of all N frames on a fresh slot (exact split, 215 = 128 + 64 + 16 + 7);
 and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms and the
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
 frame-serial path, as the server does. --ablate adds FP16 eager rows with the reference ops
-(fast=False), with each fast path flipped alone, and with cudnn.benchmark on.
+(fast=False), with each fast path flipped alone (narrow_conv=False is the last conv on cuDNN
+again, channels_last=True the F16 NHWC decoder), and with cudnn.benchmark on.
+
+Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
+batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0`
+puts the decoder's last conv (1 output channel) back on cuDNN's generic kernel; both also work
+for the server, as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0.
 
 Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
 ablation rows), with channels_last still on in FP16 (median ms):
@@ -31,6 +39,13 @@ ablation rows), with channels_last still on in FP16 (median ms):
 Before (issue #7): FP16 eager chunk 17-23 ms, 10 s 37.8 ms. The FP16 rows that grow with the
 frame count (~2.3 ms per frame) are cuDNN's F16 NHWC convs, so Codec.prepare keeps F16 in torch's
 default layout now (channels_last only in float32); those rows are not re-measured yet.
+Then with F16 in the default layout (H200, `--dtype fp16 fp32 --frames 1 4 215 --profile`, before
+issue #3's changes): decode 215 frames FP16 eager 28.1 ms, graphed 24.8 (one padded 256-frame
+replay); FP32 eager 27.9, graphed 32.7; FP16 graphed stream chunk of 4: 2.52. Profile of the
+eager FP16 215-frame decode: cuDNN's generic implicit_convolve_sgemm (the last conv, 1 output
+channel) ~4.8 ms of the GPU time, then the NCHW<->NHWC transforms around every F16 conv, the
+causal-padding concatenations and elementwise kernels. Issue #3's changes (narrow_conv, the
+long graphs) are not measured on the GPU yet.
 Accuracy (24 frames, vs float32 without TF32 on the same weights): decoder convs x0.5 (speech
 level, nothing saturated): reference ops 8.7e-4, fast eager 7.9e-4, graphed 7.9e-4; §10.2's
 random weights as they are saturate tanh on 89% of samples and are chaotic: 6.7e-2 / 6.1e-2 /
@@ -43,6 +58,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -53,8 +69,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from services.codec.graphs import OFFLINE_LENGTHS, GraphedDecoder  # noqa: E402
-from services.codec.model import Codec  # noqa: E402
+from services.codec.graphs import LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder  # noqa: E402
+from services.codec.model import Codec, decode_options_from_env  # noqa: E402
 from services.common.config import CodecConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
 
@@ -73,6 +89,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ablate", action="store_true", help="FP16 eager rows with fast paths off")
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables (eager FP16 "
                         "4-frame chunk and 215-frame offline decode)")
+    parser.add_argument("--long-lengths", type=int, nargs="*", default=list(LONG_LENGTHS),
+                        help="batch-1 graph lengths for long chunks and the offline decode (default "
+                        f"{' '.join(map(str, LONG_LENGTHS))}; none: the flag alone, as before issue #3)")
+    parser.add_argument("--options", nargs="*", default=[], metavar="NAME=0|1",
+                        help="decode fast-path switches for every fast prepare, e.g. narrow_conv=0 "
+                        "channels_last=1 (sets DRAMA_CODEC_OPTIONS; Codec.FAST_OPTIONS has the names)")
     parser.add_argument("--encode-seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, help="timed calls per case (default 10 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -171,35 +193,57 @@ def bench_eager(codec: Codec, dtype_name: str, args, device: torch.device, path:
 
 def bench_graphed(codec: Codec, dtype_name: str, args, device: torch.device) -> list[dict]:
     frame_s = codec.frame_samples / codec.sample_rate
-    slots = max([1] + args.batch)
-    pool = GraphedDecoder(codec, slots + 1, lengths=tuple(sorted(set(args.chunks) | {1})),
-                          buckets=tuple(sorted({1} | set(args.batch))), offline_lengths=OFFLINE_LENGTHS)
-    pool.capture(offline=True)
-    print(f"{dtype_name}: {len(pool._graphs) + len(pool._offline)} graphs captured in "
-          f"{pool.capture_seconds:.1f} s, pool of {pool.slots} slots", flush=True)
+    pool = graphed_pool(codec, args)
+    path = "graphed" if pool.use_graphs else "pool (eager)"       # CPU: the same pool, eager ticks
+    memory = (f", {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB peak allocated"
+              if device.type == "cuda" else "")
+    print(f"{dtype_name}: {len(pool._graphs)} graphs captured in {pool.capture_seconds:.1f} s, pool of "
+          f"{pool.slots} slots, long lengths {pool.long_lengths}{memory}", flush=True)
     rows = []
     for frames in args.frames:
         codes = random_codes(codec, frames)
         times = timed(lambda: pool.decode(codes), device, args.repeats, args.warmup)
-        rows.append(_row(f"decode {frames} frames", "graphed", dtype_name, times, frames * frame_s))
+        rows.append(_row(f"decode {frames} frames", path, dtype_name, times, frames * frame_s))
+        # The server's path for one Decode message of all the frames: a fresh slot, the chunk
+        # split into long and stream lengths (no padding: the stream could go on), PCM16 bytes.
+        times = timed(lambda: server_chunk(pool, codes[0]), device, args.repeats, args.warmup)
+        rows.append(_row(f"server chunk of {frames} frames", path, dtype_name, times, frames * frame_s))
     history = random_codes(codec, 200)[0]
     for length in args.chunks:
         slot = pool.acquire()
         pool.decode_streams([slot], [history])
         chunk = random_codes(codec, length)[0]
         times = timed(lambda: pool.decode_pcm16([slot], [chunk]), device, args.repeats, args.warmup)
-        rows.append(_row(f"stream chunk of {length} (after 200)", "graphed", dtype_name, times,
+        rows.append(_row(f"stream chunk of {length} (after 200)", path, dtype_name, times,
                          length * frame_s))
         pool.release(slot)
     for batch in args.batch:
         slot_list = [pool.acquire() for _ in range(batch)]
         chunk_list = list(random_codes(codec, 4, batch).unbind(0))
         times = timed(lambda: pool.decode_pcm16(slot_list, chunk_list), device, args.repeats, args.warmup)
-        rows.append(_row(f"tick: {batch} sessions x 4 frames", "graphed", dtype_name, times,
+        rows.append(_row(f"tick: {batch} sessions x 4 frames", path, dtype_name, times,
                          batch * 4 * frame_s))
         for slot in slot_list:
             pool.release(slot)
     return rows
+
+
+def graphed_pool(codec: Codec, args) -> GraphedDecoder:
+    """The slot pool as the server has it (stream lengths 1-8, plus any other benchmarked chunk
+    length) with the benchmarked buckets and long lengths, captured."""
+    slots = max([1] + args.batch)
+    pool = GraphedDecoder(codec, slots + 1, lengths=tuple(sorted(set(args.chunks) | set(STREAM_LENGTHS))),
+                          buckets=tuple(sorted({1} | set(args.batch))), long_lengths=tuple(args.long_lengths))
+    pool.capture()
+    return pool
+
+
+def server_chunk(pool: GraphedDecoder, codes: torch.Tensor) -> list[bytes]:
+    slot = pool.acquire()
+    try:
+        return pool.decode_pcm16([slot], [codes])
+    finally:
+        pool.release(slot)
 
 
 def bench_ablations(codec: Codec, args, device: torch.device) -> list[dict]:
@@ -253,13 +297,15 @@ def measure_accuracy(codec: Codec, device: torch.device, graphs: bool, frames: i
         entry["fp16 reference ops"] = _rel(codec.prepare(device, torch.float16, fast=False).decode(codes), reference)
         entry["fp16 eager"] = _rel(codec.prepare(device, torch.float16).decode(codes), reference)
         if graphs:
-            pool = GraphedDecoder(codec, 2, lengths=(1, 4), buckets=(1,))
+            pool = GraphedDecoder(codec, 2, lengths=(1, 4), buckets=(1,), long_lengths=(16,))
             pool.capture()
             slot = pool.acquire()
             step = 4
             streamed = torch.cat([pool.decode_streams([slot], [codes[0, :, i:i + step]])[0]
                                   for i in range(0, frames, step)])
             entry["fp16 graphed stream"] = _rel(streamed[None], reference)
+            pool.release(slot)
+            entry["fp16 graphed offline (long graphs)"] = _rel(pool.decode(codes), reference)
             del pool
         results.append(entry)
         print("accuracy vs float32:", json.dumps(entry), flush=True)
@@ -278,7 +324,7 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-def profile_eager(codec: Codec, device: torch.device) -> None:
+def profile_eager(codec: Codec, device: torch.device, args) -> None:
     from bench.stage_profile import report
 
     codec.prepare(device, torch.float16)
@@ -290,6 +336,11 @@ def profile_eager(codec: Codec, device: torch.device) -> None:
     codes = random_codes(codec, 215)
     report("codec eager FP16 offline decode of 215 frames", lambda: codec.decode(codes), device,
            steps=3, top=30)
+    if device.type == "cuda" and not args.no_graphs:
+        # The graphs' kernels, as the server runs them (the tables are per call of 215 frames).
+        pool = graphed_pool(codec, args)
+        report("codec graphed FP16 server chunk of 215 frames", lambda: server_chunk(pool, codes[0]),
+               device, steps=3, top=30)
 
 
 def bench_encode(codec: Codec, args, device: torch.device) -> dict:
@@ -304,6 +355,9 @@ def bench_encode(codec: Codec, args, device: torch.device) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.options:
+        os.environ["DRAMA_CODEC_OPTIONS"] = ",".join(args.options)
+        decode_options_from_env()                      # a bad name fails here, not mid-run
     device = torch.device(args.device)
     if args.repeats is None:
         args.repeats = 10 if device.type == "cuda" else 3
@@ -335,10 +389,11 @@ def main(argv=None) -> int:
             codec.prepare(device, DTYPES[dtype_name])
             print(f"{dtype_name}: decode options {codec.decode_options}", flush=True)
             add(bench_eager(codec, dtype_name, args, device))
-            if device.type == "cuda" and not args.no_graphs:
+            if not args.no_graphs:              # on CPU: the server's pool with eager ticks
                 add(bench_graphed(codec, dtype_name, args, device))
                 gc.collect()                    # the graphs and their pool go before the next prepare
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         add([dict(bench_encode(codec, args, device), path="eager")])
         if device.type == "cuda":
             accuracy += measure_accuracy(codec, device, graphs=not args.no_graphs)
@@ -347,7 +402,7 @@ def main(argv=None) -> int:
             add(bench_ablations(codec, args, device))
     if args.profile:
         with torch.inference_mode():
-            profile_eager(codec, device)
+            profile_eager(codec, device, args)
     return 0
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from drama.codec.v1 import codec_pb2, codec_pb2_grpc
-from services.codec.graphs import (GraphedDecoder, PoolFull, bucket_for, plan_offline,
-                                   split_length)
+from services.codec.graphs import (BATCH_BUCKETS, LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder,
+                                   PoolFull, bucket_for, plan_offline, split_length)
 from services.codec.model import load_codec
 from services.codec.server import serve
 from services.common import grpcutil
@@ -58,6 +58,22 @@ def test_plan_offline_covers_and_pads_little():
         assert sum(plan) - frames < 16 * 2 or len(plan) == 1, (frames, plan)
     assert plan_offline(215, lengths) == [256]            # one padded replay beats four exact ones
     assert plan_offline(0, lengths) == []
+    # the pool's batch-1 lengths by default: 10 s in three replays, 9 frames of padding
+    assert plan_offline(215, STREAM_LENGTHS + LONG_LENGTHS) == [128, 64, 32]
+
+
+def test_long_chunks_split_into_long_lengths_first(codec):
+    """A chunk longer than the stream lengths runs as long pieces (batch 1) then stream pieces,
+    in order: 10 s is 128 + 64 + 16 + 7, four ticks instead of 27."""
+    pool = GraphedDecoder(codec, 2)
+    assert pool.long_lengths == LONG_LENGTHS
+    slot = pool.acquire()
+    rounds = pool._stream_pieces([slot], [torch.zeros(codec.num_codebooks, 215, dtype=torch.int64)])
+    assert [[(p.start, p.end) for p in r] for r in rounds] == [[(0, 128)], [(128, 192)], [(192, 208)],
+                                                                [(208, 215)]]
+    assert pool.buckets_for(64) == (1,) and pool.buckets_for(8) == BATCH_BUCKETS
+    # a long length that is also a stream length stays a stream length (all its buckets)
+    assert GraphedDecoder(codec, 2, lengths=(1, 16), long_lengths=(16, 32)).long_lengths == (32,)
 
 
 def test_bucket_for():
@@ -76,10 +92,11 @@ def codec(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def fast_codec(tiny_checkpoint):
     """The GPU fast paths on CPU float32 (all but the Triton snake): channels_last tails in the
-    pool, the fused attention, the dequant table."""
+    pool, the fused attention, the dequant table, the last conv as one GEMM."""
     model = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
     assert model.decode_options == {"channels_last": True, "fused_snake": False,
-                                    "fused_attention": True, "dequant_table": True}
+                                    "fused_attention": True, "dequant_table": True,
+                                    "narrow_conv": True}
     model.frame_serial = False
     return model
 
@@ -206,14 +223,28 @@ def test_offline_decode_through_the_pool(codec):
 
 
 def test_offline_decode_pads_the_last_piece(codec):
-    """With offline lengths the last piece is padded with code 0 (causality makes the padding
-    invisible); stand-ins (None: the eager tick) for the graphs let this run on CPU."""
-    pool = small_pool(codec)
-    pool._offline = {8: None}                # no graphs captured on CPU: pieces 8 + 8 (5 padded)
+    """Offline, the last piece may be padded with code 0 (causality makes the padding invisible):
+    with lengths 1 and 8, 11 frames run as 8 + 8 (5 padded), two ticks instead of four."""
+    pool = GraphedDecoder(codec, 2, lengths=(1,), buckets=(1,), long_lengths=(8,))
     codes = random_codes(codec, 11, seed=4)[None]
-    assert plan_offline(11, (8,)) == [8, 8]
-    assert plan_offline(11, (1, 2, 4, 8)) == [8, 4]     # with stream graphs: 12 frames, 1 padded
+    assert plan_offline(11, (1, 8)) == [8, 8]
+    assert plan_offline(11, (1, 2, 4, 8)) == [8, 4]     # with more lengths: 12 frames, 1 padded
     assert rel_err(pool.decode(codes), codec.decode(codes)) < 5e-4
+    assert pool.ticks == 2
+
+
+def test_long_chunk_through_long_lengths_equals_the_stream(codec):
+    """A 27-frame chunk with long lengths (8, 16) runs as 16 + 8 + 2 + 1 (four ticks, batch 1 for
+    the long pieces; the other session's 2 frames are a fifth, in the first round), and equals
+    the Codec's decode; the next chunk continues the same stream."""
+    pool = GraphedDecoder(codec, 4, lengths=(1, 2, 4), buckets=(1, 2), long_lengths=(8, 16))
+    long, short = pool.acquire(), pool.acquire()
+    codes, other = random_codes(codec, 30, seed=12), random_codes(codec, 2, seed=13)
+    first, second = pool.decode_streams([long, short], [codes[:, :27], other])
+    assert pool.ticks == 5 and long.frames == 27
+    rest = pool.decode_streams([long], [codes[:, 27:]])[0]
+    assert rel_err(torch.cat([first, rest]), codec.decode(codes[None])[0]) < 5e-4
+    assert rel_err(second, codec.decode(other[None])[0]) < 5e-4
 
 
 async def test_server_pool_full_is_resource_exhausted(tiny_checkpoint):
@@ -362,12 +393,60 @@ def test_gpu_slot_reuse_after_release(gpu_codecs):
 @cuda
 def test_gpu_offline_graphs_match_eager(gpu_codecs):
     half, _ = gpu_codecs
-    pool = GraphedDecoder(half, 2, lengths=(1,), buckets=(1,), offline_lengths=(16, 32))
-    pool.capture(offline=True)
+    pool = GraphedDecoder(half, 2, lengths=(1,), buckets=(1,), long_lengths=(16, 32))
+    pool.capture()
     codes = random_codes(half, 40, seed=5)[None]
     err = rel_err(pool.decode(codes), half.decode(codes))
     print(f"offline graphs vs eager F16: {err:.2e}")
     assert err < 3e-3
+
+
+@cuda
+def test_gpu_ten_seconds_through_the_long_graphs(gpu_codecs, no_tf32):
+    """10 s (215 frames) as the server decodes one long chunk (long graphs 128 + 64 + 16, then
+    the 7-frame stream graph) and as the offline decode plans it (128 + 64 + 32, padded): each
+    within the 1e-2 target of float32 and within F16 tolerance of each other (different piece
+    lengths run different conv shapes, so not bit for bit)."""
+    half, full = gpu_codecs
+    pool = GraphedDecoder(half, 2, lengths=(1, 7, 8), buckets=(1,))
+    pool.capture()
+    assert (128, 1) in pool._graphs and (16, 1) in pool._graphs
+    codes = random_codes(half, 215, seed=6)
+    slot = pool.acquire()
+    ticks = pool.ticks
+    streamed = pool.decode_streams([slot], [codes])[0]
+    assert pool.ticks - ticks == 4
+    offline = pool.decode(codes[None])[0].cpu()
+    reference = full.decode(codes[None])[0].cpu()
+    err_stream, err_offline, err_pair = (rel_err(streamed, reference), rel_err(offline, reference),
+                                         rel_err(offline, streamed))
+    print(f"10 s: graphed stream vs float32 {err_stream:.2e}, graphed offline vs float32 "
+          f"{err_offline:.2e}, offline vs stream {err_pair:.2e}")
+    assert err_stream < 1e-2 and err_offline < 1e-2 and err_pair < 3e-3
+
+
+@cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_gpu_taps_conv_matches_cudnn_and_naive(channels_last):
+    """The last conv's shape (96 -> 1, k 7) over 8 frames of audio: taps_conv1d in F16 within
+    F16 rounding of the float64 naive conv, and as close as cuDNN's F16 conv is."""
+    from services.codec import naive
+    from services.codec.conv import conv_taps, taps_conv1d
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 96, 8 * 2048, device="cuda", generator=gen).half()
+    w = (torch.randn(1, 96, 7, device="cuda", generator=gen) / 26).half()
+    b = torch.randn(1, device="cuda", generator=gen).half()
+    window = torch.cat([torch.zeros_like(x[..., :6]), x], dim=-1)
+    if channels_last:
+        window = window.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
+    fast = taps_conv1d(window, conv_taps(w), b, 7)
+    cudnn = torch.nn.functional.conv1d(window.contiguous(), w, b)
+    expected = naive.naive_causal_conv1d(x.cpu(), w.cpu(), b.cpu())
+    err_fast, err_cudnn = rel_err(fast, expected), rel_err(cudnn, expected)
+    print(f"taps conv F16 vs float64 {err_fast:.2e} (cuDNN F16 {err_cudnn:.2e})")
+    assert fast.shape == (2, 1, 8 * 2048) and fast.dtype == torch.float16
+    assert err_fast < max(2 * err_cudnn, 1e-3)
 
 
 @cuda

@@ -15,8 +15,8 @@ import torch
 
 from services.codec import naive
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, causal_conv1d,
-                                 causal_conv_transpose1d, snake)
-from services.codec.model import load_codec
+                                 causal_conv_transpose1d, conv_taps, snake, taps_conv1d)
+from services.codec.model import decode_options_from_env, load_codec
 from services.codec.resample import resample, sinc_resample_kernel
 from services.codec.state import StreamState
 from services.codec.transformer import WindowedTransformer, blocked_windowed_attention, windowed_attention
@@ -111,6 +111,77 @@ def test_causal_conv_transpose_matches_naive(length, kernel, stride):
     fast = causal_conv_transpose1d(x, w, b, stride)
     assert fast.shape == (2, 3, length * stride)
     assert_close(fast, naive.naive_causal_conv_transpose1d(x, w, b, stride), 1e-6, "conv transpose")
+
+
+@pytest.mark.parametrize("length", AWKWARD_LENGTHS)
+@pytest.mark.parametrize("c_out,kernel,dilation", [(1, 7, 1), (1, 7, 3), (2, 3, 9), (1, 1, 1)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_taps_conv_matches_naive(length, c_out, kernel, dilation, layout):
+    """conv.taps_conv1d (the narrow conv as GEMM + shifted sum) over a window that starts with
+    the causal tail (zeros here) equals the naive causal conv, in both window layouts."""
+    gen = torch.Generator().manual_seed(length * 10 + kernel + dilation)
+    x = torch.randn(2, 6, length, generator=gen)
+    w = torch.randn(c_out, 6, kernel, generator=gen)
+    b = torch.randn(c_out, generator=gen)
+    window = torch.cat([torch.zeros(2, 6, (kernel - 1) * dilation), x], dim=-1)
+    if layout == "channels_last":           # physically [B, W, C], as the channels_last decoder has it
+        window = window.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
+        assert window.stride(1) == 1
+    fast = taps_conv1d(window, conv_taps(w), b, kernel, dilation)
+    assert fast.shape == (2, c_out, length) and fast.dtype == torch.float32
+    assert_close(fast, naive.naive_causal_conv1d(x, w, b, 1, dilation), 1e-6, "taps conv")
+    if kernel > 1:              # a window shorter than the kernel span is refused, not read past
+        with pytest.raises(ValueError, match="do not fit"):
+            taps_conv1d(window[..., :(kernel - 1) * dilation - 1], conv_taps(w), b, kernel, dilation)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_narrow_conv_streams_like_the_naive_conv(channels_last):
+    """The decoder's last conv shape (C -> 1, k 7) with set_narrow: streamed in awkward chunks it
+    equals the naive offline conv; a wide conv ignores set_narrow (cuDNN keeps it)."""
+    torch.manual_seed(0)
+    conv = CausalConv1d(12, 1, kernel_size=7)
+    conv.state_key = "conv"
+    conv.set_channels_last(channels_last)
+    conv.set_narrow(True)
+    assert conv.taps is not None and conv.taps.shape == (7, 12)
+    wide = CausalConv1d(12, 12, kernel_size=7)
+    wide.set_narrow(True)
+    assert not wide.narrow and wide.taps is None
+    x = torch.randn(1, 12, 41)
+    state = StreamState(torch.zeros(1, dtype=torch.int64), {"conv": conv.initial_state(1, "cpu", torch.float32)})
+    parts, start = [], 0
+    with torch.no_grad():
+        for size in (1, 5, 3, 32):
+            piece = x[:, :, start:start + size]
+            if channels_last:
+                piece = piece.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            out = conv.step(piece, state)
+            parts.append(out.squeeze(2) if channels_last else out)
+            start += size
+    expected = naive.naive_conv(conv, x)
+    assert_close(torch.cat(parts, -1), expected, 1e-6, "narrow conv stream")
+
+
+def test_decode_options_from_env():
+    assert decode_options_from_env({}) == {}
+    assert decode_options_from_env({"DRAMA_CODEC_OPTIONS": " narrow_conv=0, channels_last=on "}) == \
+        {"narrow_conv": False, "channels_last": True}
+    for bad in ("narrow=0", "narrow_conv", "narrow_conv=maybe"):
+        with pytest.raises(ValueError, match="DRAMA_CODEC_OPTIONS"):
+            decode_options_from_env({"DRAMA_CODEC_OPTIONS": bad})
+
+
+def test_env_options_switch_a_fast_prepare_only(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("DRAMA_CODEC_OPTIONS", "narrow_conv=0")
+    fast = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
+    assert fast.decode_options["narrow_conv"] is False and fast.decoder.model[-2].taps is None
+    assert fast.decode_options["dequant_table"] is True
+    assert load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True, narrow_conv=True) \
+        .decode_options["narrow_conv"] is True                 # an explicit option wins
+    monkeypatch.setenv("DRAMA_CODEC_OPTIONS", "narrow_conv=1")
+    assert not any(load_codec(tiny_checkpoint).decode_options.values())    # the CPU reference ops
 
 
 def test_snake_matches_naive():
@@ -238,6 +309,20 @@ def test_streamed_equals_offline_bit_for_bit(codec, group):
     pieces = [stream.push(codes[:, :, i:i + group]) for i in range(0, 41, group)]
     pieces.append(stream.finish())
     assert torch.equal(torch.cat(pieces, dim=-1), offline)
+
+
+def test_narrow_conv_keeps_streams_bit_exact(tiny_checkpoint):
+    """With the last conv as taps_conv1d on the CPU frame-serial path, streamed and offline
+    decodes are still the same bits, and within float32 rounding of the naive decode."""
+    narrow = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, narrow_conv=True)
+    assert narrow.decode_options["narrow_conv"] and narrow.frame_serial
+    assert narrow.decoder.model[-2].taps is not None
+    codes = random_codes(narrow, 9, batch=2, seed=12)
+    offline = narrow.decode(codes)
+    stream = narrow.stream(batch=2)
+    streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 5), (5, 9))], -1)
+    assert torch.equal(streamed, offline)
+    assert_close(offline, naive.naive_decode(narrow, codes), 5e-4, "narrow decode")
 
 
 def test_streamed_equals_offline_mixed_groups(codec):

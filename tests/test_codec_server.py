@@ -332,13 +332,30 @@ def test_graph_lengths_setting(monkeypatch):
             parse_args([])
 
 
+def test_long_lengths_setting(monkeypatch):
+    from services.codec.__main__ import parse_args
+
+    monkeypatch.setenv("DRAMA_CHECKPOINT", "/ckpt")
+    assert parse_args([]).long_lengths is None                # graphs.LONG_LENGTHS
+    monkeypatch.setenv("DRAMA_CODEC_LONG_LENGTHS", "64, 16")
+    assert parse_args([]).long_lengths == (16, 64)
+    for off in ("none", "0"):
+        monkeypatch.setenv("DRAMA_CODEC_LONG_LENGTHS", off)
+        assert parse_args([]).long_lengths == ()
+    for bad in ("16,x", "-16"):
+        monkeypatch.setenv("DRAMA_CODEC_LONG_LENGTHS", bad)
+        with pytest.raises(SystemExit):
+            parse_args([])
+
+
 async def test_pool_with_fewer_graph_lengths_splits_chunks(tiny_checkpoint):
     """Lengths (1, 2, 4): a 7-frame chunk runs as 4 + 2 + 1 and still equals the offline decode."""
-    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, graphs=True, graph_lengths=(1, 2, 4))
+    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, graphs=True, graph_lengths=(1, 2, 4),
+                                            long_lengths=())
     channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
     running = Running(server, port, servicer, channel)
     try:
-        assert servicer.streams.lengths == (1, 2, 4)
+        assert servicer.streams.lengths == (1, 2, 4) and servicer.streams.long_lengths == ()
         codes = random_codes(running.codec, 10, seed=6)
         pcm, _ = await run_decode(running.stub, decode_requests(codes, [7, 3]))
         # The pool runs whole pieces, not the frame-serial CPU path: equal up to rounding.

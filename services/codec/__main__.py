@@ -9,7 +9,9 @@ torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA grap
 device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
 DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1-8;
-must include 1: other lengths are split into these).
+must include 1: other lengths are split into these). DRAMA_CODEC_LONG_LENGTHS: the batch-1 graph
+lengths a longer chunk is split into first (unset: 16,32,64,128; "none" or 0: none).
+DRAMA_CODEC_OPTIONS: decode fast-path switches, e.g. "narrow_conv=0" (model.decode_options_from_env).
 DRAMA_CODEC_DTYPE: the decode dtype, float16 | bfloat16 | float32 (unset: float16 on CUDA, float32
 on CPU; encode always runs in float32). On the H200 FP16 and FP32 trade places by case
 (docs/perf.md), so an operator can pick what their GPU runs fastest.
@@ -52,6 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be comma-separated integers, got {lengths!r}")
         if 1 not in args.graph_lengths or min(args.graph_lengths) < 1:
             parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be positive and include 1, got {lengths!r}")
+    long_lengths = env_default("DRAMA_CODEC_LONG_LENGTHS", None)
+    args.long_lengths = None
+    if long_lengths is not None and long_lengths.strip().lower() in ("none", "0"):
+        args.long_lengths = ()
+    elif long_lengths is not None:
+        try:
+            args.long_lengths = tuple(sorted({int(part) for part in long_lengths.split(",") if part.strip()}))
+        except ValueError:
+            parser.error(f"DRAMA_CODEC_LONG_LENGTHS must be comma-separated integers, got {long_lengths!r}")
+        if args.long_lengths and min(args.long_lengths) < 1:
+            parser.error(f"DRAMA_CODEC_LONG_LENGTHS must be positive, got {long_lengths!r}")
     dtype = env_default("DRAMA_CODEC_DTYPE", None)
     if dtype is not None and dtype.strip().lower() not in DECODE_DTYPES:
         parser.error(f"DRAMA_CODEC_DTYPE must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
@@ -77,7 +90,8 @@ async def run(args: argparse.Namespace) -> None:
                                               max_encode_seconds=args.max_encode_seconds,
                                               cpu_threads=args.cpu_threads, codec=codec,
                                               graphs=args.graphs, slots=args.slots, dtype=args.dtype,
-                                              graph_lengths=args.graph_lengths)
+                                              graph_lengths=args.graph_lengths,
+                                              long_lengths=args.long_lengths)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)
     await servicer.close()

@@ -8,6 +8,8 @@ GPU layout: with `channels_last` set (Codec.prepare on CUDA) the decoder's strea
 on 4-D [B, C, 1, L] tensors in torch's channels_last memory format (physically [B, L, C]) with
 weights in the same format, so cuDNN's F16 NHWC kernels take them as they are instead of
 transposing input and weight on every call; their stream tails are kept in that layout too.
+The decoder's last conv (w_4 -> 1 channel) has no good cuDNN kernel in either layout; with
+`set_narrow` it runs as one GEMM and a shifted sum instead (`taps_conv1d`).
 
 Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
 Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
@@ -52,6 +54,44 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int = 
     return F.conv1d(x, weight, bias, stride=stride, dilation=dilation, groups=groups)
 
 
+def taps_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, kernel: int,
+                dilation: int = 1) -> Tensor:
+    """A valid (unpadded) stride-1 conv with few output channels: one GEMM and a shifted sum.
+
+    window [B, C_in, W] (any strides: a channels_last window is just a transposed GEMM operand);
+    taps [C_out·k, C_in] from `conv_taps` -> [B, C_out, W - (k-1)·d] in the window's dtype.
+
+    Why: for the decoder's last conv (w_4 -> 1 channel, k 7, at the audio rate) cuDNN has no
+    tensor-core kernel (C_out = 1) and falls back to a generic one, measured on the H200 at
+    ~2.7 ms per call for 10 s of F16 audio in the default layout and far worse in channels_last,
+    for what is one ~85 MB read. Here P = taps @ window holds every tap's partial sum at every
+    position (cuBLAS, reads the window once), and output n is Σ_j P[o·k + j, n + j·d]: one
+    as_strided view of P (no copy), summed in float32; only P is rounded to the window's dtype.
+    """
+    batch, _, width = window.shape
+    rows = taps.shape[0]
+    c_out = rows // kernel
+    length = width - (kernel - 1) * dilation
+    if rows != c_out * kernel or length < 0:
+        raise ValueError(f"taps {list(taps.shape)} with kernel {kernel} (dilation {dilation}) do not "
+                         f"fit a window of {width}")
+    partial = torch.matmul(taps, window)                        # [B, C_out·k, W]
+    # element (b, o, n, j) = partial[b, o·k + j, n + j·d], whatever strides matmul gave P
+    sb, sr, sw = partial.stride()
+    shifted = partial.as_strided((batch, c_out, length, kernel), (sb, kernel * sr, sw, sr + dilation * sw),
+                                 partial.storage_offset())
+    y = shifted.sum(-1, dtype=torch.float32)
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    return y.to(window.dtype)
+
+
+def conv_taps(weight: Tensor) -> Tensor:
+    """weight [C_out, C_in, k] -> taps [C_out·k, C_in] (row o·k + j = weight[o, :, j]), contiguous."""
+    c_out, c_in, kernel = weight.shape
+    return weight.permute(0, 2, 1).reshape(c_out * kernel, c_in).contiguous()
+
+
 def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) -> Tensor:
     """Offline causal transposed conv: x [B, C_in, L] -> [B, C_out, L·stride].
 
@@ -65,6 +105,11 @@ def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stri
 # --------------------------------------------------------------------------------------------
 # modules
 # --------------------------------------------------------------------------------------------
+
+# A conv with at most this many output taps (C_out · k) may run as taps_conv1d: the decoder's last
+# conv (1 x 7) is the one that needs it; every other decoder conv has hundreds of output channels.
+NARROW_MAX_TAPS = 16
+
 
 class Streaming(nn.Module):
     """A module that keeps a tensor in the stream state under `state_key` (set by the model)."""
@@ -113,6 +158,7 @@ class CausalConv1d(Streaming):
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.tail_length = effective_kernel(kernel_size, dilation) - stride
         self.weight_4d: Tensor | None = None     # channels_last [C_out, C_in, 1, k] (set_channels_last)
+        self.taps: Tensor | None = None          # [C_out·k, C_in] for taps_conv1d (set_narrow)
 
     def forward(self, x: Tensor) -> Tensor:
         return causal_conv1d(x, self.conv.weight, self.conv.bias, self.stride, self.dilation,
@@ -120,6 +166,16 @@ class CausalConv1d(Streaming):
 
     def set_channels_last(self, on: bool) -> None:
         self.weight_4d = as_channels_last(self.conv.weight.unsqueeze(2)) if on else None
+
+    @property
+    def narrow(self) -> bool:
+        """Few output taps (the decoder's last conv, 1 x 7): `step` may run it as taps_conv1d."""
+        return (self.conv.out_channels * self.conv.kernel_size[0] <= NARROW_MAX_TAPS
+                and self.stride == 1 and self.groups == 1)
+
+    def set_narrow(self, on: bool) -> None:
+        """Streaming steps through taps_conv1d (only where `narrow`; otherwise a no-op)."""
+        self.taps = conv_taps(self.conv.weight) if on and self.narrow else None
 
     def initial_state(self, batch: int, device, dtype) -> Tensor:
         if self.weight_4d is not None:
@@ -139,6 +195,8 @@ class CausalConv1d(Streaming):
         window = torch.cat([state.tails[self.state_key], x], dim=-1)
         # clone: a view would keep the whole window alive between calls
         state.tails[self.state_key] = window[..., -self.tail_length:].clone()
+        if self.taps is not None:
+            return taps_conv1d(window, self.taps, self.conv.bias, self.conv.kernel_size[0], self.dilation)
         return F.conv1d(window, self.conv.weight, self.conv.bias, dilation=self.dilation,
                         groups=self.groups)
 
@@ -147,8 +205,13 @@ class CausalConv1d(Streaming):
             x = torch.cat([state.tails[self.state_key], x], dim=-1)
             state.tails[self.state_key] = as_channels_last(x[..., -self.tail_length:])
         # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
-        return F.conv2d(as_channels_last(x), self.weight_4d, self.conv.bias,
-                        dilation=(1, self.dilation), groups=self.groups)
+        x = as_channels_last(x)
+        if self.taps is not None:
+            # [B, C_out, 1, t]: with C_out = 1 contiguous and channels_last are the same bytes
+            return taps_conv1d(x.squeeze(2), self.taps, self.conv.bias, self.conv.kernel_size[0],
+                               self.dilation).unsqueeze(2)
+        return F.conv2d(x, self.weight_4d, self.conv.bias, dilation=(1, self.dilation),
+                        groups=self.groups)
 
 
 class CausalConvTranspose1d(Streaming):

@@ -57,6 +57,12 @@ class Decoder(nn.Module):
             if isinstance(module, (CausalConv1d, CausalConvTranspose1d)):
                 module.set_channels_last(on)
 
+    def set_narrow(self, on: bool) -> None:
+        """The last conv (w_4 -> 1) through conv.taps_conv1d instead of cuDNN (Codec.prepare)."""
+        for module in self.modules():
+            if isinstance(module, CausalConv1d):
+                module.set_narrow(on)
+
     def step(self, z: Tensor, state: StreamState) -> Tensor:
         """z [B, C, L] (upsampled latents) -> audio [B, 1, L·Π rates]."""
         if self.channels_last:

@@ -13,13 +13,17 @@ real batch point at a scratch slot, whose contents are garbage nobody reads.
     slot = streams.acquire()                        # PoolFull when all slots are taken
     pcm = streams.decode_pcm16([slot, ...], [codes [N, t], ...])   # int16 LE bytes per chunk
     streams.release(slot)
-    audio = streams.decode(codes [B, N, T])         # offline, through the offline-length graphs
+    audio = streams.decode(codes [B, N, T])         # offline, through the B=1 graphs
 
 Chunk lengths: the gateway sends what the backbone emits (API.md §2.1 `latency`): a first message
 of 2, 4 or 8 frames, then 8 per message, and the rest (1-7) at each text chunk's end, so the
-server sees t = 1…8; `lengths` defaults to those. A longer chunk is split into graphed lengths
-(the pieces run in successive ticks, in order); a batch larger than the largest bucket runs as
-several ticks. Without a graph (graphs off, or on CPU) the same tick body runs eagerly.
+server sees t = 1…8; `lengths` defaults to those, each with a graph per batch bucket. A longer
+chunk (a client sending a whole utterance, or an offline decode) is split exactly into the
+`long_lengths` (16, 32, 64, 128 frames: graphs at batch 1 only) and the stream lengths; the
+pieces run in successive ticks, in order, so 10 s (215 frames) is 128 + 64 + 16 + 7: four
+replays instead of 27 of the 8-frame graph (a replay has a fixed cost: ~560 kernels, most of
+them tiny at short lengths). A batch larger than the largest bucket runs as several ticks.
+Without a graph (graphs off, or on CPU) the same tick body runs eagerly.
 
 Slot life: `acquire` hands out a free slot marked fresh; the next tick that decodes it first
 zeroes it (on the model thread, so a tick still in flight for the slot's previous owner cannot
@@ -28,7 +32,10 @@ released session writes only into a slot that is zeroed again before its next ow
 
 Graphs share one memory pool: captured largest first, one at a time, each graph's intermediates
 reuse the same blocks; only the static inputs and outputs are graph-private. The model thread
-replays one graph at a time, so sharing is safe. The graphs hold the codec's weight tensors:
+replays one graph at a time, so sharing is safe. The pool is as large as the largest capture's
+intermediates, which scale with batch x frames: a 128-frame graph at batch 1 needs a quarter of
+the 8-frame graph at the 64 bucket, so the long lengths add only their own inputs and outputs
+(audio float32 + PCM16, 1.5 MB at 128 frames). The graphs hold the codec's weight tensors:
 `Codec.prepare` after capture invalidates them (make a new GraphedDecoder).
 """
 
@@ -48,7 +55,7 @@ log = logging.getLogger(__name__)
 
 STREAM_LENGTHS = tuple(range(1, 9))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-OFFLINE_LENGTHS = (16, 32, 64, 128, 256)
+LONG_LENGTHS = (16, 32, 64, 128)
 # Cost model for splitting an offline decode: a replay costs about as much as this many frames.
 REPLAY_COST_FRAMES = 30
 
@@ -128,22 +135,24 @@ class GraphedDecoder:
 
     def __init__(self, codec, slots: int = 256, *, lengths: tuple[int, ...] = STREAM_LENGTHS,
                  buckets: tuple[int, ...] = BATCH_BUCKETS,
-                 offline_lengths: tuple[int, ...] = OFFLINE_LENGTHS, use_graphs: bool | None = None):
+                 long_lengths: tuple[int, ...] = LONG_LENGTHS, use_graphs: bool | None = None):
         if 1 not in lengths:
             raise ValueError("lengths must include 1 (any chunk must split into graphed lengths)")
+        if min(long_lengths, default=1) < 1:
+            raise ValueError(f"long_lengths must be positive, got {long_lengths}")
         self.codec = codec
         self.device = codec.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.lengths, self.buckets = tuple(sorted(lengths)), tuple(sorted(buckets))
-        self.offline_lengths = tuple(sorted(offline_lengths))
+        # batch-1 lengths for long chunks; one that is also a stream length keeps its buckets
+        self.long_lengths = tuple(sorted(set(long_lengths) - set(lengths)))
         self.slots = slots
         self.scratch = slots                           # the extra row padded rows write into
         pool = codec.new_state(slots + 1)
         self.position, self.tensors = pool.position, pool.tensors
         self._free = list(range(slots - 1, -1, -1))    # pop() hands out the lowest index first
         self._lock = threading.Lock()                  # acquire/release may come from any thread
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._offline: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}      # (length, bucket) -> graph
         self._mempool = None
         self.capture_seconds = 0.0
         self.ticks = 0                                 # tick bodies run (graph replays + eager)
@@ -228,28 +237,27 @@ class GraphedDecoder:
         entry.graph = graph
         return entry
 
-    def capture(self, offline: bool = False) -> None:
-        """Capture every (length, bucket) graph (and with `offline` the B=1 offline lengths),
-        largest first so later captures fit in the blocks earlier ones freed."""
+    def buckets_for(self, length: int) -> tuple[int, ...]:
+        """The batch buckets a chunk length runs in: every bucket for a stream length, batch 1 for
+        a long one (a long piece is big enough to fill the GPU alone)."""
+        return self.buckets if length in self.lengths else (1,)
+
+    def capture(self) -> None:
+        """Capture every (length, bucket) graph, largest first so later captures fit in the
+        blocks earlier ones freed."""
         if not self.use_graphs:
             return
         started = time.perf_counter()
-        wanted = [(t, b) for t in self.lengths for b in self.buckets]
-        jobs = [("stream", t, b) for t, b in wanted if (t, b) not in self._graphs]
-        if offline:
-            jobs += [("offline", t, 1) for t in self.offline_lengths if t not in self._offline]
-        jobs.sort(key=lambda job: job[1] * job[2], reverse=True)
-        for kind, length, batch in jobs:
-            entry = self._capture_one(length, batch)
-            if kind == "stream":
-                self._graphs[(length, batch)] = entry
-            else:
-                self._offline[length] = entry
+        wanted = [(t, b) for t in self.lengths + self.long_lengths for b in self.buckets_for(t)]
+        jobs = sorted((job for job in wanted if job not in self._graphs),
+                      key=lambda job: job[0] * job[1], reverse=True)
+        for length, batch in jobs:
+            self._graphs[(length, batch)] = self._capture_one(length, batch)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - started
-        log.info("codec: %d decode graphs captured in %.1f s (lengths %s, buckets %s%s)",
+        log.info("codec: %d decode graphs captured in %.1f s (lengths %s, buckets %s, long lengths %s)",
                  len(jobs), time.perf_counter() - started, self.lengths, self.buckets,
-                 f", offline {self.offline_lengths}" if offline else "")
+                 self.long_lengths)
 
     # -- running ticks ----------------------------------------------------------------------------
 
@@ -277,7 +285,8 @@ class GraphedDecoder:
         for number, (slot, chunk) in enumerate(zip(slots, chunks)):
             start = 0
             first = next_round.get(slot.index, 0)
-            pieces = split_length(chunk.shape[-1], self.lengths) if chunk.shape[-1] else []
+            pieces = (split_length(chunk.shape[-1], self.lengths + self.long_lengths)
+                      if chunk.shape[-1] else [])
             for offset, size in enumerate(pieces):
                 while len(rounds) <= first + offset:
                     rounds.append([])
@@ -302,10 +311,10 @@ class GraphedDecoder:
             for piece in round_pieces:
                 by_length.setdefault(piece.end - piece.start, []).append(piece)
             for length, members in by_length.items():
-                largest = self.buckets[-1]
-                for first in range(0, len(members), largest):
-                    group = members[first:first + largest]
-                    bucket = bucket_for(len(group), self.buckets)
+                buckets = self.buckets_for(length)
+                for first in range(0, len(members), buckets[-1]):
+                    group = members[first:first + buckets[-1]]
+                    bucket = bucket_for(len(group), buckets)
                     graph = self._graphs.get((length, bucket))
                     # released slots (a session gone while its chunk waited) write into scratch
                     rows = [(self.scratch if p.slot.released else p.slot.index,
@@ -348,9 +357,11 @@ class GraphedDecoder:
     def decode(self, codes: Tensor) -> Tensor:
         """Offline decode, codes [B, N, T] -> float32 [B, T·frame_samples] on the device.
 
-        Each row streams through the B=1 graphs (offline and stream lengths) in pieces planned by
-        plan_offline, the last one padded with code 0; without offline graphs, exactly in stream
-        lengths. Takes a pool slot per row for the duration of the call.
+        Each row streams through the batch-1 lengths (long and stream) in pieces planned by
+        plan_offline: the stream ends here, so the last piece may be padded with code 0 when one
+        replay fewer is worth it (10 s: 128 + 64 + 32, 9 frames of padding). Takes a pool slot
+        per row for the duration of the call. Equal to a stream of the same frames within F16
+        rounding (other piece lengths, other conv shapes), not bit for bit.
         """
         codes = torch.as_tensor(codes)
         self.codec.check_codes(codes)
@@ -358,29 +369,21 @@ class GraphedDecoder:
         batch, _, frames = codes.shape
         frame_samples = self.codec.frame_samples
         out = torch.empty(batch, frames * frame_samples, device=self.device)
+        plan = plan_offline(frames, self.lengths + self.long_lengths)
         for row in range(batch):
             slot = self.acquire()
             try:
                 self._reset([slot])
-                if self._offline:
-                    graphs = {t: g for (t, b), g in self._graphs.items() if b == 1} | self._offline
-                    start = 0
-                    for size in plan_offline(frames, tuple(sorted(graphs))):
-                        piece = codes[row, :, start:start + size]
-                        real = piece.shape[-1]
-                        if real < size:
-                            piece = torch.cat([piece, piece.new_zeros(piece.shape[0], size - real)], -1)
-                        audio, _ = self._run(size, [(slot.index, piece)], graphs[size], 1)
-                        out[row, start * frame_samples:(start + real) * frame_samples] = \
-                            audio[0, :real * frame_samples]
-                        start += real
-                else:
-                    start = 0
-                    for size in split_length(frames, self.lengths):
-                        audio, _ = self._run(size, [(slot.index, codes[row, :, start:start + size])],
-                                             self._graphs.get((size, 1)), 1)
-                        out[row, start * frame_samples:(start + size) * frame_samples] = audio[0]
-                        start += size
+                start = 0
+                for size in plan:
+                    piece = codes[row, :, start:start + size]
+                    real = piece.shape[-1]
+                    if real < size:
+                        piece = torch.cat([piece, piece.new_zeros(piece.shape[0], size - real)], -1)
+                    audio, _ = self._run(size, [(slot.index, piece)], self._graphs.get((size, 1)), 1)
+                    out[row, start * frame_samples:(start + real) * frame_samples] = \
+                        audio[0, :real * frame_samples]
+                    start += real
             finally:
                 self.release(slot)
         return out

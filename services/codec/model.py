@@ -110,7 +110,7 @@ class Codec(nn.Module):
     def _decode_modules(self) -> list[nn.Module]:
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
 
-    FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table")
+    FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv")
 
     def prepare(self, device, dtype: torch.dtype, fast: bool | None = None,
                 **options: bool) -> "Codec":
@@ -118,10 +118,14 @@ class Codec(nn.Module):
 
         fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
         within F16 rounding, not bit for bit, so never on the CPU reference path by default:
-        channels_last decoder convs (conv.py; float32 only unless asked for, see below), fused_snake (Triton, snake_triton.py; only where
-        it can run), fused_attention (SDPA, fused RoPE and F.rms_norm in the post module) and
-        dequant_table (quantizer.py). `options` overrides single ones, e.g. fused_snake=False.
-        Streams made before a prepare do not fit after it.
+        channels_last decoder convs (conv.py; float32 only unless asked for, see below),
+        fused_snake (Triton, snake_triton.py; only where it can run), fused_attention (SDPA, fused
+        RoPE and F.rms_norm in the post module), dequant_table (quantizer.py) and narrow_conv
+        (the decoder's last conv, 1 output channel, as one GEMM: conv.taps_conv1d).
+        `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
+        DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
+        how a server or a benchmark is switched without code changes (fast=False, the reference
+        ops, ignores it). Streams made before a prepare do not fit after it.
         """
         from services.codec import snake_triton
 
@@ -133,6 +137,8 @@ class Codec(nn.Module):
         self.frame_serial = on_cpu
         if fast is None:
             fast = not on_cpu
+        if fast:
+            options = {**decode_options_from_env(), **options}
         unknown = set(options) - set(self.FAST_OPTIONS)
         if unknown:
             raise ValueError(f"unknown decode options {sorted(unknown)}")
@@ -142,9 +148,13 @@ class Codec(nn.Module):
             # ran the decoder at ~2.3 ms per frame (10 s: 488 ms, against 30 ms in float32 with
             # the same layout and ~38 ms for F16 in torch's default layout), so cuDNN picks a slow
             # kernel for at least one of these F16 NHWC conv shapes. Off until that is found.
+            # Suspect: the last conv (1 output channel, no tensor-core kernel; in the default
+            # layout it was the top kernel of the profile), which narrow_conv now keeps off
+            # cuDNN. To re-measure: DRAMA_CODEC_OPTIONS=channels_last=1 (or bench --ablate).
             chosen["channels_last"] = False
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
+        self.decoder.set_narrow(chosen["narrow_conv"])
         for module in self.decoder.modules():
             if isinstance(module, Snake):
                 module.fused = chosen["fused_snake"]
@@ -256,6 +266,27 @@ class Codec(nn.Module):
         z = self.quantizer.downsample(z)                                  # [B, C, T]
         z = self.quantizer.pre_module(z)
         return self.quantizer.quantize(z).cpu()
+
+
+def decode_options_from_env(environ=None) -> dict[str, bool]:
+    """DRAMA_CODEC_OPTIONS, e.g. "narrow_conv=0,channels_last=1": decode fast-path overrides for
+    every `Codec.prepare` of the process (before/after comparisons on the GPU). Unset or empty:
+    none. An unknown name or a value other than 0/1/true/false/on/off is a ValueError."""
+    import os
+
+    text = (os.environ if environ is None else environ).get("DRAMA_CODEC_OPTIONS", "")
+    options: dict[str, bool] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if name not in Codec.FAST_OPTIONS or value not in _SWITCH:
+            raise ValueError(f"DRAMA_CODEC_OPTIONS: {part!r} is not name=0|1 with a name among "
+                             f"{', '.join(Codec.FAST_OPTIONS)}")
+        options[name] = _SWITCH[value]
+    return options
+
+
+_SWITCH = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
 class StreamingDecoder:

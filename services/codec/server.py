@@ -279,7 +279,8 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
 async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 50053, device: str = "cpu",
                 max_encode_seconds: float = 60.0, cpu_threads: int | None = 1, codec=None,
                 ready: asyncio.Event | None = None, graphs: bool | None = None, slots: int = 256,
-                dtype: torch.dtype | None = None, graph_lengths: tuple[int, ...] | None = None):
+                dtype: torch.dtype | None = None, graph_lengths: tuple[int, ...] | None = None,
+                long_lengths: tuple[int, ...] | None = None):
     """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
 
     Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`;
@@ -289,7 +290,8 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
     `dtype`: the decode dtype of a codec loaded from `checkpoint` (None: load_codec's default).
     `graph_lengths`: the chunk lengths that get a graph (None: graphs.STREAM_LENGTHS, 1-8);
     other lengths are split into these, so fewer lengths mean fewer graphs to capture and hold
-    at the price of more replays for the odd chunk.
+    at the price of more replays for the odd chunk. `long_lengths`: the batch-1 graph lengths a
+    longer chunk is split into (None: graphs.LONG_LENGTHS, 16-128; () for none).
     """
     on_cpu = torch.device(device).type == "cpu" if codec is None else codec.device.type == "cpu"
     worker = await start_model_worker(cpu_threads if on_cpu else None)
@@ -307,8 +309,10 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
         use_graphs = model.device.type == "cuda" if graphs is None else graphs
         streams = None
         if use_graphs:
-            streams = (GraphedDecoder(model, slots) if graph_lengths is None
-                       else GraphedDecoder(model, slots, lengths=graph_lengths))
+            lengths = {} if graph_lengths is None else {"lengths": graph_lengths}
+            if long_lengths is not None:
+                lengths["long_lengths"] = long_lengths
+            streams = GraphedDecoder(model, slots, **lengths)
             streams.capture()
         return model, streams
 
