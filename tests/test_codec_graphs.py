@@ -92,11 +92,12 @@ def codec(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def fast_codec(tiny_checkpoint):
     """The GPU fast paths on CPU float32 (all but the Triton snake): channels_last tails in the
-    pool, the fused attention, the dequant table, the last conv as one GEMM."""
+    pool, the fused attention, the dequant table, the last conv as one GEMM, the residual units'
+    1x1 convs as in-place GEMMs."""
     model = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
     assert model.decode_options == {"channels_last": True, "fused_snake": False,
                                     "fused_attention": True, "dequant_table": True,
-                                    "narrow_conv": True}
+                                    "narrow_conv": True, "pointwise_gemm": True}
     model.frame_serial = False
     return model
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from services.codec import naive
-from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, causal_conv1d,
-                                 causal_conv_transpose1d, conv_taps, snake, taps_conv1d)
+from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, causal_conv1d,
+                                 causal_conv_transpose1d, conv_taps, pointwise_residual_, snake,
+                                 taps_conv1d)
 from services.codec.model import decode_options_from_env, load_codec
 from services.codec.resample import resample, sinc_resample_kernel
 from services.codec.state import StreamState
@@ -164,6 +165,50 @@ def test_narrow_conv_streams_like_the_naive_conv(channels_last):
     assert_close(torch.cat(parts, -1), expected, 1e-6, "narrow conv stream")
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pointwise_gemm_residual_unit_streams_like_the_naive_unit(channels_last):
+    """A residual unit with pointwise_gemm (1x1 conv + skip add as one in-place GEMM), streamed in
+    awkward chunks, equals the naive unit; its input is updated in place (that is the point) and
+    the conv tail in the state is not a view of it."""
+    torch.manual_seed(1)
+    unit = ResidualUnit(8, dilation=3)
+    with torch.no_grad():
+        for p in unit.parameters():
+            p.normal_(0.0, 0.5)
+    unit.pointwise_gemm = True
+    conv7 = unit.block[1]
+    conv7.state_key = "conv7"
+    conv7.set_channels_last(channels_last)
+    x = torch.randn(2, 8, 45)
+    state = StreamState(torch.zeros(2, dtype=torch.int64), {"conv7": conv7.initial_state(2, "cpu", torch.float32)})
+    parts, start = [], 0
+    with torch.no_grad():
+        for size in (1, 4, 3, 37):
+            piece = x[:, :, start:start + size].clone()
+            if channels_last:
+                piece = piece.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            out = unit.step(piece, state)
+            assert out.data_ptr() == piece.data_ptr()              # in place
+            assert state.tensors["conv7"].data_ptr() != piece.data_ptr()
+            parts.append(out.squeeze(2) if channels_last else out)
+            start += size
+    assert_close(torch.cat(parts, -1), naive.naive_residual_unit(unit, x), 1e-6, "pointwise gemm unit")
+
+
+def test_pointwise_gemm_on_a_strided_input():
+    """The default-layout step of a transposed conv hands the unit a strided view: the in-place
+    GEMM writes through it (numbers checked against the out-of-place sum)."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 6, 20, generator=gen)
+    x = base[..., 3:15]
+    s, w, b = (torch.randn(2, 6, 12, generator=gen), torch.randn(6, 6, generator=gen),
+               torch.randn(6, generator=gen))
+    expected = x + torch.einsum("oc,bcl->bol", w, s) + b[:, None]
+    out = pointwise_residual_(x, s, w, b)
+    assert_close(out, expected, 1e-6, "strided pointwise")
+    assert_close(base[..., 3:15], expected, 1e-6, "written through the view")
+
+
 def test_decode_options_from_env():
     assert decode_options_from_env({}) == {}
     assert decode_options_from_env({"DRAMA_CODEC_OPTIONS": " narrow_conv=0, channels_last=on "}) == \
@@ -309,6 +354,18 @@ def test_streamed_equals_offline_bit_for_bit(codec, group):
     pieces = [stream.push(codes[:, :, i:i + group]) for i in range(0, 41, group)]
     pieces.append(stream.finish())
     assert torch.equal(torch.cat(pieces, dim=-1), offline)
+
+
+def test_gpu_fast_convs_in_the_default_layout_on_cpu(codec, tiny_checkpoint):
+    """The GPU's F16 configuration of the decoder convs (default layout, narrow_conv,
+    pointwise_gemm) in float32 on CPU, batched chunks: the reference decode within rounding."""
+    fast = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, channels_last=False,
+                                               narrow_conv=True, pointwise_gemm=True)
+    fast.frame_serial = False
+    codes = random_codes(fast, 11, batch=2, seed=14)
+    stream = fast.stream(batch=2)
+    streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 11))], -1)
+    assert_close(streamed, codec.decode(codes), 5e-4, "fast convs, default layout")
 
 
 def test_narrow_conv_keeps_streams_bit_exact(tiny_checkpoint):

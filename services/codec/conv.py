@@ -268,8 +268,36 @@ class CausalConvTranspose1d(Streaming):
         return y if y.shape[-1] == length else y[..., :length]   # k = 2s (the decoder's): equal
 
 
+def pointwise_residual_(x: Tensor, s: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x += W·s + b in place: a residual unit's 1x1 conv and its skip add as one GEMM.
+
+    x, s [B, C, L] (x may be a strided view), or both 4-D [B, C, 1, L] in channels_last (the
+    GEMM then runs on the physical [B·L, C] rows); weight [C, C] (the conv's [C, C, 1]); returns
+    x. Why: cuBLAS adds the product onto x as it writes it (beta = 1), so the conv output never
+    exists as a tensor of its own, the skip add is not a pass of its own, and in torch's default
+    layout cuDNN's F16 NCHW <-> NHWC transposes around the conv are gone. Only the bias is a
+    second (in-place) pass. The caller must own x: here it is the unit's input, which nothing
+    reads after the unit (conv stream tails are copies, never views of it).
+    """
+    if x.dim() == 4:
+        x = as_channels_last(x)                         # no copy when it already is
+        channels = x.shape[1]
+        rows = x.permute(0, 2, 3, 1).view(-1, channels)             # [B·L, C], x's own memory
+        s_rows = as_channels_last(s).permute(0, 2, 3, 1).reshape(-1, channels)
+        rows.addmm_(s_rows, weight.t())
+        if bias is not None:
+            rows.add_(bias)
+        return x
+    x.baddbmm_(weight.expand(x.shape[0], -1, -1), s)
+    if bias is not None:
+        x.add_(bias[:, None])
+    return x
+
+
 class ResidualUnit(nn.Module):
     """x + conv1(snake(conv7_d(snake(x)))) (§7.2); `block` indices match the checkpoint."""
+
+    pointwise_gemm = False   # GPU: conv1 and the skip add as one in-place GEMM (Codec.prepare)
 
     def __init__(self, dim: int, dilation: int):
         super().__init__()
@@ -284,6 +312,10 @@ class ResidualUnit(nn.Module):
         return x + self.block(x)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
+        if self.pointwise_gemm:
+            snake1, conv7, snake2, conv1 = self.block
+            s = snake2.step(conv7.step(snake1.step(x, state), state), state)
+            return pointwise_residual_(x, s, conv1.conv.weight[..., 0], conv1.conv.bias)
         return x + step_sequence(self.block, x, state)
 
 

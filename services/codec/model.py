@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.codec.conv import Snake, Streaming, step_sequence
+from services.codec.conv import ResidualUnit, Snake, Streaming, step_sequence
 from services.codec.decoder import Decoder
 from services.codec.encoder import Encoder
 from services.codec.quantizer import DownsampleResidualVectorQuantize, check_codes
@@ -110,7 +110,8 @@ class Codec(nn.Module):
     def _decode_modules(self) -> list[nn.Module]:
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
 
-    FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv")
+    FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv",
+                    "pointwise_gemm")
 
     def prepare(self, device, dtype: torch.dtype, fast: bool | None = None,
                 **options: bool) -> "Codec":
@@ -120,8 +121,10 @@ class Codec(nn.Module):
         within F16 rounding, not bit for bit, so never on the CPU reference path by default:
         channels_last decoder convs (conv.py; float32 only unless asked for, see below),
         fused_snake (Triton, snake_triton.py; only where it can run), fused_attention (SDPA, fused
-        RoPE and F.rms_norm in the post module), dequant_table (quantizer.py) and narrow_conv
-        (the decoder's last conv, 1 output channel, as one GEMM: conv.taps_conv1d).
+        RoPE and F.rms_norm in the post module), dequant_table (quantizer.py), narrow_conv
+        (the decoder's last conv, 1 output channel, as one GEMM: conv.taps_conv1d) and
+        pointwise_gemm (each residual unit's 1x1 conv and skip add as one in-place GEMM:
+        conv.pointwise_residual_).
         `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
         DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
         how a server or a benchmark is switched without code changes (fast=False, the reference
@@ -158,6 +161,8 @@ class Codec(nn.Module):
         for module in self.decoder.modules():
             if isinstance(module, Snake):
                 module.fused = chosen["fused_snake"]
+            elif isinstance(module, ResidualUnit):
+                module.pointwise_gemm = chosen["pointwise_gemm"]
         post = self.quantizer.post_module
         post.fused_attention = chosen["fused_attention"]
         for module in post.modules():
