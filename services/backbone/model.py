@@ -206,33 +206,44 @@ class Backbone(nn.Module):
 
     # kernel path ------------------------------------------------------------------------------
     def _forward_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
-        """With decode graphs, the one-row segments of a step are replayed from the graph of their
-        batch bucket and only the other segments (prefill pieces) run eagerly: segments touch
+        """One-row segments (decode rows) and longer ones (prefill pieces) always run apart: the
+        decode rows through the decode kernels (replayed from the graph of their batch bucket when
+        decode graphs are on, see `_decode_rows`), the prefill pieces eagerly. Segments touch
         disjoint slots, so the split changes no row's math, and the graph's launches are queued
         before the host-bound prefill launches, so the decode rows cost little extra wall time.
-        (The scheduler mixes decode rows and prefill pieces in one step whenever a session is
-        admitted or a long prompt is cut into pieces while others decode.)"""
+        Keeping the two apart even without graphs is what makes a row's bits independent of the
+        other sessions (issue #8): a decode row never goes through the prefill kernels just
+        because another session's prompt shares its step. (The scheduler mixes decode rows and
+        prefill pieces in one step whenever a session is admitted or a long prompt is cut into
+        pieces while others decode.)"""
         self.prepare()
         singles = [s for s in segments if s.count == 1]
-        if not (self.decode_graphs and self._can_graph(x) and singles and len(singles) <= DECODE_BUCKETS[-1]):
+        if not singles:
             return self._eager_kernels(x, segments, caches)
         if len(singles) == len(segments):
-            return self._decode_graphed(x, segments, caches)
+            return self._decode_rows(x, segments, caches)
         decode_rows = [s.offset for s in singles]
         others = [s for s in segments if s.count != 1]
         other_rows = [r for s in others for r in range(s.offset, s.offset + s.count)]
         index = torch.tensor(decode_rows + other_rows, dtype=torch.int64).to(x.device)
         decode_index, other_index = index[:len(decode_rows)], index[len(decode_rows):]
         out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
-        graphed = self._decode_graphed(x.index_select(0, decode_index),
-                                       [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)], caches)
-        out.index_copy_(0, decode_index, graphed)
+        decoded = self._decode_rows(x.index_select(0, decode_index),
+                                    [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)], caches)
+        out.index_copy_(0, decode_index, decoded)
         repacked, offset = [], 0
         for s in others:
             repacked.append(Segment(s.slot, s.start, s.count, offset))
             offset += s.count
         out.index_copy_(0, other_index, self._eager_kernels(x.index_select(0, other_index), repacked, caches))
         return out
+
+    def _decode_rows(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
+        """Rows of one-row segments: replayed from a decode graph when graphs are on and a bucket
+        holds them, else the same decode kernels eagerly (plan.decode: same math as the graph)."""
+        if self.decode_graphs and self._can_graph(x) and len(segments) <= DECODE_BUCKETS[-1]:
+            return self._decode_graphed(x, segments, caches)
+        return self._eager_kernels(x, segments, caches)
 
     def _can_graph(self, x: torch.Tensor) -> bool:
         return x.device.type == "cuda"
