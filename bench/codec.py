@@ -19,9 +19,10 @@ values). Timed, per decode dtype, on two paths:
   one Decode message of all N frames on a fresh slot (exact split, 215 = 128 + 64 + 16 + 7);
 and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms and the
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
-frame-serial path, as the server does. --ablate adds FP16 eager rows with the reference ops
-(fast=False), with each fast path flipped alone (narrow_conv=False is the last conv on cuDNN
-again, channels_last=True the F16 NHWC decoder), and with cudnn.benchmark on.
+frame-serial path, as the server does. --ablate adds FP16 rows (eager 215 frames and chunk of
+4, graphed server chunk of 215) with the reference ops (fast=False), with each fast path flipped
+alone (narrow_conv=False is the last conv on cuDNN again, pointwise_gemm=False the residual 1x1
+convs, channels_last=True the F16 NHWC decoder), and with cudnn.benchmark on.
 
 Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
 batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0`
@@ -86,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64], help="sessions per server tick")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4], help="streaming chunk lengths")
     parser.add_argument("--no-graphs", action="store_true", help="eager rows only")
-    parser.add_argument("--ablate", action="store_true", help="FP16 eager rows with fast paths off")
+    parser.add_argument("--ablate", action="store_true", help="FP16 rows (eager, and the graphed "
+                        "server chunk of 215 frames) with each fast path flipped alone")
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables (eager FP16 "
                         "4-frame chunk and 215-frame offline decode)")
     parser.add_argument("--long-lengths", type=int, nargs="*", default=list(LONG_LENGTHS),
@@ -246,26 +248,38 @@ def server_chunk(pool: GraphedDecoder, codes: torch.Tensor) -> list[bytes]:
         pool.release(slot)
 
 
-def bench_ablations(codec: Codec, args, device: torch.device) -> list[dict]:
-    """FP16 eager 4-frame chunk and 215-frame decode with the reference ops, each fast path
-    flipped alone, and cudnn.benchmark on: what each piece is worth."""
-    rows = []
+def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
+    """FP16 eager 4-frame chunk and 215-frame decode, and the graphed server chunk of 215 frames
+    (a batch-1 pool), with the reference ops, each fast path flipped alone, and cudnn.benchmark
+    on: what each piece is worth. The graphed row is the one without host overhead in it."""
+    frame_s = codec.frame_samples / codec.sample_rate
+    codes = random_codes(codec, 215)[0]
+
+    def measure(label: str, **options) -> None:
+        codec.prepare(device, torch.float16, **options)
+        rows = bench_eager(codec, "fp16", args, device, path=label, frames_list=[215], chunks=[4], batches=[])
+        if not args.no_graphs:
+            pool = GraphedDecoder(codec, 2, lengths=STREAM_LENGTHS, buckets=(1,),
+                                  long_lengths=tuple(args.long_lengths))
+            pool.capture()
+            times = timed(lambda: server_chunk(pool, codes), device, args.repeats, args.warmup)
+            kind = "graphed" if pool.use_graphs else "pool"
+            rows.append(_row("server chunk of 215 frames", f"{label} {kind}", "fp16", times, 215 * frame_s))
+            del pool
+            gc.collect()
+        add(rows)
+
     codec.prepare(device, torch.float16)
     defaults = dict(codec.decode_options)
-    variants = [("reference ops", dict(fast=False))]
-    variants += [(f"{name}={not on}", {name: not on}) for name, on in defaults.items()]
-    for label, options in variants:
-        codec.prepare(device, torch.float16, **options)
-        rows += bench_eager(codec, "fp16", args, device, path=label, frames_list=[215], chunks=[4],
-                            batches=[])
-    codec.prepare(device, torch.float16)
+    measure("reference ops", fast=False)
+    for name, on in defaults.items():
+        measure(f"{name}={not on}", **{name: not on})
     torch.backends.cudnn.benchmark = True
     try:
-        rows += bench_eager(codec, "fp16", args, device, path="cudnn.benchmark", frames_list=[215],
-                            chunks=[4], batches=[])
+        measure("cudnn.benchmark")
     finally:
         torch.backends.cudnn.benchmark = False
-    return rows
+    codec.prepare(device, torch.float16)
 
 
 def measure_accuracy(codec: Codec, device: torch.device, graphs: bool, frames: int = 24) -> list[dict]:
@@ -370,13 +384,13 @@ def main(argv=None) -> int:
           f"{cfg.frame_samples} samples/frame, device {device}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}")
     rows: list[dict] = []
-    print(f"{'case':<36} {'path':<20} {'dtype':<6} {'median ms':>10} {'p90 ms':>10} {'x real time':>12}",
+    print(f"{'case':<36} {'path':<30} {'dtype':<6} {'median ms':>10} {'p90 ms':>10} {'x real time':>12}",
           flush=True)
 
     def add(new_rows: list[dict]) -> None:
         """Print rows as they come and rewrite the JSON: a run cut short keeps what it measured."""
         for row in new_rows:
-            print(f"{row['case']:<36} {row['path']:<20} {row['dtype']:<6} {row['median_ms']:>10.2f} "
+            print(f"{row['case']:<36} {row['path']:<30} {row['dtype']:<6} {row['median_ms']:>10.2f} "
                   f"{row['p90_ms']:>10.2f} {row['rtf_x']:>12.1f}", flush=True)
         rows.extend(new_rows)
         if args.out:
@@ -398,8 +412,8 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             accuracy += measure_accuracy(codec, device, graphs=not args.no_graphs)
             add([])
-        if args.ablate and device.type == "cuda":
-            add(bench_ablations(codec, args, device))
+        if args.ablate:
+            bench_ablations(codec, args, device, add)
     if args.profile:
         with torch.inference_mode():
             profile_eager(codec, device, args)
