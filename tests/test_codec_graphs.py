@@ -9,6 +9,7 @@ random weights): captured graphs against eager streaming in F16 and against floa
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -93,11 +94,12 @@ def codec(tiny_checkpoint):
 def fast_codec(tiny_checkpoint):
     """The GPU fast paths on CPU float32 (all but the Triton snake): channels_last tails in the
     pool, the fused attention, the dequant table, the last conv as one GEMM, the residual units'
-    1x1 convs as in-place GEMMs."""
+    1x1 convs as in-place GEMMs, the conv windows made by the Snakes (torch fallback)."""
     model = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
     assert model.decode_options == {"channels_last": True, "fused_snake": False,
                                     "fused_attention": True, "dequant_table": True,
-                                    "narrow_conv": True, "pointwise_gemm": True}
+                                    "narrow_conv": True, "pointwise_gemm": True,
+                                    "fused_windows": True}
     model.frame_serial = False
     return model
 
@@ -448,6 +450,72 @@ def test_gpu_taps_conv_matches_cudnn_and_naive(channels_last):
     print(f"taps conv F16 vs float64 {err_fast:.2e} (cuDNN F16 {err_cudnn:.2e})")
     assert fast.shape == (2, 1, 8 * 2048) and fast.dtype == torch.float16
     assert err_fast < max(2 * err_cudnn, 1e-3)
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+# The Triton kernels run on a GPU, or in Triton's CPU interpreter:
+#   TRITON_INTERPRET=1 python -m pytest -q tests/test_codec_graphs.py -k fused_snake_window
+triton_kernels = pytest.mark.skipif(
+    not (_has_triton() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")),
+    reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+
+
+@triton_kernels
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("with_bias,history,length", [(False, 0, 37), (True, 0, 37), (False, 6, 37),
+                                                      (True, 18, 130), (True, 1, 5), (True, 6, 0)],
+                         ids=lambda v: str(v))
+def test_fused_snake_window_matches_the_torch_window(layout, with_bias, history, length):
+    """snake_triton.fused_snake_window (the Snake writing the next conv's window, adding the
+    previous conv's bias) against conv.snake_window in float64: values, shape and layout."""
+    from services.codec.conv import snake_window
+    from services.codec.snake_triton import fused_snake_window
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(history * 7 + length)
+    alpha = torch.rand(1, 24, 1, generator=gen) + 0.5
+    bias = torch.randn(24, generator=gen) if with_bias else None
+    x = torch.randn(3, 24, length, generator=gen) * 3
+    tail = torch.randn(3, 24, history, generator=gen) if history else None
+    if layout == "channels_last":
+        x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        tail = None if tail is None else tail.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    f64 = [None if t is None else t.double() for t in (x, alpha, bias, tail)]
+    expected = snake_window(*f64)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        on = [None if t is None else t.to(device, dtype) for t in (x, alpha, bias, tail)]
+        got = fused_snake_window(*on)
+        assert got.shape == expected.shape and got.dtype == dtype
+        if layout == "channels_last":
+            assert got.is_contiguous(memory_format=torch.channels_last)
+        else:
+            assert got.is_contiguous()
+        assert rel_err(got, expected) < tol, (dtype, rel_err(got, expected))
+
+
+@triton_kernels
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_decoder_with_triton_windows_matches_the_reference(codec, tiny_checkpoint, channels_last):
+    """The tiny decoder in float32 with every GPU decoder path on and the Snakes in Triton
+    (fused_snake_window writing the conv windows): the reference decode within rounding."""
+    from services.codec.conv import Snake
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fast = load_codec(tiny_checkpoint).prepare(device, torch.float32, fast=True, channels_last=channels_last)
+    for module in fast.decoder.modules():
+        if isinstance(module, Snake):
+            module.fused = True                  # on CPU: Triton's interpreter
+    assert fast.decode_options["fused_windows"] and fast.decoder.fused_windows
+    fast.frame_serial = False
+    codes = random_codes(codec, 5, seed=15)
+    stream = fast.stream()
+    streamed = torch.cat([stream.push(codes[None, :, a:b]) for a, b in ((0, 2), (2, 5))], -1)
+    assert rel_err(streamed, codec.decode(codes[None])) < 5e-4
 
 
 @cuda

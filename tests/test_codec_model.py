@@ -358,9 +358,12 @@ def test_streamed_equals_offline_bit_for_bit(codec, group):
 
 def test_gpu_fast_convs_in_the_default_layout_on_cpu(codec, tiny_checkpoint):
     """The GPU's F16 configuration of the decoder convs (default layout, narrow_conv,
-    pointwise_gemm) in float32 on CPU, batched chunks: the reference decode within rounding."""
+    pointwise_gemm, fused_windows through the torch fallback) in float32 on CPU, batched chunks:
+    the reference decode within rounding."""
     fast = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, channels_last=False,
-                                               narrow_conv=True, pointwise_gemm=True)
+                                               narrow_conv=True, pointwise_gemm=True,
+                                               fused_windows=True)
+    assert fast.decoder.model[1].block[1].dense_crop
     fast.frame_serial = False
     codes = random_codes(fast, 11, batch=2, seed=14)
     stream = fast.stream(batch=2)

@@ -125,6 +125,24 @@ def as_channels_last(x: Tensor) -> Tensor:
     return x.contiguous(memory_format=torch.channels_last)
 
 
+def snake_window(x: Tensor, alpha: Tensor, bias: Tensor | None = None,
+                 tail: Tensor | None = None) -> Tensor:
+    """[tail | snake(x + bias)] along time: the torch reference of snake_triton.snake_window.
+
+    x [B, C, L] with alpha [1, C, 1], or 4-D [B, C, 1, L] (the channels_last decoder) with the
+    same alpha; bias [C] (a conv's bias left to this op) or None; tail the next conv's stream
+    tail in x's layout, or None. Without bias and tail this is exactly `snake`.
+    """
+    four_d = x.dim() == 4
+    if bias is not None:
+        x = x + (bias[:, None, None] if four_d else bias[:, None])
+    y = snake(x, alpha[..., None] if four_d else alpha)
+    if tail is None:
+        return y
+    window = torch.cat([tail, y], dim=-1)
+    return as_channels_last(window) if four_d else window
+
+
 class Snake(nn.Module):
     fused = False       # GPU: the one-kernel Triton snake (snake_triton.py), set by Codec.prepare
 
@@ -135,12 +153,15 @@ class Snake(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return snake(x, self.alpha)
 
-    def step(self, x: Tensor, state: StreamState) -> Tensor:
+    def step(self, x: Tensor, state: StreamState | None = None, *, bias: Tensor | None = None,
+             tail: Tensor | None = None) -> Tensor:
+        """snake(x), or with `bias` snake(x + bias) and with `tail` the next conv's window
+        [tail | snake(...)] (see snake_window; fused, one kernel writes it all but the tail)."""
         if self.fused:
-            from services.codec.snake_triton import fused_snake
+            from services.codec.snake_triton import fused_snake_window
 
-            return fused_snake(x, self.alpha)
-        return snake(x, self.alpha if x.dim() == 3 else self.alpha[..., None])
+            return fused_snake_window(x, self.alpha, bias, tail)
+        return snake_window(x, self.alpha, bias, tail)
 
 
 class CausalConv1d(Streaming):
@@ -187,31 +208,33 @@ class CausalConv1d(Streaming):
         """x [B, C_in, t] (the next t inputs) -> [B, C_out, t]; stride 1 only.
 
         In channels_last mode x is [B, C_in, 1, t] and so is the result."""
-        if self.weight_4d is not None:
-            return self._step_4d(x, state)
-        if self.tail_length == 0:
-            return F.conv1d(x, self.conv.weight, self.conv.bias, dilation=self.dilation,
-                            groups=self.groups)
-        window = torch.cat([state.tails[self.state_key], x], dim=-1)
-        # clone: a view would keep the whole window alive between calls
-        state.tails[self.state_key] = window[..., -self.tail_length:].clone()
-        if self.taps is not None:
-            return taps_conv1d(window, self.taps, self.conv.bias, self.conv.kernel_size[0], self.dilation)
-        return F.conv1d(window, self.conv.weight, self.conv.bias, dilation=self.dilation,
-                        groups=self.groups)
-
-    def _step_4d(self, x: Tensor, state: StreamState) -> Tensor:
         if self.tail_length > 0:
             x = torch.cat([state.tails[self.state_key], x], dim=-1)
-            state.tails[self.state_key] = as_channels_last(x[..., -self.tail_length:])
-        # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
-        x = as_channels_last(x)
+        return self.step_window(x, state)
+
+    def step_window(self, window: Tensor, state: StreamState, bias: bool = True) -> Tensor:
+        """The step on its window [stream tail | next t inputs] (`step` makes it with a cat; a
+        fused Snake writes it directly, Snake.step(tail=...)): keeps the window's last inputs as
+        the new tail and convolves. bias=False leaves the bias to the caller (a fused Snake next
+        adds it on the way, Snake.step(bias=...))."""
+        bias_tensor = self.conv.bias if bias else None
+        if self.weight_4d is not None:
+            if self.tail_length > 0:
+                state.tails[self.state_key] = as_channels_last(window[..., -self.tail_length:])
+            # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
+            window = as_channels_last(window)
+            if self.taps is not None:
+                # [B, C_out, 1, t]: with C_out = 1 contiguous and channels_last are the same bytes
+                return taps_conv1d(window.squeeze(2), self.taps, bias_tensor, self.conv.kernel_size[0],
+                                   self.dilation).unsqueeze(2)
+            return F.conv2d(window, self.weight_4d, bias_tensor, dilation=(1, self.dilation),
+                            groups=self.groups)
+        if self.tail_length > 0:
+            # clone: a view would keep the whole window alive between calls
+            state.tails[self.state_key] = window[..., -self.tail_length:].clone()
         if self.taps is not None:
-            # [B, C_out, 1, t]: with C_out = 1 contiguous and channels_last are the same bytes
-            return taps_conv1d(x.squeeze(2), self.taps, self.conv.bias, self.conv.kernel_size[0],
-                               self.dilation).unsqueeze(2)
-        return F.conv2d(x, self.weight_4d, self.conv.bias, dilation=(1, self.dilation),
-                        groups=self.groups)
+            return taps_conv1d(window, self.taps, bias_tensor, self.conv.kernel_size[0], self.dilation)
+        return F.conv1d(window, self.conv.weight, bias_tensor, dilation=self.dilation, groups=self.groups)
 
 
 class CausalConvTranspose1d(Streaming):
@@ -226,6 +249,7 @@ class CausalConvTranspose1d(Streaming):
         # Output block t depends on inputs t-p … t; a stream keeps those p previous inputs.
         self.history = math.ceil(kernel_size / stride) - 1
         self.weight_4d: Tensor | None = None     # channels_last [C_in, C_out, 1, k] (set_channels_last)
+        self.dense_crop = False                  # default layout: crop by padding (Codec.prepare)
 
     def forward(self, x: Tensor) -> Tensor:
         return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
@@ -240,31 +264,42 @@ class CausalConvTranspose1d(Streaming):
         return torch.zeros(batch, self.conv.in_channels, self.history, device=device, dtype=dtype)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
-        """x [B, C_in, t] -> [B, C_out, t·s]. A zero previous input adds nothing, as offline."""
-        if self.weight_4d is not None:
-            return self._step_4d(x, state)
-        if self.history == 0:
-            return causal_conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
-        window = torch.cat([state.tails[self.state_key], x], dim=-1)
-        state.tails[self.state_key] = window[..., -self.history:].clone()
-        y = F.conv_transpose1d(window, self.conv.weight, self.conv.bias, stride=self.stride)
-        start = self.history * self.stride
-        return y[..., start: start + x.shape[-1] * self.stride]
+        """x [B, C_in, t] -> [B, C_out, t·s]. A zero previous input adds nothing, as offline.
 
-    def _step_4d(self, x: Tensor, state: StreamState) -> Tensor:
-        """x [B, C_in, 1, t] -> [B, C_out, 1, t·s], channels_last.
+        In channels_last mode x is [B, C_in, 1, t] and so is the result."""
+        if self.history > 0:
+            x = torch.cat([state.tails[self.state_key], x], dim=-1)
+        return self.step_window(x, state)
+
+    def step_window(self, window: Tensor, state: StreamState) -> Tensor:
+        """The step on its window [previous `history` inputs | next t inputs] (see
+        CausalConv1d.step_window): keeps the new history and upsamples the t new inputs."""
+        length = (window.shape[-1] - self.history) * self.stride
+        crop = self.history * self.stride
+        if self.weight_4d is not None:
+            return self._step_4d(window, state, length, crop)
+        if self.history == 0:
+            return causal_conv_transpose1d(window, self.conv.weight, self.conv.bias, self.stride)
+        state.tails[self.state_key] = window[..., -self.history:].clone()
+        if self.dense_crop:
+            # the crop inside the conv, as _step_4d: a dense result, no strided slice downstream
+            y = F.conv_transpose1d(window, self.conv.weight, self.conv.bias, stride=self.stride,
+                                   padding=crop)
+            return y if y.shape[-1] == length else y[..., :length]
+        y = F.conv_transpose1d(window, self.conv.weight, self.conv.bias, stride=self.stride)
+        return y[..., crop: crop + length]
+
+    def _step_4d(self, window: Tensor, state: StreamState, length: int, crop: int) -> Tensor:
+        """window [B, C_in, 1, h + t] -> [B, C_out, 1, t·s], channels_last.
 
         padding = history·s crops the first history·s outputs (they belong to the previous call)
         and as many at the end (inputs that have not arrived), so the result is the kept block
         itself, dense, with no slice to copy.
         """
         if self.history > 0:
-            x = torch.cat([state.tails[self.state_key], x], dim=-1)
-            state.tails[self.state_key] = as_channels_last(x[..., -self.history:])
-        crop = self.history * self.stride
-        y = F.conv_transpose2d(as_channels_last(x), self.weight_4d, self.conv.bias,
+            state.tails[self.state_key] = as_channels_last(window[..., -self.history:])
+        y = F.conv_transpose2d(as_channels_last(window), self.weight_4d, self.conv.bias,
                                stride=(1, self.stride), padding=(0, crop))
-        length = (x.shape[-1] - self.history) * self.stride
         return y if y.shape[-1] == length else y[..., :length]   # k = 2s (the decoder's): equal
 
 
@@ -298,6 +333,7 @@ class ResidualUnit(nn.Module):
     """x + conv1(snake(conv7_d(snake(x)))) (§7.2); `block` indices match the checkpoint."""
 
     pointwise_gemm = False   # GPU: conv1 and the skip add as one in-place GEMM (Codec.prepare)
+    fused_windows = False    # GPU: snake1 writes conv7's window, snake2 adds conv7's bias
 
     def __init__(self, dim: int, dilation: int):
         super().__init__()
@@ -312,11 +348,15 @@ class ResidualUnit(nn.Module):
         return x + self.block(x)
 
     def step(self, x: Tensor, state: StreamState) -> Tensor:
-        if self.pointwise_gemm:
-            snake1, conv7, snake2, conv1 = self.block
+        snake1, conv7, snake2, conv1 = self.block
+        if self.fused_windows:
+            window = snake1.step(x, state, tail=state.tails[conv7.state_key])
+            s = snake2.step(conv7.step_window(window, state, bias=False), state, bias=conv7.conv.bias)
+        else:
             s = snake2.step(conv7.step(snake1.step(x, state), state), state)
+        if self.pointwise_gemm:
             return pointwise_residual_(x, s, conv1.conv.weight[..., 0], conv1.conv.bias)
-        return x + step_sequence(self.block, x, state)
+        return x + conv1.step(s, state)
 
 
 class ConvNeXtBlock(nn.Module):

@@ -5,9 +5,11 @@ transposed conv w_{b-1} -> w_b (k 2r_b, stride r_b) -> ResidualUnits(w_b) with d
 then Snake(w_4) -> causal conv w_4 -> 1 (k 7) -> tanh. Module indices match the checkpoint
 (`decoder.model.{b}.block.{i}…`).
 
-On GPU the decoder runs channels_last (conv.py): `set_channels_last(True)` gives every conv a
-4-D channels_last weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and
-the audio back to [B, 1, L] at the end.
+GPU paths (set by Codec.prepare): `set_channels_last(True)` gives every conv a 4-D channels_last
+weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and the audio back to
+[B, 1, L] at the end (float32; F16 keeps torch's default layout, see Codec.prepare);
+`set_narrow` runs the last conv as one GEMM (conv.taps_conv1d); `set_fused_windows` lets each
+Snake write the next causal conv's input window (snake_triton.fused_snake_window).
 
 Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
-                                 as_channels_last, step_sequence)
+                                 as_channels_last)
 from services.codec.state import StreamState
 
 DILATIONS = (1, 3, 9)
@@ -32,9 +34,19 @@ class DecoderBlock(nn.Module):
             *[ResidualUnit(output_dim, dilation) for dilation in DILATIONS],
         )
 
+    fused_windows = False    # GPU: the Snake writes the transposed conv's window (Codec.prepare)
+
     def step(self, x: Tensor, state: StreamState) -> Tensor:
         """x [B, w_{b-1}, L] -> [B, w_b, L·r_b]."""
-        return step_sequence(self.block, x, state)
+        snake, up, *units = self.block
+        if self.fused_windows:
+            tail = state.tails[up.state_key] if up.history > 0 else None
+            x = up.step_window(snake.step(x, state, tail=tail), state)
+        else:
+            x = up.step(snake.step(x, state), state)
+        for unit in units:
+            x = unit.step(x, state)
+        return x
 
 
 class Decoder(nn.Module):
@@ -49,6 +61,7 @@ class Decoder(nn.Module):
             nn.Tanh(),
         )
         self.channels_last = False
+        self.fused_windows = False
 
     def set_channels_last(self, on: bool) -> None:
         """Switch the streaming layout (states made before the switch no longer fit)."""
@@ -63,9 +76,27 @@ class Decoder(nn.Module):
             if isinstance(module, CausalConv1d):
                 module.set_narrow(on)
 
+    def set_fused_windows(self, on: bool) -> None:
+        """Each Snake that feeds a causal conv writes that conv's input window itself, and a
+        conv followed only by a Snake leaves its bias to it (snake_triton.fused_snake_window; the
+        torch fallback makes the same numbers with a cat). Codec.prepare sets it with fused_snake."""
+        self.fused_windows = on
+        for module in self.modules():
+            if isinstance(module, (DecoderBlock, ResidualUnit)):
+                module.fused_windows = on
+            elif isinstance(module, CausalConvTranspose1d):
+                module.dense_crop = on     # the fused Snake after it wants a dense input
+
     def step(self, z: Tensor, state: StreamState) -> Tensor:
         """z [B, C, L] (upsampled latents) -> audio [B, 1, L·Π rates]."""
-        if self.channels_last:
-            audio = step_sequence(self.model, as_channels_last(z.unsqueeze(2)), state)
-            return audio.squeeze(2)
-        return step_sequence(self.model, z, state)
+        x = as_channels_last(z.unsqueeze(2)) if self.channels_last else z
+        first, *blocks, snake, last, tanh = self.model
+        x = first.step(x, state)
+        for block in blocks:
+            x = block.step(x, state)
+        if self.fused_windows:
+            x = last.step_window(snake.step(x, state, tail=state.tails[last.state_key]), state)
+        else:
+            x = last.step(snake.step(x, state), state)
+        audio = tanh(x)
+        return audio.squeeze(2) if self.channels_last else audio
