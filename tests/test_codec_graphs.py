@@ -443,7 +443,7 @@ def test_gpu_taps_conv_matches_cudnn_and_naive(channels_last):
     window = torch.cat([torch.zeros_like(x[..., :6]), x], dim=-1)
     if channels_last:
         window = window.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
-    fast = taps_conv1d(window, conv_taps(w), b, 7)
+    fast = taps_conv1d(window, conv_taps(w), b, 1, 7)
     cudnn = torch.nn.functional.conv1d(window.contiguous(), w, b)
     expected = naive.naive_causal_conv1d(x.cpu(), w.cpu(), b.cpu())
     err_fast, err_cudnn = rel_err(fast, expected), rel_err(cudnn, expected)

@@ -129,12 +129,12 @@ def test_taps_conv_matches_naive(length, c_out, kernel, dilation, layout):
     if layout == "channels_last":           # physically [B, W, C], as the channels_last decoder has it
         window = window.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
         assert window.stride(1) == 1
-    fast = taps_conv1d(window, conv_taps(w), b, kernel, dilation)
+    fast = taps_conv1d(window, conv_taps(w), b, c_out, kernel, dilation)
     assert fast.shape == (2, c_out, length) and fast.dtype == torch.float32
     assert_close(fast, naive.naive_causal_conv1d(x, w, b, 1, dilation), 1e-6, "taps conv")
     if kernel > 1:              # a window shorter than the kernel span is refused, not read past
         with pytest.raises(ValueError, match="do not fit"):
-            taps_conv1d(window[..., :(kernel - 1) * dilation - 1], conv_taps(w), b, kernel, dilation)
+            taps_conv1d(window[..., :(kernel - 1) * dilation - 1], conv_taps(w), b, c_out, kernel, dilation)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -146,7 +146,7 @@ def test_narrow_conv_streams_like_the_naive_conv(channels_last):
     conv.state_key = "conv"
     conv.set_channels_last(channels_last)
     conv.set_narrow(True)
-    assert conv.taps is not None and conv.taps.shape == (7, 12)
+    assert conv.taps is not None and conv.taps.shape == (8, 12)      # 7 taps + 1 zero row (alignment)
     wide = CausalConv1d(12, 12, kernel_size=7)
     wide.set_narrow(True)
     assert not wide.narrow and wide.taps is None

@@ -54,12 +54,12 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int = 
     return F.conv1d(x, weight, bias, stride=stride, dilation=dilation, groups=groups)
 
 
-def taps_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, kernel: int,
+def taps_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, out_channels: int, kernel: int,
                 dilation: int = 1) -> Tensor:
     """A valid (unpadded) stride-1 conv with few output channels: one GEMM and a shifted sum.
 
     window [B, C_in, W] (any strides: a channels_last window is just a transposed GEMM operand);
-    taps [C_out·k, C_in] from `conv_taps` -> [B, C_out, W - (k-1)·d] in the window's dtype.
+    taps from `conv_taps` -> [B, C_out, W - (k-1)·d] in the window's dtype.
 
     Why: for the decoder's last conv (w_4 -> 1 channel, k 7, at the audio rate) cuDNN has no
     tensor-core kernel (C_out = 1) and falls back to a generic one, measured on the H200 at
@@ -69,17 +69,15 @@ def taps_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, kernel: int,
     as_strided view of P (no copy), summed in float32; only P is rounded to the window's dtype.
     """
     batch, _, width = window.shape
-    rows = taps.shape[0]
-    c_out = rows // kernel
     length = width - (kernel - 1) * dilation
-    if rows != c_out * kernel or length < 0:
-        raise ValueError(f"taps {list(taps.shape)} with kernel {kernel} (dilation {dilation}) do not "
-                         f"fit a window of {width}")
-    partial = torch.matmul(taps, window)                        # [B, C_out·k, W]
+    if taps.shape[0] < out_channels * kernel or length < 0:
+        raise ValueError(f"taps {list(taps.shape)} for {out_channels} x {kernel} taps (dilation "
+                         f"{dilation}) do not fit a window of {width}")
+    partial = torch.matmul(taps, window)                        # [B, rows of taps, W]
     # element (b, o, n, j) = partial[b, o·k + j, n + j·d], whatever strides matmul gave P
     sb, sr, sw = partial.stride()
-    shifted = partial.as_strided((batch, c_out, length, kernel), (sb, kernel * sr, sw, sr + dilation * sw),
-                                 partial.storage_offset())
+    shifted = partial.as_strided((batch, out_channels, length, kernel),
+                                 (sb, kernel * sr, sw, sr + dilation * sw), partial.storage_offset())
     y = shifted.sum(-1, dtype=torch.float32)
     if bias is not None:
         y = y + bias.float()[:, None]
@@ -87,9 +85,13 @@ def taps_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, kernel: int,
 
 
 def conv_taps(weight: Tensor) -> Tensor:
-    """weight [C_out, C_in, k] -> taps [C_out·k, C_in] (row o·k + j = weight[o, :, j]), contiguous."""
+    """weight [C_out, C_in, k] -> taps [R, C_in], row o·k + j = weight[o, :, j], R = C_out·k
+    rounded up to 8 with zero rows (P's rows then stay 16-byte aligned in F16 for cuBLAS)."""
     c_out, c_in, kernel = weight.shape
-    return weight.permute(0, 2, 1).reshape(c_out * kernel, c_in).contiguous()
+    rows = c_out * kernel
+    taps = weight.new_zeros(-(-rows // 8) * 8, c_in)
+    taps[:rows] = weight.permute(0, 2, 1).reshape(rows, c_in)
+    return taps
 
 
 def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) -> Tensor:
@@ -225,15 +227,16 @@ class CausalConv1d(Streaming):
             window = as_channels_last(window)
             if self.taps is not None:
                 # [B, C_out, 1, t]: with C_out = 1 contiguous and channels_last are the same bytes
-                return taps_conv1d(window.squeeze(2), self.taps, bias_tensor, self.conv.kernel_size[0],
-                                   self.dilation).unsqueeze(2)
+                return taps_conv1d(window.squeeze(2), self.taps, bias_tensor, self.conv.out_channels,
+                                   self.conv.kernel_size[0], self.dilation).unsqueeze(2)
             return F.conv2d(window, self.weight_4d, bias_tensor, dilation=(1, self.dilation),
                             groups=self.groups)
         if self.tail_length > 0:
             # clone: a view would keep the whole window alive between calls
             state.tails[self.state_key] = window[..., -self.tail_length:].clone()
         if self.taps is not None:
-            return taps_conv1d(window, self.taps, bias_tensor, self.conv.kernel_size[0], self.dilation)
+            return taps_conv1d(window, self.taps, bias_tensor, self.conv.out_channels,
+                               self.conv.kernel_size[0], self.dilation)
         return F.conv1d(window, self.conv.weight, bias_tensor, dilation=self.dilation, groups=self.groups)
 
 
