@@ -25,9 +25,10 @@ alone (narrow_conv=False is the last conv on cuDNN again, pointwise_gemm=False t
 convs, channels_last=True the F16 NHWC decoder), and with cudnn.benchmark on.
 
 Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
-batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0`
-puts the decoder's last conv (1 output channel) back on cuDNN's generic kernel; both also work
-for the server, as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0.
+batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0
+pointwise_gemm=0 fused_windows=0` is the decoder as before (last conv on cuDNN's generic kernel,
+1x1 convs on cuDNN plus a skip add, torch.cat windows and bias adds); the server takes the same
+as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0,pointwise_gemm=0,...
 
 Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
 ablation rows), with channels_last still on in FP16 (median ms):
@@ -45,8 +46,9 @@ issue #3's changes): decode 215 frames FP16 eager 28.1 ms, graphed 24.8 (one pad
 replay); FP32 eager 27.9, graphed 32.7; FP16 graphed stream chunk of 4: 2.52. Profile of the
 eager FP16 215-frame decode: cuDNN's generic implicit_convolve_sgemm (the last conv, 1 output
 channel) ~4.8 ms of the GPU time, then the NCHW<->NHWC transforms around every F16 conv, the
-causal-padding concatenations and elementwise kernels. Issue #3's changes (narrow_conv, the
-long graphs) are not measured on the GPU yet.
+causal-padding concatenations and elementwise kernels (conv bias adds, skip adds). Issue #3's
+changes (narrow_conv, pointwise_gemm, fused_windows, the long graphs) are not measured on the
+GPU yet.
 Accuracy (24 frames, vs float32 without TF32 on the same weights): decoder convs x0.5 (speech
 level, nothing saturated): reference ops 8.7e-4, fast eager 7.9e-4, graphed 7.9e-4; §10.2's
 random weights as they are saturate tanh on 89% of samples and are chaotic: 6.7e-2 / 6.1e-2 /
