@@ -137,8 +137,10 @@ def _aligned_rows(rows: int, cols: int, storage_rows: int, fill: float) -> torch
 
 @pytest.mark.parametrize("rows", [3, TILE, 200])
 def test_padding_rows_read_in_place_never_reach_the_real_rows(rows):
-    """An input (and residual) whose storage already covers the padded rows is multiplied in
-    place, whatever those rows hold (NaN here): the real rows equal the copied path's bits."""
+    """An input (and residual) whose storage already covers the padded rows, whatever those rows
+    hold (NaN here), gives the copied path's bits. On CUDA it is multiplied in place; on the CPU
+    (tests only) linear_rows copies into zeroed padding, because oneDNN's bf16 GEMM on some CPUs
+    let NaN padding reach real rows."""
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(40, 64, generator=gen)
     padded = invariant.padded_rows(rows)

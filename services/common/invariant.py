@@ -143,17 +143,20 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     if not pad or rows == 0:
         return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.T)
     padded = padded_rows(rows)
-    a = _padded_view(x, padded)
+    # On the CPU (tests only: serving never pads there) the padding rows are zeros in a fresh
+    # buffer: oneDNN's bf16 GEMM on some x86 CPUs let NaN in a padding row reach the other rows
+    # (seen on the H200 host's CPU), which cuBLAS never does (the GPU tests put NaN/Inf there).
+    a = _padded_view(x, padded) if x.is_cuda else None
     if a is None:                                  # copy the rows into a fresh padded buffer
-        a = x.new_empty(padded, x.shape[1])
+        a = x.new_empty(padded, x.shape[1]) if x.is_cuda else x.new_zeros(padded, x.shape[1])
         a[:rows].copy_(x)
     res = None
     if residual is not None:
         # addmm copies its `self` into a fresh result before the GEMM, so the residual's layout
         # never reaches cuBLAS; it only has to cover the padded rows
-        res = _padded_view(residual, padded)
+        res = _padded_view(residual, padded) if residual.is_cuda else None
         if res is None:
-            res = residual.new_empty(padded, n)
+            res = residual.new_empty(padded, n) if residual.is_cuda else residual.new_zeros(padded, n)
             res[:rows].copy_(residual)
     wt = weight.T
     pieces = [torch.mm(a[i:i + TILE], wt) if res is None else torch.addmm(res[i:i + TILE], a[i:i + TILE], wt)
