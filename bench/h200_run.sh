@@ -4,6 +4,7 @@
 #
 #   bash bench/h200_run.sh serving     bench/h200_serving.sh all (one 128-session stack: requests,
 #                                      sweep, stage metrics, batch invariance), in-process timings skipped
+#   bash bench/h200_run.sh final      codec bench (FP16) + the serving part with a short sweep
 #   bash bench/h200_run.sh cmd C1 C2   the given shell commands, in order, output in cmd.log
 #   bash bench/h200_run.sh stages      each stage in-process: codec bench (FP16/FP32, profile), backbone
 #                                      prefill + graphed decode with a kernel profile, tower step
@@ -43,6 +44,12 @@ case $part in
       echo "+ $cmd" | tee -a "$work/commands.txt"
       $cmd 2>&1 | tee -a "$work/stages.log" || status=$?
     done ;;
+  final)   # the short end-of-session run: codec bench, then one serving stack (requests, sweep, invariance)
+    timeout 150 python3 bench/codec.py --dtype fp16 --frames 1 4 215 --batch 8 64 --out "$work/codec.json" 2>&1 \
+      | tee "$work/codec.log"
+    OUT=$work SKIP_MICRO=1 SKIP_VOICE=1 SWEEP=${SWEEP:-1,8,32,128} DURATION=${DURATION:-8} \
+      timeout "${SERVING_LIMIT:-360}" bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
+    status=${PIPESTATUS[0]} ;;
   cmd)   # any commands: bash bench/h200_run.sh cmd "python3 ..." "python3 ..."
     shift
     for cmd in "$@"; do
