@@ -36,6 +36,7 @@ from .attention import GatedAttention, KVCache
 from .gated_deltanet import GatedDeltaNet, GDNCache
 from .kernels import HAS_TRITON
 from .kernels import decode_graph as dg
+from .kernels import fp8_moe
 from .layers import Linear, RowBatch, Segment, StepPlan, Weight, per_row, rms_norm_plus
 from .moe import SparseMoE
 from .rope import RotaryTable
@@ -326,6 +327,9 @@ class Backbone(nn.Module):
         """Capture the decode graphs of every bucket a step of up to max_batch sessions can use
         (before serving, so no request pays a capture); returns the buckets. A no-op without
         decode graphs or off CUDA."""
+        if self.device.type == "cuda" and self.kernels:
+            self.prepare()
+            self._warm_route_tables()
         if not (self.decode_graphs and self.device.type == "cuda"):
             return []
         self.prepare()
@@ -335,6 +339,16 @@ class Backbone(nn.Module):
             for bucket in buckets:
                 self._decode_graph(bucket, caches)
         return buckets
+
+    def _warm_route_tables(self) -> None:
+        """The prefill MoE's block-table kernel for every pair count a prompt piece can have
+        (kernels/fp8_moe.warm_route_blocks), so no request waits for its compile."""
+        moe = next((layer.mlp for layer in self.layers if getattr(layer.mlp, "fp8_kernels", False)), None)
+        if moe is None:
+            return
+        with torch.inference_mode():
+            fp8_moe.warm_route_blocks(self.device, moe.w_gate_up.shape[0], moe.top_k,
+                                      fp8_moe.kernel_config(grouped=False)["BM"])
 
     @torch.inference_mode()
     def forward_tokens(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
