@@ -6,6 +6,8 @@ Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_TOWER_ADDR, DRAMA_DEVICE, DR
 DRAMA_MEMORY_BUDGET_GB; the pool and scheduler read DRAMA_MAX_ROWS (64),
 DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKENS (2048),
 DRAMA_PREFILL_INTERVAL_MS (0: while streams decode, prefill steps at most this often; Scheduler),
+DRAMA_PREFILL_LANE (prefill pieces on their own thread, CUDA stream and tower steps beside the
+decode groups: on by default on CUDA, off on the CPU; 1 or 0 forces it),
 DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
 Step requests at the tower at once, capped by the tower's own), DRAMA_PREFIX_CACHE_MB (voice-prefix
 cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
@@ -64,13 +66,20 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
         decode_graphs=_decode_graphs_env(),
+        prefill_lane=_switch_env("DRAMA_PREFILL_LANE"),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 
 def _decode_graphs_env() -> bool | None:
     """DRAMA_DECODE_GRAPHS: unset (None: on for CUDA devices), 0 off, anything else on."""
-    value = env_default("DRAMA_DECODE_GRAPHS", None)
-    return None if value in (None, "") else value.strip() not in ("0", "false", "off", "no")
+    return _switch_env("DRAMA_DECODE_GRAPHS")
+
+
+def _switch_env(name: str) -> bool | None:
+    """An on/off variable: unset or empty (None: the device's default), 0/false/off/no off,
+    anything else on."""
+    value = env_default(name, None)
+    return None if value in (None, "") else value.strip().lower() not in ("0", "false", "off", "no")
 
 
 async def serve_random_weights(settings: Settings, preset: str) -> None:

@@ -3,8 +3,21 @@
 A session is a cache slot: `open()` hands out a free slot with zeroed state, `step(work)` appends
 rows to any number of sessions in one forward and returns their final-norm hidden rows, and
 `release(slot)` frees the slot. All cache memory is allocated once in __init__ (the pool), so a
-running server never allocates per session. Calls are synchronous and serialised by a lock (the
-server calls from a worker thread).
+running server never allocates per session.
+
+Threads (the scheduler's prefill lane, scheduler.py): two `step` calls may run at once from two
+threads on disjoint slots, e.g. a prefill step on the lane's thread and a decode step on the main
+engine thread. A lock guards only the bookkeeping (open slots, lengths, the slots a step is
+using); the forwards run outside it, so the two steps' GPU work overlaps. A slot is *busy* while
+a step uses it: a second step on it is refused, and releasing it mid-step frees it only when the
+step ends (it is not handed out again before). `open`, `release`, `restore`, `snapshot` may be
+called from any thread meanwhile. The model's shared state (decode graphs, packed weights,
+warm-up) is built before serving, never concurrently; the rotary table is built to max_context
+here, so no forward grows it.
+On CUDA the caller picks the stream (the current stream of its thread): `step` and `snapshot`
+wait for their own stream's work before returning, so what they hand back and the slots they
+touched are complete for any other stream; `open` and `restore` record an event after their
+(asynchronous) reset or copy, and the slot's next `step` or `snapshot` waits for it on its stream.
 
 On the CPU exact path a session's hidden rows are bit-identical however its prompt was split
 into steps and whatever other sessions share the step (tests/test_backbone_engine.py).
@@ -56,12 +69,21 @@ class BackboneEngine:
         self.caches = model.allocate_caches(max_sessions, max_context)
         self._lengths = [0] * max_sessions
         self._open = [False] * max_sessions
+        self._busy: set[int] = set()                       # slots inside a running step
+        self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
+        self._cuda = model.device.type == "cuda"
         self._lock = threading.Lock()
+        if not getattr(model, "kernels", False):
+            # The exact and batched paths look rotary angles up in a table that grows on demand;
+            # grown here to the whole context, no step (on whichever thread) ever replaces it.
+            model.rotary().lookup(torch.tensor([max_context - 1], device=model.device))
 
     # ---- sessions --------------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return self._open.count(False)
+        """Slots `open` can hand out now (a slot released during a step is free when it ends)."""
+        with self._lock:
+            return sum(1 for slot, used in enumerate(self._open) if not used and slot not in self._busy)
 
     @property
     def open_sessions(self) -> int:
@@ -71,14 +93,16 @@ class BackboneEngine:
         """The lowest free slot, its state zeroed and length 0. CapacityError when none is free."""
         with self._lock:
             for slot, used in enumerate(self._open):
-                if not used:
+                if not used and slot not in self._busy:
                     self.caches.reset(slot)
+                    self._mark_ready(slot)
                     self._open[slot], self._lengths[slot] = True, 0
                     return slot
             raise CapacityError(f"all {self.max_sessions} backbone sessions are in use")
 
     def release(self, slot: int) -> None:
-        """Free a slot; releasing a free (or already released) slot does nothing."""
+        """Free a slot; releasing a free (or already released) slot does nothing. A slot released
+        while a step uses it is handed out again only after that step."""
         with self._lock:
             if 0 <= slot < self.max_sessions:
                 self._open[slot], self._lengths[slot] = False, 0
@@ -94,8 +118,14 @@ class BackboneEngine:
         """
         with self._lock:
             self._check_slot(slot)
+            if slot in self._busy:
+                raise ValueError(f"slot {slot} is in a step that has not ended")
             length = self._lengths[slot]
-            return Snapshot(length, tuple(view.clone() for view in self._slot_views(slot, length)))
+            self._wait_ready([slot])
+            snapshot = Snapshot(length, tuple(view.clone() for view in self._slot_views(slot, length)))
+        if self._cuda:      # complete before any other stream (restore's) may read it
+            torch.cuda.current_stream(self.model.device).synchronize()
+        return snapshot
 
     def restore(self, snapshot: Snapshot) -> int:
         """Open the lowest free slot with the snapshot's state and length (CapacityError when
@@ -109,6 +139,11 @@ class BackboneEngine:
                 raise ValueError("the snapshot does not fit this engine's cache layout")
             for view, saved in zip(views, snapshot.tensors):
                 view.copy_(saved)
+                if saved.is_cuda:
+                    # The snapshot may have been made on another stream and may be evicted (freed)
+                    # before this copy runs: its memory must not be reused until then.
+                    saved.record_stream(torch.cuda.current_stream(saved.device))
+            self._mark_ready(slot)
             self._lengths[slot] = snapshot.length
             return slot
 
@@ -141,33 +176,59 @@ class BackboneEngine:
         [n, H] (hidden_dtype) per entry, in order. Every entry is checked before any cache is
         touched: ValueError (bad slot, shapes, ids or codes, a slot twice), ContextFullError.
         """
+        if not work:
+            return []
+        rows = [self._check_rows(index, token_ids, frames) for index, (_, token_ids, frames) in enumerate(work)]
         with self._lock:
-            if not work:
-                return []
-            token_parts, frame_parts, segments, offset = [], [], [], 0
-            seen = set()
-            for index, (slot, token_ids, frames) in enumerate(work):
+            segments, offset, seen = [], 0, set()
+            for index, ((slot, _, _), (token_ids, _)) in enumerate(zip(work, rows)):
                 self._check_slot(slot)
                 if slot in seen:
                     raise ValueError(f"work[{index}]: slot {slot} appears twice in one step")
+                if slot in self._busy:
+                    raise ValueError(f"work[{index}]: slot {slot} is in another step that has not ended")
                 seen.add(slot)
-                token_ids, frames = self._check_rows(index, token_ids, frames)
                 n = token_ids.shape[0]
                 if self._lengths[slot] + n > self.max_context:
                     raise ContextFullError(f"slot {slot}: {self._lengths[slot]} rows + {n} new rows exceed "
                                            f"max_context {self.max_context}")
-                token_parts.append(token_ids)
-                frame_parts.append(frames)
                 segments.append(Segment(slot, self._lengths[slot], n, offset))
                 offset += n
+            self._busy.update(seen)
+            self._wait_ready(seen)
+        done = False
+        try:
             device = self.model.device
-            token_ids = torch.cat(token_parts).to(device)
-            frames = torch.cat(frame_parts).to(device) if self.num_codebooks else None
+            token_ids = torch.cat([t for t, _ in rows]).to(device)
+            frames = torch.cat([f for _, f in rows]).to(device) if self.num_codebooks else None
             hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
-            for seg in segments:
-                self._lengths[seg.slot] += seg.count
             hidden = hidden.clone()        # one copy (the kernel path may return a graph's buffer)
-            return [hidden[seg.rows] for seg in segments]
+            if self._cuda:
+                # Done before the slots are let go: a slot released meanwhile may be reset on
+                # another stream as soon as it is free, and the rows go to the host next anyway.
+                torch.cuda.current_stream(device).synchronize()
+            done = True
+        finally:
+            with self._lock:
+                self._busy.difference_update(seen)
+                for seg in segments if done else ():
+                    if self._open[seg.slot]:       # not released while the step ran
+                        self._lengths[seg.slot] += seg.count
+        return [hidden[seg.rows] for seg in segments]
+
+    def _mark_ready(self, slot: int) -> None:
+        """After queuing a slot's reset or restore (CUDA): its next user, on any stream, waits for it."""
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.model.device))
+            self._ready[slot] = event
+
+    def _wait_ready(self, slots) -> None:
+        """Make the current stream wait for the slots' pending reset or restore (under the lock)."""
+        for slot in slots:
+            event = self._ready.pop(slot, None)
+            if event is not None:
+                torch.cuda.current_stream(self.model.device).wait_event(event)
 
     def _check_slot(self, slot: int) -> None:
         if not (isinstance(slot, int) and 0 <= slot < self.max_sessions and self._open[slot]):

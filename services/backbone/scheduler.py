@@ -33,15 +33,40 @@ pieces may follow each other without waiting) and responses come back in request
 session sees the same rows in the same order as without pipelining; with one step in flight the
 loop is simply sequential.
 
-Every engine call (open, release, step) is made by the loop coroutine, and `engine.step` is
-awaited where it is made, so the engine never sees two calls at once; `cancel` and the tower's
-loss callback only set flags and wake the loop.
+Prefill lane (issue #8, `prefill_lane`, DRAMA_PREFILL_LANE): on the GPU a step with a prefill
+piece costs ~190 ms of host time (eager launches) against 4-30 ms for a graphed decode step, and
+without the lane every running stream of the group waits for it. With the lane, prefill pieces
+of two rows or more leave the decode groups: a second coroutine plans them (several sessions per
+lane step, within the step's prefill row budget), computes them on its own engine thread (on
+CUDA on its own stream) while the main loop keeps running decode-only steps on the main engine
+thread, and sends each lane step to the tower as its own TowerStep; after the draw that ends its
+prompt a session decodes in the groups. A one-row piece (the remainder of a prompt the lane could
+not avoid cutting to one row, or a one-row voice prefix) rides in a decode group's step instead:
+it costs what a decode row costs, and a lane step never holds a one-row segment, which the model
+would replay from the decode graphs the main thread is using. In-flight budget: a lane step
+counts like any group against `max_inflight_steps` (API.md §3.5); once computed it takes the next
+free place before any new decode group (decoding waits at most one tower step per lane step,
+and the lane waits at most until the oldest step at the tower answers). Groups are then capped
+at ⌈sessions past their prompt / max_inflight_steps⌉ rows, so they stay balanced around the
+lane's steps. A session planned into a step (`in_step`) is left alone by the other planner until
+that step is sent; a slot released while an engine call uses it is freed when the call ends;
+a session restored from the voice prefix has its further pieces wait for the restore's answer
+(a fallback opens a new slot, and the old one must not be in use). The frames do not depend on
+the lane: on the CPU exact path they are bit-identical with it on and off
+(tests/test_prefill_lane.py).
+
+Engine calls: `open` and `release` are made by the coroutines on the event loop; `engine.step`
+runs on the main engine thread (decode groups) or the lane's thread, never two steps on one slot
+(engine.py: its lock guards bookkeeping only, so the two steps overlap). `cancel` and the
+tower's loss callback only set flags and wake the loop.
 
 Metrics (API.md §1.7, OpenTelemetry): `drama_backbone_batch_rows` and `drama_backbone_step_seconds`
-(engine time) per step, `drama_backbone_queue_depth` and `drama_backbone_kv_usage_ratio` (rows held
-over the pool's rows) as gauges, `drama_backbone_prefix_rows_skipped` (prompt rows restored from
-the voice-prefix cache) and `drama_backbone_prefix_fallbacks` (restores the tower could not serve)
-as counters.
+(engine time) per step of the main loop, `drama_backbone_lane_batch_rows` and
+`drama_backbone_lane_step_seconds` per lane step (a series of its own: the two threads overlap,
+and one series would count more busy time than there was wall time),
+`drama_backbone_queue_depth` and `drama_backbone_kv_usage_ratio` (rows held over the pool's rows)
+as gauges, `drama_backbone_prefix_rows_skipped` (prompt rows restored from the voice-prefix cache)
+and `drama_backbone_prefix_fallbacks` (restores the tower could not serve) as counters.
 
 Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
 the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
@@ -53,6 +78,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import time
@@ -221,6 +247,8 @@ class Session:
     prefix: tuple[str, int] | None = None  # (key, rows) of the cacheable prefix, once computed
     restore_prefix: bool = False           # the next entry restores the tower from the prefix
     store_prefix: bool = False             # cut a piece at the prefix and store both stages' state
+    awaiting_restore: bool = False         # a restore entry is at the tower, not answered yet
+    in_step: bool = False                  # planned into a step not yet sent (no planner takes it)
     text_tokens: int = 0
     audio_tokens: int = 0
     output_tokens: int = 0
@@ -258,6 +286,7 @@ class _InFlight:
     entries: list[_Entry]
     result: asyncio.Future
     span: object | None
+    lane: bool = False             # a prefill lane step
 
 
 class _StageMetrics:
@@ -285,6 +314,13 @@ class _StageMetrics:
             explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS)
         self.step_seconds = meter.create_histogram(
             "drama_backbone_step_seconds", unit="s", description="backbone compute time per step",
+            explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
+        self.lane_batch_rows = meter.create_histogram(
+            "drama_backbone_lane_batch_rows", unit="{row}", description="rows per prefill lane step",
+            explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS)
+        self.lane_step_seconds = meter.create_histogram(
+            "drama_backbone_lane_step_seconds", unit="s",
+            description="backbone compute time per prefill lane step",
             explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
         meter.create_observable_gauge(
             "drama_backbone_queue_depth", [self._queue_depth],
@@ -327,7 +363,7 @@ class Scheduler:
                  step_span_sample: float = 0.01, max_inflight_steps: int = 2,
                  idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
                  prefix_cache: PrefixCache | None = None, model_identity: str = "",
-                 prefill_interval_s: float = 0.0):
+                 prefill_interval_s: float = 0.0, prefill_lane: bool = False):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
         goes into its keys, so snapshots of different weights or numerics never mix.
 
@@ -337,7 +373,11 @@ class Scheduler:
         step with a prefill piece costs what the piece costs (on the GPU the prefill path is
         host-bound, ~140 ms whatever its size, against ~5-30 ms for a graphed decode step), and
         every running stream waits for it; spacing the prefill steps trades up to this much
-        TTFA for the running streams' cadence. With no session decoding, prefill runs at once."""
+        TTFA for the running streams' cadence. With no session decoding, prefill runs at once.
+        With the prefill lane it spaces the lane's steps.
+
+        prefill_lane: compute prefill pieces on a lane of their own, beside the decode groups
+        (see the module docstring). Needs pieces of two rows or more."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -357,6 +397,7 @@ class Scheduler:
         self.model_identity = model_identity
         self.prefix_rows_skipped = 0               # prompt rows restored instead of prefilled
         self.prefix_fallbacks = 0                  # restores the tower could not serve
+        self.lane_steps = 0                        # prefill lane steps sent to the tower
         self.accepting = True
         self._queue: collections.deque[Session] = collections.deque()
         self._active: list[Session] = []           # admission order
@@ -367,29 +408,61 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-engine")
         self._task: asyncio.Task | None = None
+        self.prefill_lane = prefill_lane
+        if prefill_lane and min(self.prefill_chunk_tokens, self.step_prefill_rows) < 2:
+            raise ValueError("the prefill lane needs prefill pieces of two rows or more "
+                             f"(prefill_chunk_tokens {self.prefill_chunk_tokens}, "
+                             f"step_prefill_rows {self.step_prefill_rows})")
+        self._lane_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="backbone-lane")
+                               if prefill_lane else None)
+        self._lane_task: asyncio.Task | None = None
+        self._lane_wake = asyncio.Event()
+        self._lane_waiting = False                 # a computed lane step waits for a place at the tower
+        self._claimed = 0                          # places at the tower taken by steps not yet sent
+        self._computing: set[int] = set()          # engine slots inside a running engine call
+        self._held: list[int] = []                 # slots released meanwhile, freed when it ends
+        # CUDA streams, with the lane only (without it everything stays on the default stream, as
+        # before). The decode stream gets the higher priority: when both have kernels ready, the
+        # GPU schedules the decode step's blocks first, so the lane's prefill costs the running
+        # streams as little device time as possible.
+        device = torch.device(getattr(getattr(engine, "model", None), "device", "cpu"))
+        on_cuda = prefill_lane and device.type == "cuda"
+        self._lane_stream = torch.cuda.Stream(device) if on_cuda else None
+        self._main_stream = torch.cuda.Stream(device, priority=-1) if on_cuda else None
         self._metrics = _StageMetrics.of(meter)
         self._metrics.add(self)
         self._batch_rows, self._step_seconds = self._metrics.batch_rows, self._metrics.step_seconds
+        self._lane_batch_rows = self._metrics.lane_batch_rows
+        self._lane_step_seconds = self._metrics.lane_step_seconds
         self._rows_skipped, self._fallbacks = self._metrics.rows_skipped, self._metrics.fallbacks
 
     # ---- public API -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="backbone-scheduler")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="backbone-scheduler")
+        if self.prefill_lane:
+            self._lane_task = loop.create_task(self._run_lane(), name="backbone-prefill-lane")
 
     async def close(self) -> None:
         """Stop the loop; sessions still open end UNAVAILABLE."""
         self.accepting = False
         self._metrics.remove(self)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        # A step cancelled mid-flight may still run on the engine thread; let it finish before
+        for task in (self._task, self._lane_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        # A step cancelled mid-flight may still run on an engine thread; let it finish before
         # the slots are released.
-        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        loop = asyncio.get_running_loop()
+        for executor in (self._executor, self._lane_executor):
+            if executor is not None:
+                await loop.run_in_executor(executor, lambda: None)
+        self._computing.clear()
+        self._free_held()
         for step in self._inflight:
             step.result.cancel()
             if step.span is not None:
@@ -399,6 +472,8 @@ class Scheduler:
             self._end(session, GenerateError("UNAVAILABLE", "backbone shutting down",
                                              drama_code="not_ready"))
         self._executor.shutdown(wait=True)
+        if self._lane_executor is not None:
+            self._lane_executor.shutdown(wait=True)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting and wait up to `timeout_s` for the open sessions to finish."""
@@ -456,16 +531,21 @@ class Scheduler:
             if isinstance(item, FramesOut):
                 session.buffered_frames -= item.codes.shape[0]
                 if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
-                    self._wake.set()
+                    self._nudge()
             yield item
 
     def tower_lost(self) -> None:
         """Called by the tower client when the Step stream breaks (from the event loop)."""
         self._tower_lost = True
-        self._wake.set()
+        self._nudge()
 
     def wake(self) -> None:
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the main loop and the lane (something they wait for may have changed)."""
         self._wake.set()
+        self._lane_wake.set()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -479,7 +559,8 @@ class Scheduler:
                 if self._inflight and self._inflight[0].result.done():
                     self._finish_step(self._inflight.popleft())
                     continue
-                if self.tower.ready and len(self._inflight) < self._inflight_limit():
+                # A computed lane step waiting for a place goes first (see the module docstring).
+                if self.tower.ready and self._free_places() > 0 and not self._lane_waiting:
                     entries = self._plan()
                     # A message with only releases goes out when nothing else will carry them.
                     if entries or (self._release and not self._inflight):
@@ -495,6 +576,11 @@ class Scheduler:
 
     def _inflight_limit(self) -> int:
         return max(1, min(self.max_inflight_steps, self.tower.max_inflight_steps))
+
+    def _free_places(self) -> int:
+        """Steps that may still go to the tower: the limit less those in flight and those on
+        their way (a main-loop step from its plan on, a lane step once computed)."""
+        return self._inflight_limit() - len(self._inflight) - self._claimed
 
     async def _sleep(self) -> None:
         """Wait for a wake-up, the oldest response or the poll interval (queue timeouts)."""
@@ -545,6 +631,7 @@ class Scheduler:
             session.outbox.put_nowait(Started(
                 queue_wait_ms=int((now - session.submitted) * 1000),
                 prompt_text_tokens=session.rows.n_text, prompt_audio_frames=session.rows.n_audio))
+            self._lane_wake.set()                  # a prompt to prefill
 
     def _start_chunk(self, session: Session, previous_frames: Tensor | None) -> None:
         """Open a fresh timeline (engine slot, rows from position 0, or from the end of the cached
@@ -567,7 +654,7 @@ class Scheduler:
         the cache holds it, else empty (then the prefix is stored on the way, when cacheable)."""
         session.timeline += 1
         session.sent = 0
-        session.restore_prefix = session.store_prefix = False
+        session.restore_prefix = session.store_prefix = session.awaiting_restore = False
         prefix = self._cacheable_prefix(session)
         if prefix is not None:
             key, rows = prefix
@@ -598,11 +685,12 @@ class Scheduler:
         log.info("session %s: tower prefix snapshot gone, prefilling the whole prompt", session.id)
         self.prefix_fallbacks += 1
         self._fallbacks.add(1)
-        self.engine.release(session.slot)
+        self._release_slot(session.slot)
         self._open_timeline(session, restore=False)
 
     def _plan(self) -> list[_Entry]:
-        """This step's entries: decode rows first (cadence), then prefill pieces FIFO."""
+        """This step's entries: decode rows first (cadence), then prefill pieces FIFO. With the
+        prefill lane: decode rows, at most a group's share of them, and one-row pieces only."""
         entries: list[_Entry] = []
         runnable = []
         for session in self._active:
@@ -611,10 +699,12 @@ class Scheduler:
             # A decoding session's frame has come back; one waiting for its frame is neither.
             # Prefill pieces need not wait for the previous piece's response: the stream keeps
             # their order, and only the last piece draws.
-            if not session.paused and (session.decoding or session.prefilling):
+            if not session.paused and not session.in_step and (session.decoding or session.prefilling):
                 runnable.append(session)
         limit = self.max_rows
-        if self._inflight_limit() > 1 and not self._inflight:
+        if self.prefill_lane:
+            limit = min(limit, self._group_rows())
+        elif self._inflight_limit() > 1 and not self._inflight:
             # Nothing is at the tower: send half now, so the engine computes the other half while
             # the tower works on this one; from then on the two groups alternate (API.md §3.5).
             limit = min(limit, (len(runnable) + 1) // 2)
@@ -624,66 +714,219 @@ class Scheduler:
                 row = Rows(frame[:, 0] + self.semantic_start_token_id, frame)
                 entries.append(_Entry(session, row, torch.full_like(frame, -1), draw=True,
                                       timeline=session.timeline))
+                session.in_step = True
+        if self.prefill_lane:
+            # The lane leaves a piece here only when it can be one row and nothing else; it costs
+            # a decode row (a graph replay on the GPU). No spacing: it stalls nobody.
+            for session in runnable:
+                if (session.prefilling and self._piece_end(session) - session.sent == 1
+                        and len(entries) < self.max_rows):
+                    entries.append(self._piece(session, 1))
+            return entries
         budget = self.step_prefill_rows
         now = time.monotonic()
         # Not due while streams are past their prompt: decoding now, or waiting at the tower for
         # their frame (with two groups in flight, a prefill step in the other group delays them
         # just the same). Checked only inside the interval, so the default (0) costs nothing.
-        if (now - self._last_prefill_step < self.prefill_interval_s
-                and any(s.rows is not None and not s.prefilling for s in self._active)):
+        if not self._prefill_due(now):
             budget = 0                       # no prefill piece: the prefill step is not due yet
         for session in runnable:
             if session.prefilling and len(entries) < limit and budget > 0:
                 self._last_prefill_step = now
-                n = min(len(session.rows) - session.sent, self.prefill_chunk_tokens, budget)
-                prefix_rows = session.prefix[1] if session.prefix else 0
-                if session.store_prefix and session.sent < prefix_rows:
-                    n = min(n, prefix_rows - session.sent)   # a piece ends where the prefix does
+                n = min(self._piece_end(session) - session.sent, self.prefill_chunk_tokens, budget)
                 budget -= n
-                end = session.sent + n
-                entries.append(_Entry(session, session.rows[session.sent:end],
-                                      session.targets[session.sent:end],
-                                      draw=end == len(session.rows), timeline=session.timeline,
-                                      restore=session.restore_prefix,
-                                      store=session.store_prefix and end == prefix_rows))
-                session.restore_prefix = False
+                entries.append(self._piece(session, n))
         return entries
 
+    def _prefill_due(self, now: float) -> bool:
+        """May a step with prefill pieces (a lane step) run now (prefill_interval_s)?"""
+        return (now - self._last_prefill_step >= self.prefill_interval_s
+                or not any(s.rows is not None and not s.prefilling for s in self._active))
+
+    def _piece_end(self, session: Session) -> int:
+        """Where the session's next prefill piece must end at the latest: the end of its prompt,
+        or of the voice prefix while that is to be stored (a piece ends where the prefix does)."""
+        prefix_rows = session.prefix[1] if session.prefix else 0
+        if session.store_prefix and session.sent < prefix_rows:
+            return prefix_rows
+        return len(session.rows)
+
+    def _piece(self, session: Session, n: int) -> _Entry:
+        """The session's next n prompt rows as an entry (planned: `in_step` until it is sent)."""
+        end = session.sent + n
+        prefix_rows = session.prefix[1] if session.prefix else 0
+        entry = _Entry(session, session.rows[session.sent:end], session.targets[session.sent:end],
+                       draw=end == len(session.rows), timeline=session.timeline,
+                       restore=session.restore_prefix,
+                       store=session.store_prefix and end == prefix_rows)
+        session.restore_prefix = False
+        session.in_step = True
+        if session.prefill_start_ns == 0:      # the prefill span starts with its first piece's plan
+            session.prefill_start_ns = time.time_ns()
+        return entry
+
+    def _group_rows(self) -> int:
+        """With the lane: the most decode rows in one group, ⌈sessions past their prompt /
+        places at the tower⌉, so groups stay balanced while lane steps take places (otherwise the
+        groups that wait behind a lane step merge into one, and pipelining is lost)."""
+        past_prompt = sum(1 for s in self._active if s.rows is not None and not s.prefilling and not s.paused)
+        return max(1, -(-past_prompt // self._inflight_limit()))
+
+    def _plan_lane(self) -> list[_Entry]:
+        """The next lane step: prefill pieces of two rows or more, FIFO, within the step's prefill
+        row budget. A piece never leaves a one-row remainder when it can help it (a one-row
+        piece goes with the decode rows, see `_plan`); a session restored from the voice prefix
+        waits for the restore's answer before its next piece."""
+        now = time.monotonic()
+        if not self._prefill_due(now):
+            return []
+        budget, entries = self.step_prefill_rows, []
+        for session in self._active:
+            if budget < 2 or len(entries) >= self.max_rows:
+                break
+            if not session.prefilling or session.in_step or session.paused or session.awaiting_restore:
+                continue
+            left = self._piece_end(session) - session.sent
+            if left < 2:
+                continue
+            n = min(left, self.prefill_chunk_tokens, budget)
+            if left - n == 1 and n > 2:
+                n -= 1
+            if n < 2:
+                continue
+            budget -= n
+            entries.append(self._piece(session, n))
+        if entries:
+            self._last_prefill_step = now
+        return entries
+
+    # ---- steps ------------------------------------------------------------------------------
+
     async def _start_step(self, entries: list[_Entry]) -> None:
-        """Compute the group's hidden rows and send them to the tower; `_finish_step` routes the
-        response when it comes."""
-        span = None
-        if entries and random.random() < self.step_span_sample:
-            links = [trace.Link(e.session.job.span_context) for e in entries
-                     if e.session.job.span_context is not None
-                     and e.session.job.span_context.is_valid][:MAX_STEP_SPAN_LINKS]
-            span = _tracer.start_span("backbone.step", links=links, attributes={
-                "drama.batch.rows": sum(len(e.rows) for e in entries),
-                "drama.batch.sessions": len(entries)})
-        work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
-        if work:
-            store = [e for e in entries if e.store]
+        """A main-loop step: compute the group's hidden rows and send them to the tower;
+        `_finish_step` routes the response when it comes."""
+        span = self._step_span(entries, lane=False)
+        self._claimed += 1                    # its place at the tower is taken from now on
+        try:
+            if entries:
+                hidden = await self._compute_entries(entries, lane=False)
+                if hidden is None:             # the step failed, its sessions have ended
+                    if span is not None:
+                        span.end()
+                    return
+            else:   # a release-only message
+                hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
+            await self._send(entries, hidden, span, lane=False)
+        finally:
+            self._claimed -= 1
+
+    async def _run_lane(self) -> None:
+        """The prefill lane's coroutine: plan a lane step, compute it on the lane's thread, wait
+        for a place at the tower (before any new decode group), send it; again."""
+        while True:
+            entries: list[_Entry] = []
             try:
-                hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._compute, work, [e.session.slot for e in store])
-            except Exception as exc:
-                log.exception("engine step failed")
+                self._lane_wake.clear()
+                entries = self._plan_lane() if self.tower.ready else []
+                if not entries:
+                    await self._lane_sleep()
+                    continue
+                span = self._step_span(entries, lane=True)
+                hidden = await self._compute_entries(entries, lane=True)
+                if hidden is None:
+                    if span is not None:
+                        span.end()
+                    continue
+                self._lane_waiting = True
+                try:
+                    while True:
+                        self._lane_wake.clear()
+                        if self.tower.ready and self._free_places() > 0:
+                            break
+                        await self._lane_sleep()
+                finally:
+                    self._lane_waiting = False
+                self._claimed += 1
+                try:
+                    await self._send(entries, hidden, span, lane=True)
+                finally:
+                    self._claimed -= 1
+                self._wake.set()               # the main loop: a new step to wait for
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a bug here must not silently stop prefilling
+                log.exception("prefill lane failed")
                 for e in entries:
-                    self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
-                if span is not None:
-                    span.end()
-                return
-            for e, snapshot in zip(store, snapshots):
-                self.prefix_cache.put(e.session.prefix[0], snapshot)
-                e.session.store_prefix = False
-            hidden = torch.cat(hidden)
-        else:   # a release-only message
-            hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
+                    if e.session.in_step:
+                        e.session.in_step = False
+                        self._end(e.session, GenerateError("INTERNAL", "backbone scheduler error"))
+
+    async def _lane_sleep(self) -> None:
+        try:
+            await asyncio.wait_for(self._lane_wake.wait(), self.idle_poll_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _step_span(self, entries: list[_Entry], *, lane: bool):
+        """A sampled `backbone.step` span linked to the sessions' Generate spans, or None."""
+        if not entries or random.random() >= self.step_span_sample:
+            return None
+        links = [trace.Link(e.session.job.span_context) for e in entries
+                 if e.session.job.span_context is not None
+                 and e.session.job.span_context.is_valid][:MAX_STEP_SPAN_LINKS]
+        return _tracer.start_span("backbone.step", links=links, attributes={
+            "drama.batch.rows": sum(len(e.rows) for e in entries),
+            "drama.batch.sessions": len(entries), "drama.step.lane": lane})
+
+    async def _compute_entries(self, entries: list[_Entry], *, lane: bool) -> Tensor | None:
+        """The entries' hidden rows [sum of rows, H] on the host, computed on the main engine
+        thread or the lane's; stores the voice-prefix snapshots of entries that end a prefix.
+        None when the engine failed (the entries' sessions have ended INTERNAL)."""
+        work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
+        store = [e for e in entries if e.store]
+        slots = {slot for slot, _, _ in work}
+        self._computing |= slots
+        executor = self._lane_executor if lane else self._executor
+        try:
+            hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
+                executor, self._compute, work, [e.session.slot for e in store], lane)
+        except asyncio.CancelledError:
+            raise                              # close(): it waits for the thread, then frees
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._computing -= slots
+            for e in entries:
+                e.session.in_step = False
+                self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
+            self._free_held()
+            return None
+        self._computing -= slots
+        self._free_held()
+        for e, snapshot in zip(store, snapshots):
+            self.prefix_cache.put(e.session.prefix[0], snapshot)
+            e.session.store_prefix = False
+        return hidden
+
+    async def _send(self, entries: list[_Entry], hidden: Tensor, span, *, lane: bool) -> None:
+        """Send a computed step to the tower (with the releases so far). Entries whose session
+        ended, or moved to a new timeline, while the step was computed are left out."""
+        keep, parts, offset = [], [], 0
+        for e in entries:
+            e.session.in_step = False
+            n = len(e.rows)
+            if e.session.state != "done" and e.timeline == e.session.timeline:
+                keep.append(e)
+                parts.append(hidden[offset:offset + n])
+            offset += n
+        if not keep and entries:
+            if span is not None:
+                span.end()
+            return                             # nothing left to send; releases go with the next step
+        if len(keep) < len(entries):
+            entries, hidden = keep, torch.cat(parts)
         tower_entries = []
         for e in entries:
             s = e.session
-            if s.prefill_start_ns == 0:
-                s.prefill_start_ns = time.time_ns()
             key, rows = s.prefix if e.restore or e.store else ("", 0)
             tower_entries.append(TowerEntry(
                 s.id, first_row=s.sent, n_rows=len(e.rows), draw=e.draw, take_index=s.chunk_index,
@@ -693,6 +936,8 @@ class Scheduler:
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
+            if e.restore:
+                s.awaiting_restore = True
         targets = (torch.cat([e.targets for e in entries]) if entries
                    else torch.empty(0, self.engine.num_codebooks, dtype=torch.int64))
         release, self._release = self._release, []
@@ -705,25 +950,37 @@ class Scheduler:
         except TowerUnavailable as exc:
             result = asyncio.get_running_loop().create_future()
             result.set_exception(exc)
-        self._inflight.append(_InFlight(entries, result, span))
+        self._inflight.append(_InFlight(entries, result, span, lane))
+        self.lane_steps += lane
+        self._lane_wake.set()                  # sessions sent on: the lane may plan their next piece
 
-    def _compute(self, work, store_slots: list[int]):
-        """On the engine thread: the step (timed here), then snapshots of the slots that just
-        ended a prefix."""
-        started = time.perf_counter()
-        hidden = self.engine.step(work)
-        if hidden and hidden[0].is_cuda:
-            # engine.step only queues the GPU work. Its rows go to the host right after this
-            # returns (tower_client.step_request, on the event loop), so waiting for them here
-            # costs nothing, and makes the step time include the GPU's.
-            torch.cuda.synchronize(hidden[0].device)
-        self._step_seconds.record(time.perf_counter() - started)
-        self._batch_rows.record(sum(len(token_ids) for _, token_ids, _ in work))
-        return hidden, [self.engine.snapshot(slot) for slot in store_slots]
+    def _compute(self, work, store_slots: list[int], lane: bool):
+        """On an engine thread (the main one, or the lane's): the step (timed here), snapshots of
+        the slots that just ended a prefix, and the rows copied to the host. On CUDA with the
+        lane each thread runs on its own stream; engine.step waits for its stream's work, so the
+        time includes the GPU's."""
+        stream = self._lane_stream if lane else self._main_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            hidden = self.engine.step(work)
+            elapsed = time.perf_counter() - started
+            snapshots = [self.engine.snapshot(slot) for slot in store_slots]
+            # To the host here, on this thread: the event loop never waits for a stream, and no
+            # other stream ever reads memory this one allocated.
+            hidden = torch.cat(hidden).cpu()
+        rows = sum(len(token_ids) for _, token_ids, _ in work)
+        if lane:
+            self._lane_step_seconds.record(elapsed)
+            self._lane_batch_rows.record(rows)
+        else:
+            self._step_seconds.record(elapsed)
+            self._batch_rows.record(rows)
+        return hidden, snapshots
 
     def _finish_step(self, step: _InFlight) -> None:
         if step.span is not None:
             step.span.end()
+        self._lane_wake.set()                  # a place at the tower is free again
         if step.result.cancelled() or isinstance(step.result.exception(), TowerUnavailable):
             self._fail_tower_sessions()
             return
@@ -739,6 +996,8 @@ class Scheduler:
                 continue
             if e.timeline != session.timeline:   # abandoned by a prefix fallback
                 continue
+            if e.restore:
+                session.awaiting_restore = False
             if index in result.row_errors:
                 error = result.row_errors[index]
                 if error.status == "FAILED_PRECONDITION":
@@ -804,7 +1063,7 @@ class Scheduler:
 
     def _close_timeline(self, session: Session) -> None:
         if session.slot is not None:
-            self.engine.release(session.slot)
+            self._release_slot(session.slot)
             session.slot = None
         if session.tower_open:
             self._release.append(session.id)
@@ -830,7 +1089,20 @@ class Scheduler:
             session.outbox.put_nowait(Usage(session.text_tokens, session.audio_tokens,
                                             session.output_tokens))
         session.outbox.put_nowait(_END)
-        self._wake.set()
+        self._nudge()
+
+    def _release_slot(self, slot: int) -> None:
+        """Free an engine slot, or, while an engine call uses it, once that call has ended (the
+        call may still snapshot it, and the slot must not be opened for someone else before)."""
+        if slot in self._computing:
+            self._held.append(slot)
+        else:
+            self.engine.release(slot)
+
+    def _free_held(self) -> None:
+        held, self._held = self._held, []
+        for slot in held:
+            self._release_slot(slot)
 
     def _fail_tower_sessions(self) -> None:
         """The Step stream broke: its state is gone, so every session that had some fails."""

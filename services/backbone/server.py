@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -282,6 +283,10 @@ class Settings:
     max_queue: int = 256
     prefill_chunk_tokens: int = 2048
     prefill_interval_ms: float = 0.0  # while sessions decode, prefill steps at most this often (Scheduler)
+    # prefill pieces on a lane of their own (thread, CUDA stream, TowerSteps) beside the decode
+    # groups (Scheduler). None: on for a CUDA device (DRAMA_PREFILL_LANE=0 turns it off), off on
+    # the CPU unless set; see prefill_lane_for.
+    prefill_lane: bool | None = None
     session_buffer_frames: int = 1024
     step_span_sample: float = 0.01
     max_inflight_steps: int = 2      # Step requests at the tower at once (also capped by the tower's)
@@ -329,6 +334,17 @@ def decode_graphs_for(settings: Settings) -> bool:
     default on CUDA devices (graphs exist only on the kernel path on CUDA; elsewhere a no-op)."""
     if settings.decode_graphs is not None:
         return settings.decode_graphs
+    return settings.device.startswith("cuda")
+
+
+def prefill_lane_for(settings: Settings) -> bool:
+    """Whether the scheduler runs the prefill lane: settings.prefill_lane, or by default on CUDA
+    devices, where a prefill step is host-bound (eager launches) and would stall every decoding
+    stream. Off by default on the CPU: there the two engine threads share the same few cores, so
+    the lane buys nothing, and the CPU suites keep one engine thread (the frames are the same
+    either way, tests/test_prefill_lane.py)."""
+    if settings.prefill_lane is not None:
+        return settings.prefill_lane
     return settings.device.startswith("cuda")
 
 
@@ -434,6 +450,16 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     prefix_cache = prefix_cache_for(settings)
     print(f"backbone voice-prefix cache: {prefix_cache.capacity_bytes / 2 ** 20:.0f} MiB"
           + ("" if prefix_cache.enabled else " (off)"), flush=True)
+    lane = prefill_lane_for(settings)
+    print(f"backbone prefill lane: {'on' if lane else 'off'}", flush=True)
+    if lane:
+        # The lane's thread runs ~190 ms of Python per prefill step on the GPU (fla's per-layer
+        # code, thousands of launches) and holds the GIL for all of it but the waits. The decode
+        # thread (a graph replay, a copy) and the event loop (routing frames, the tower stream)
+        # each need it only briefly per step, but at the default 5 ms switch interval every one
+        # of those brief needs waits up to 5 ms for the lane to yield; at 1 ms a decode step
+        # loses little to the lane. Process-wide, set once here.
+        sys.setswitchinterval(0.001)
     tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
                         hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
                         max_rows=settings.max_rows, max_context_tokens=max_context,
@@ -442,6 +468,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
                           prefill_interval_s=settings.prefill_interval_ms / 1000,
+                          prefill_lane=lane,
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
