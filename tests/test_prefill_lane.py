@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from services.backbone.engine import BackboneEngine
-from services.backbone.scheduler import ChunkEnd, FramesOut, Scheduler, Usage
+from services.backbone.scheduler import ChunkEnd, FramesOut, GenerateError, Scheduler, Usage
 from test_backbone_server import Recorder, _job, _TowerSide
-from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, _start_backbone
+from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, TowerProcess, _start_backbone
 from test_prefix_cache import SEEDS, _Backbone, _rows, _tower
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -207,10 +207,10 @@ async def stage(backbone_model, tower_addr, tiny_config):
 
     made = []
 
-    async def make(**kwargs):
+    async def make(tower=None, **kwargs):
         engine = BackboneEngine(backbone_model, max_sessions=kwargs.pop("max_sessions", 4),
                                 max_context=MAX_CONTEXT)
-        client = TowerClient(tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
+        client = TowerClient(tower or tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                              codebooks=tiny_config.num_codebooks, max_rows=engine.max_sessions,
                              max_context_tokens=MAX_CONTEXT)
         recorder = _LaneRecorder(engine, client)
@@ -307,6 +307,41 @@ async def test_decoding_goes_on_during_a_lane_step_and_a_cancel_there_ends_clean
     assert rec.engine.free_slots == 3
     assert all(e.session_id != "gone" for s in rec.steps for e in s.entries)
     assert [e.session_id for s in rec.steps for e in s.entries if e.draw] == ["keep"] * len(frames_at)
+
+
+async def test_a_tower_loss_fails_the_streams_it_held_and_a_lane_prefill_goes_on_after(stage, tiny_checkpoint):
+    """The tower dies while the lane computes a new session's first piece: the decoding stream
+    (tower state) fails UNAVAILABLE; the new session (none yet) waits, computed, for the tower
+    to come back, then runs to its end with the frames it gives on an untouched stack."""
+    job = lambda name: _job(name, seed=4, turns=("hi",), max_new=6)   # noqa: E731
+    scheduler, _ = await stage()
+    want = await _codes(scheduler, scheduler.submit(job("reference")))
+
+    tower = TowerProcess(tiny_checkpoint)
+    await tower.start()
+    try:
+        scheduler, rec = await stage(tower=tower.addr, prefill_lane=True)
+        doomed = scheduler.submit(_job("doomed", seed=2, turns=("a long one",), max_new=40))
+        async for event in scheduler.events(doomed):
+            if isinstance(event, FramesOut):
+                break
+        late = scheduler.submit(job("late"))
+        rec.hold_if = lambda work: any(slot == late.slot for slot, _, _ in work)
+        assert await asyncio.to_thread(rec.holding.wait, 30)
+        tower.kill()
+        with pytest.raises(GenerateError) as info:
+            async for _ in scheduler.events(doomed):
+                pass
+        assert info.value.status == "UNAVAILABLE"
+        rec.go.set()                                     # computed while the tower is away
+        await asyncio.sleep(0.3)
+        assert late.state == "active" and late.sent == 0 and scheduler.lane_steps == 1
+        await tower.start()                              # same port: the client reconnects
+        got = await asyncio.wait_for(_codes(scheduler, late), 60)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+        assert rec.engine.free_slots == 4
+    finally:
+        tower.kill()
 
 
 # --------------------------------------------------------------------------------------------

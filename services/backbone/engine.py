@@ -174,7 +174,9 @@ class BackboneEngine:
         audio row's frame (c_0 in [0, Q_s), c_k in [0, Q_r)) and token_ids[i] must equal
         semantic_start_token_id + c_0. frames=None means all rows are text. Returns hidden
         [n, H] (hidden_dtype) per entry, in order. Every entry is checked before any cache is
-        touched: ValueError (bad slot, shapes, ids or codes, a slot twice), ContextFullError.
+        touched: ValueError (bad slot, shapes, ids or codes, a slot twice, a slot inside another
+        thread's running step), ContextFullError. On CUDA the step runs on the calling thread's
+        current stream and has finished on it when this returns.
         """
         if not work:
             return []
