@@ -45,10 +45,20 @@ case $part in
       $cmd 2>&1 | tee -a "$work/stages.log" || status=$?
     done ;;
   final)   # the short end-of-session run: codec bench, then one serving stack (requests, sweep, invariance)
-    timeout 150 python3 bench/codec.py --dtype fp16 --frames 1 4 215 --batch 8 64 --out "$work/codec.json" 2>&1 \
+    # the prefill lane (on by default on CUDA) serves only if its CUDA test passes here
+    if [[ -z ${DRAMA_PREFILL_LANE:-} ]]; then
+      if timeout 90 python3 -m pytest -q -x tests/test_prefill_lane.py -k cuda 2>&1 | tail -3 | tee "$work/lane_test.log" \
+          && grep -q " passed" "$work/lane_test.log" && ! grep -q "failed" "$work/lane_test.log"; then
+        export DRAMA_PREFILL_LANE=1
+      else
+        export DRAMA_PREFILL_LANE=0
+      fi
+    fi
+    echo "DRAMA_PREFILL_LANE=$DRAMA_PREFILL_LANE" | tee -a "$work/commands.txt"
+    timeout 100 python3 bench/codec.py --dtype fp16 --frames 1 4 215 --batch 8 64 --out "$work/codec.json" 2>&1 \
       | tee "$work/codec.log"
     OUT=$work SKIP_MICRO=1 SKIP_VOICE=1 SWEEP=${SWEEP:-1,8,32,128} DURATION=${DURATION:-8} \
-      timeout "${SERVING_LIMIT:-360}" bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
+      timeout "${SERVING_LIMIT:-300}" bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
     status=${PIPESTATUS[0]} ;;
   cmd)   # any commands: bash bench/h200_run.sh cmd "python3 ..." "python3 ..."
     shift

@@ -10,7 +10,7 @@
 # Environment: OUT (default ./bench-out), DEVICE (cuda), PRESET (full), SWEEP (1,8,32,64,128),
 # DURATION (15 s per level), FRAMES (100 per request); SKIP_VOICE=1 / SKIP_INVARIANCE=1 / SKIP_MICRO=1
 # leave out the voice-prefix run, the batch-invariance run, or the in-process stage timings. Stage settings pass through the
-# environment, e.g. DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
+# environment, e.g. DRAMA_PREFILL_LANE=0 (the prefill lane, on by default on CUDA), DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
 # sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
 set -uo pipefail

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # (stage, series) -> what the table calls it
-TIME_SERIES = {"backbone": "drama_backbone_step_seconds", "tower": "drama_tower_step_seconds",
-               "codec": "drama_codec_decode_seconds"}
-SIZE_SERIES = {"backbone": "drama_backbone_batch_rows", "codec": "drama_codec_batch_size"}
+TIME_SERIES = {"backbone": "drama_backbone_step_seconds", "backbone lane": "drama_backbone_lane_step_seconds",
+               "tower": "drama_tower_step_seconds", "codec": "drama_codec_decode_seconds"}
+SIZE_SERIES = {"backbone": "drama_backbone_batch_rows", "backbone lane": "drama_backbone_lane_batch_rows",
+               "codec": "drama_codec_batch_size"}
 
 
 @dataclass
@@ -127,10 +128,13 @@ def table(rows: list[dict]) -> str:
         p90 = "-" if stage_row["p90_ms"] is None else f"{stage_row['p90_ms']:.3g}"
         busy = "-" if stage_row["busy"] is None else f"{stage_row['busy']:.0%}"
         return f"{stage_row['steps']} x {stage_row['mean_ms']:.2f} ms (p90 <= {p90}){batch}, busy {busy}"
-    lines = ["| window | s | backbone steps | tower steps | codec decode calls |", "|---|---|---|---|---|"]
+    lane = any(row.get("backbone lane") for row in rows)   # the prefill lane's steps (DRAMA_PREFILL_LANE)
+    head = "| window | s | backbone steps |" + (" backbone lane (prefill) steps |" if lane else "")
+    lines = [head + " tower steps | codec decode calls |", "|---|---|---|" + ("---|" if lane else "") + "---|---|"]
     for row in rows:
-        lines.append(f"| {row['window']} | {row['seconds']:.1f} | {cell(row['backbone'])} | {cell(row['tower'])} "
-                     f"| {cell(row['codec'])} |")
+        lane_cell = f" {cell(row.get('backbone lane'))} |" if lane else ""
+        lines.append(f"| {row['window']} | {row['seconds']:.1f} | {cell(row['backbone'])} |{lane_cell} "
+                     f"{cell(row['tower'])} | {cell(row['codec'])} |")
     return "\n".join(lines)
 
 
