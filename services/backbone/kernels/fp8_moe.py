@@ -451,13 +451,13 @@ def route_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def warm_route_blocks(device, num_experts: int, top_k: int, block_m: int) -> None:
     """Compile `_route_kernel` for every specialisation a prefill piece can need before serving:
-    NP (pairs rounded up to a power of two, 16…DECODE_MAX_PAIRS) and n divisible by 16 or not
-    (Triton specialises integer arguments on that). Decode steps route through moe_decode, so the
-    decode-graph captures no longer compile these; without this, the first prompts of 2-4 or
-    9-16 rows each waited ~1 s for a compile (kernel_watch logged `_route_kernel` after SERVING)."""
-    rows = sorted({r for np_ in (16, 32, 64, 128, 256, 512, 1024) for r in (np_ // top_k, np_ // top_k - 1)
-                   if 1 <= r and r * top_k <= DECODE_MAX_PAIRS} | {1})
-    for r in rows:
+    every piece of 1…DECODE_MAX_PAIRS/k rows, i.e. every NP (pairs rounded up to a power of two)
+    with every divisibility of n and max_blocks that Triton specialises integer arguments on.
+    Decode steps route through moe_decode, so the decode-graph captures no longer compile these;
+    without this, prompts of new sizes each waited ~1 s for a compile (kernel_watch logged
+    `_route_kernel` after SERVING on the H200, twice with only NP and n%16 covered). ~128 tiny
+    launches, a few ms once compiled."""
+    for r in range(1, DECODE_MAX_PAIRS // top_k + 1):
         ids = torch.arange(r * top_k, device=device, dtype=torch.int32).remainder(num_experts).view(r, top_k)
         route_blocks(ids, num_experts, block_m)
 
