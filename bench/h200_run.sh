@@ -33,7 +33,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 status=0
 case $part in
   serving)
-    OUT=$work SKIP_MICRO=${SKIP_MICRO:-1} bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
+    OUT=$work SKIP_MICRO=${SKIP_MICRO:-1} timeout "${SERVING_LIMIT:-560}" bash bench/h200_serving.sh all 2>&1 \
+      | tee "$work/serving.log"
     status=${PIPESTATUS[0]} ;;
   stages)
     for cmd in \

@@ -8,8 +8,9 @@
 #   bash bench/h200_serving.sh e2e        bench.e2e alone, with its own single-stream stack
 #
 # Environment: OUT (default ./bench-out), DEVICE (cuda), PRESET (full), SWEEP (1,8,32,64,128),
-# DURATION (15 s per level), FRAMES (100 per request); SKIP_VOICE=1 / SKIP_INVARIANCE=1 / SKIP_MICRO=1
-# leave out the voice-prefix run, the batch-invariance run, or the in-process stage timings. Stage settings pass through the
+# DURATION (15 s per level), FRAMES (100 per request); SKIP_E2E=1 / SKIP_VOICE=1 / SKIP_INVARIANCE=1 /
+# SKIP_MICRO=1 leave out bench.e2e's requests, the voice-prefix run, the batch-invariance run, or the
+# in-process stage timings. Stage settings pass through the
 # environment, e.g. DRAMA_PREFILL_LANE=0 (the prefill lane, on by default on CUDA), DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
 # sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
@@ -58,8 +59,8 @@ if [[ $part == all ]]; then
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -l 2 > "$OUT/gpu_memory.csv" 2>&1 &
     smi=$!
   fi
-  run python3 -m bench.e2e --preset "$PRESET" --device "$DEVICE" --stack-info "$info" --skip-micro \
-      --budget-s 60 --json "$OUT/e2e_stack.json"
+  [[ ${SKIP_E2E:-0} == 1 ]] || run python3 -m bench.e2e --preset "$PRESET" --device "$DEVICE" --stack-info "$info" \
+      --skip-micro --budget-s 60 --json "$OUT/e2e_stack.json"
   run python3 -m bench.load --url "$url" --sweep "${SWEEP:-1,8,32,64,128}" --duration "${DURATION:-15}" \
       --max-new-tokens "${FRAMES:-100}" --formats pcm --sample-rate 44100 --ramp-s 2 --json "$OUT/load.json"
   run python3 -m bench.stage_metrics "$OUT/stack-logs" --load "$OUT/load.json" --json "$OUT/stage_metrics.json"
