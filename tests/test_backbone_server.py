@@ -7,6 +7,7 @@ The end-to-end Generate tests over gRPC are in test_generate_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -220,21 +221,23 @@ class _TowerSide:
         return await self.recorder.tower_send(step)
 
 
-@pytest.fixture
-async def stage(backbone_model, tower_addr, tiny_config):
-    """A scheduler over a fresh engine, both sides recorded; tear down frees everything."""
+@contextlib.asynccontextmanager
+async def scheduler_factory(backbone_model, tower_addr, tiny_config, *, recorder_cls=None,
+                            max_sessions: int = POOL_ROWS, max_context: int = POOL_CONTEXT):
+    """`make(tower=None, max_sessions=..., **scheduler_kwargs) -> (scheduler, recorder)`: a scheduler
+    over a fresh engine and a real TowerClient, both sides recorded; leaving closes them all."""
     from services.backbone.engine import BackboneEngine
     from services.backbone.tower_client import TowerClient
 
     made = []
 
-    async def make(**kwargs):
-        engine = BackboneEngine(backbone_model, max_sessions=kwargs.pop("max_sessions", POOL_ROWS),
-                                max_context=POOL_CONTEXT)
-        client = TowerClient(tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
+    async def make(tower=None, **kwargs):
+        engine = BackboneEngine(backbone_model, max_sessions=kwargs.pop("max_sessions", max_sessions),
+                                max_context=max_context)
+        client = TowerClient(tower or tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                              codebooks=tiny_config.num_codebooks, max_rows=engine.max_sessions,
-                             max_context_tokens=POOL_CONTEXT)
-        recorder = Recorder(engine, client)
+                             max_context_tokens=max_context)
+        recorder = (recorder_cls or Recorder)(engine, client)
         scheduler = Scheduler(recorder, _TowerSide(recorder),
                               semantic_start_token_id=tiny_config.semantic_start_token_id,
                               max_rows=engine.max_sessions, **kwargs)
@@ -245,10 +248,19 @@ async def stage(backbone_model, tower_addr, tiny_config):
         made.append((scheduler, client))
         return scheduler, recorder
 
-    yield make
-    for scheduler, client in made:
-        await scheduler.close()
-        await client.close()
+    try:
+        yield make
+    finally:
+        for scheduler, client in made:
+            await scheduler.close()
+            await client.close()
+
+
+@pytest.fixture
+async def stage(backbone_model, tower_addr, tiny_config):
+    """A scheduler over a fresh engine, both sides recorded; tear down frees everything."""
+    async with scheduler_factory(backbone_model, tower_addr, tiny_config) as make:
+        yield make
 
 
 def _job(session_id, *, seed=5, turns=("hello", "world"), history=1, max_new=5, first=2, every=3,

@@ -22,7 +22,7 @@ import torch
 
 from services.backbone.engine import BackboneEngine
 from services.backbone.scheduler import ChunkEnd, FramesOut, GenerateError, Scheduler, Usage
-from test_backbone_server import Recorder, _job, _TowerSide
+from test_backbone_server import Recorder, _job, scheduler_factory
 from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, TowerProcess, _start_backbone
 from test_prefix_cache import SEEDS, _Backbone, _rows, _tower
 
@@ -203,31 +203,9 @@ class _LaneRecorder(Recorder):
 
 @pytest.fixture
 async def stage(backbone_model, tower_addr, tiny_config):
-    from services.backbone.tower_client import TowerClient
-
-    made = []
-
-    async def make(tower=None, **kwargs):
-        engine = BackboneEngine(backbone_model, max_sessions=kwargs.pop("max_sessions", 4),
-                                max_context=MAX_CONTEXT)
-        client = TowerClient(tower or tower_addr, hidden_dim=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
-                             codebooks=tiny_config.num_codebooks, max_rows=engine.max_sessions,
-                             max_context_tokens=MAX_CONTEXT)
-        recorder = _LaneRecorder(engine, client)
-        scheduler = Scheduler(recorder, _TowerSide(recorder),
-                              semantic_start_token_id=tiny_config.semantic_start_token_id,
-                              max_rows=engine.max_sessions, **kwargs)
-        client.on_lost = scheduler.tower_lost
-        client.start()
-        assert await client.wait_ready(30), client.last_error
-        scheduler.start()
-        made.append((scheduler, client))
-        return scheduler, recorder
-
-    yield make
-    for scheduler, client in made:
-        await scheduler.close()
-        await client.close()
+    async with scheduler_factory(backbone_model, tower_addr, tiny_config, recorder_cls=_LaneRecorder,
+                                 max_sessions=4, max_context=MAX_CONTEXT) as make:
+        yield make
 
 
 async def _codes(scheduler, session) -> list[torch.Tensor]:
