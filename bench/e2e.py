@@ -437,6 +437,10 @@ def transformers_peer(preset: str, device: str) -> tuple[float | None, str | Non
 
 
 def commit() -> str:
+    """BENCH_COMMIT when set (the lent GPU's copy of the tree carries a stale .git, so its
+    `git rev-parse` names an old commit: pass the real one in the command), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -13,6 +13,8 @@
 # `.triton-cache` (its Triton cache, compiled kernels + autotune results): a fresh machine then skips
 # most of the stages' ~100 s warm-up. The cache of this call comes back as $OUT/triton-cache.tgz;
 # unpack it into .triton-cache/ for the next call. Stage settings pass through the environment.
+# The copy's .git may be stale there: give BENCH_COMMIT=<sha> in the command so the JSON names the
+# commit measured.
 set -uo pipefail
 part=${1:?serving or stages}
 OUT=${OUT:?set by the device tool}
