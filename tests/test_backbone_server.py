@@ -343,6 +343,26 @@ async def test_scheduler_sends_every_row_once_in_order_with_its_target(stage):
     assert rec.engine.free_slots == POOL_ROWS
 
 
+@pytest.mark.parametrize("lane", [False, True], ids=["main", "lane"])
+async def test_a_prompt_is_cut_on_its_own_grid_whatever_else_prefills(stage, lane):
+    """A session's prompt is cut into the same pieces alone and beside other prompts: on the GPU
+    another cut changes bits (GDN chunks restart at each piece), so batch invariance needs it. The
+    step budget (7 rows) holds one piece of 5; a second session's piece waits for the next step
+    whole instead of taking the 2 rows left."""
+    cuts = {}
+    for others in (0, 2):
+        scheduler, rec = await stage(prefill_lane=lane, prefill_chunk_tokens=5, step_prefill_rows=7)
+        sessions = [scheduler.submit(_job(f"o{i}", seed=20 + i, max_new=3)) for i in range(others)]
+        sessions.append(scheduler.submit(_job("probe", seed=9, max_new=3)))
+        await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        cuts[others] = [(e.first_row, e.n_rows) for step in rec.steps for e in step.entries
+                        if e.session_id == "probe" and not (e.n_rows == 1 and e.first_row > 0 and e.draw)]
+        pieces = [e.n_rows for step in rec.steps for e in step.entries if e.n_rows > 1]
+        assert pieces and all(n <= 5 for n in pieces)
+        assert all(sum(e.n_rows for e in step.entries if e.n_rows > 1) <= 7 for step in rec.steps)
+    assert cuts[0] == cuts[2], (cuts[0], cuts[2])
+
+
 async def test_pipelined_steps_give_each_session_the_frames_of_sequential_steps(stage):
     """Two groups at the tower at once (while one is at the tower the engine computes the
     other) change nothing for any session: same frames as one step at a time."""

@@ -732,11 +732,22 @@ class Scheduler:
             budget = 0                       # no prefill piece: the prefill step is not due yet
         for session in runnable:
             if session.prefilling and len(entries) < limit and budget > 0:
+                n = self._piece_rows(session)
+                if n > budget:               # FIFO: it waits for the next step, uncut
+                    break
                 self._last_prefill_step = now
-                n = min(self._piece_end(session) - session.sent, self.prefill_chunk_tokens, budget)
                 budget -= n
                 entries.append(self._piece(session, n))
         return entries
+
+    def _piece_rows(self, session: Session) -> int:
+        """Rows of the session's next prefill piece: its own grid only (prefill_chunk_tokens,
+        capped by the step's budget, and the prefix cut), never what other sessions left of the
+        step's budget. Why (issue #8, batch invariance): on the GPU a different cut of the same
+        prompt changes bits (GDN chunks restart at each piece), so a session's pieces must be the
+        same alone or beside any other prompt; a piece that does not fit what is left of a step
+        waits for the next one whole."""
+        return min(self._piece_end(session) - session.sent, self.prefill_chunk_tokens, self.step_prefill_rows)
 
     def _prefill_due(self, now: float) -> bool:
         """May a step with prefill pieces (a lane step) run now (prefill_interval_s)?"""
@@ -789,11 +800,13 @@ class Scheduler:
             left = self._piece_end(session) - session.sent
             if left < 2:
                 continue
-            n = min(left, self.prefill_chunk_tokens, budget)
+            n = self._piece_rows(session)
             if left - n == 1 and n > 2:
                 n -= 1
             if n < 2:
                 continue
+            if n > budget:                   # FIFO: it waits for the next lane step, uncut
+                break
             budget -= n
             entries.append(self._piece(session, n))
         if entries:
