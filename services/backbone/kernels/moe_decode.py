@@ -33,6 +33,7 @@ ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -47,15 +48,12 @@ if HAS_TRITON:
 # (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H.
 # One config for every batch size: see the module docstring, item 3.
 DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3)
-MAX_ROWS = 128      # rows per decode step this path is for (the largest graph bucket)
 
 
 def _dot_args() -> dict:
     """bf16 operands for tl.dot (FP8 values are exact in bf16, products exact in F32). Triton's CPU
     interpreter (TRITON_INTERPRET=1, for checking these kernels without a GPU) multiplies bf16 as
     raw bits, so there the operands are float32 with IEEE products: the same values."""
-    import os
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(DOT=tl.float32, PREC="ieee")
     return dict(DOT=tl.bfloat16, PREC=None)
