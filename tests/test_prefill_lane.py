@@ -24,25 +24,11 @@ from services.backbone.engine import BackboneEngine
 from services.backbone.scheduler import ChunkEnd, FramesOut, GenerateError, Scheduler, Usage
 from test_backbone_server import Recorder, _job, scheduler_factory
 from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, TowerProcess, _start_backbone
-from test_prefix_cache import SEEDS, _Backbone, _rows, _tower
+from test_prefix_cache import SEEDS, _Backbone, _rows, _tower, backbone_model, tower_addr  # noqa: F401 (fixtures)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 LANE = "backbone-lane"       # the lane's thread name prefix (scheduler.py)
-
-
-@pytest.fixture(scope="module")
-def backbone_model(tiny_checkpoint):
-    from services.backbone.weights import load_backbone
-    return load_backbone(tiny_checkpoint, device="cpu", dtype=torch.float32, lm_head=False)
-
-
-@pytest.fixture(scope="module")
-async def tower_addr(tiny_checkpoint):
-    proc, addr = await _tower(tiny_checkpoint)
-    yield addr
-    proc.kill()
-    proc.wait(10)
 
 
 # --------------------------------------------------------------------------------------------
