@@ -32,7 +32,8 @@ from pathlib import Path
 def background(stack_args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 300.0):
     """`python -m bench.stack STACK_ARGS` in the background; yields the gateway URL once the stack
     is ready and stops it afterwards (for the benches and tests that need a stack of their own)."""
-    url_file = Path(tempfile.mkdtemp(prefix="bench-stack-")) / "url"
+    scratch = tempfile.TemporaryDirectory(prefix="bench-stack-")
+    url_file = Path(scratch.name) / "url"
     process = subprocess.Popen([sys.executable, "-m", "bench.stack", *stack_args, "--url-file", str(url_file)],
                                env=env)
     try:
@@ -46,7 +47,12 @@ def background(stack_args: list[str], *, env: dict[str, str] | None = None, time
         yield url_file.read_text().strip()
     finally:
         process.terminate()
-        process.wait(60)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:      # a stack that does not drain is killed, not left behind
+            process.kill()
+            process.wait()
+        scratch.cleanup()
 
 
 def main(argv=None) -> int:

@@ -54,10 +54,11 @@ def test_batch_invariance_compares_codes_frame_by_frame():
     assert batch_invariance.first_difference(late.codes, alone.codes) == 3
     assert batch_invariance.first_difference(short.codes, alone.codes) == 2
     cases = [batch_invariance.case(name, 2, take, alone)
-             for name, take in (("same codes", same), ("late", late), ("short", short))]
-    assert [c["codes_equal"] for c in cases] == [True, False, False]
-    assert [c["pcm_equal"] for c in cases] == [False, True, True]
-    result = {"cases": cases, "deterministic": True, "batch_invariant": False, "pcm_invariant": False}
+             for name, take in (("alone", alone), ("same codes", same), ("late", late), ("short", short))]
+    assert [c["codes_equal"] for c in cases] == [True, True, False, False]
+    assert [c["pcm_equal"] for c in cases] == [True, False, True, True]
+    result = {"cases": cases, **batch_invariance.verdict(cases)}
+    assert not result["deterministic"] and not result["batch_invariant"] and not result["pcm_invariant"]
     text = batch_invariance.table(result)
     assert "| late | 2 | 4 |" in text and "| NO | 3 |" in text and "batch_invariant (codes): false" in text
 

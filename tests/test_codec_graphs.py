@@ -22,6 +22,7 @@ from services.codec.model import load_codec
 from services.codec.server import serve
 from services.common import grpcutil
 from services.common.tensors import codes_to_wire
+from tests.test_codec_server import random_codes
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,13 +31,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double().cpu(), expected.double().cpu()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
-def random_codes(codec, frames: int, seed: int) -> torch.Tensor:
-    """codes [N, frames]."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.randint(0, codec.semantic_codebook_size, (1, frames), generator=gen),
-                      torch.randint(0, codec.codebook_size, (codec.num_codebooks - 1, frames), generator=gen)])
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 from services.cli import main as cli_main
 from services.common.checkpoint_report import inspect_checkpoint
+from tests.test_checkpoint_read import FP8, _bits  # noqa: F401
 from services.common.config import DramaConfig
 from services.common.fp8 import quantize_block_fp8
 from services.common.inventory import TensorSpec
@@ -27,13 +28,6 @@ from services.common.make_checkpoint import (
     quantize_whole_blocks_fp8_,
     scaled_config,
 )
-
-FP8 = torch.float8_e4m3fn
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8 else t
-
 
 def _hashes(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}

@@ -27,6 +27,7 @@ from services.tower import kernels, sampling
 from services.tower.engine import StepEntry, TowerEngine
 from services.tower.model import RowBatch, attend_rowwise
 from services.tower.weights import random_tower
+from tests.test_tower_graphs import _params
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not kernels.HAS_TRITON, reason="needs CUDA and Triton")
 
@@ -170,12 +171,6 @@ def _pair(cfg, sessions: int, context: int):
     eager.warm_up()
     assert graphed.graphs_captured and not eager.graphs_captured
     return graphed, eager
-
-
-def _params(i: int) -> dict:
-    """Row-varied sampling parameters: greedy, RAS-prone, penalised, top-k, plain."""
-    return [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=30),
-            dict(temperature=0.7, repetition_penalty=1.3), dict(temperature=1.2, top_p=1.0, top_k=0)][i % 5]
 
 
 @cuda

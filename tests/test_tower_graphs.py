@@ -20,6 +20,7 @@ from tests.test_tower_model import TINY
 
 
 def _params(i: int) -> dict:
+    """Row-varied sampling parameters: greedy, RAS-prone, penalised, top-k, plain."""
     return [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=30),
             dict(temperature=0.7, repetition_penalty=1.3), dict(temperature=1.2, top_p=1.0, top_k=0)][i % 5]
 
