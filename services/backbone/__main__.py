@@ -26,7 +26,7 @@ import tempfile
 
 from services.backbone.server import MemoryBudgetError, Settings, decode_graphs_for, serve
 from services.common import grpcutil, random_weights
-from services.common.grpcutil import env_default
+from services.common.grpcutil import env_default, env_switch
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -65,21 +65,9 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
-        decode_graphs=_decode_graphs_env(),
-        prefill_lane=_switch_env("DRAMA_PREFILL_LANE"),
+        decode_graphs=env_switch("DRAMA_DECODE_GRAPHS"),
+        prefill_lane=env_switch("DRAMA_PREFILL_LANE"),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
-
-
-def _decode_graphs_env() -> bool | None:
-    """DRAMA_DECODE_GRAPHS: unset (None: on for CUDA devices), 0 off, anything else on."""
-    return _switch_env("DRAMA_DECODE_GRAPHS")
-
-
-def _switch_env(name: str) -> bool | None:
-    """An on/off variable: unset or empty (None: the device's default), 0/false/off/no off,
-    anything else on."""
-    value = env_default(name, None)
-    return None if value in (None, "") else value.strip().lower() not in ("0", "false", "off", "no")
 
 
 async def serve_random_weights(settings: Settings, preset: str) -> None:

@@ -223,10 +223,9 @@ class GatedAttention(nn.Module):
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
         if plan.decode:
-            # Batch invariance: the split size follows `context`, so an eager step must not take
-            # it from its own longest row; the pool length is what a captured graph uses too.
-            context = cache.k.shape[2] if invariant.active(u) else plan.context
-            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, context, self.scale)
+            # plan.context: the pool length in a graph, and eagerly too with batch invariance on
+            # (the split size follows it; Backbone._eager_kernels)
+            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.context, self.scale)
         else:
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])

@@ -280,6 +280,9 @@ class BackboneEngine:
         0 and after it, one and several segments, mixed decode + prefill steps, eager decode at
         batch 1 and 2. On CPU nothing compiles: a prefill crossing nothing and two decode steps."""
         cuda = self.model.device.type == "cuda"
+        if cuda and self.model.kernels:
+            self.model.prepare()
+            self.model.warm_route_tables()       # prefill's MoE block-table kernel, every piece size
         buckets = self.model.capture_decode_graphs(self.caches, self.max_sessions) if cuda else []
         slots = [self.open() for _ in range(min(3, self.free_slots))]
         if cuda and prefill_rows is None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common import invariant
 from services.common.config import TextConfig
 
 from .attention import GatedAttention, KVCache
@@ -225,8 +226,8 @@ class Backbone(nn.Module):
             return self._decode_rows(x, segments, caches)
         decode_rows = [s.offset for s in singles]
         others = [s for s in segments if s.count != 1]
-        other_rows = [r for s in others for r in range(s.offset, s.offset + s.count)]
-        index = torch.tensor(decode_rows + other_rows, dtype=torch.int64).to(x.device)
+        index = torch.cat([torch.tensor(decode_rows, dtype=torch.int64)]
+                          + [torch.arange(s.offset, s.offset + s.count) for s in others]).to(x.device)
         decode_index, other_index = index[:len(decode_rows)], index[len(decode_rows):]
         out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
         decoded = self._decode_rows(x.index_select(0, decode_index),
@@ -250,7 +251,10 @@ class Backbone(nn.Module):
         return x.device.type == "cuda"
 
     def _eager_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
-        return self._layers_kernels(x, RowBatch(tuple(segments), None, False, self.plan(segments)), caches)
+        # Batch invariance: decode attention sizes its splits by `context`, so with padding on an
+        # eager step takes the pool length, as a captured graph does, not its own longest row.
+        context = caches.max_context if invariant.active(x) else None
+        return self._layers_kernels(x, RowBatch(tuple(segments), None, False, self.plan(segments, context)), caches)
 
     def _layers_kernels(self, x: torch.Tensor, batch: RowBatch, caches: BackboneCaches) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -327,9 +331,6 @@ class Backbone(nn.Module):
         """Capture the decode graphs of every bucket a step of up to max_batch sessions can use
         (before serving, so no request pays a capture); returns the buckets. A no-op without
         decode graphs or off CUDA."""
-        if self.device.type == "cuda" and self.kernels:
-            self.prepare()
-            self._warm_route_tables()
         if not (self.decode_graphs and self.device.type == "cuda"):
             return []
         self.prepare()
@@ -340,7 +341,7 @@ class Backbone(nn.Module):
                 self._decode_graph(bucket, caches)
         return buckets
 
-    def _warm_route_tables(self) -> None:
+    def warm_route_tables(self) -> None:
         """The prefill MoE's block-table kernel for every pair count a prompt piece can have
         (kernels/fp8_moe.warm_route_blocks), so no request waits for its compile."""
         moe = next((layer.mlp for layer in self.layers if getattr(layer.mlp, "fp8_kernels", False)), None)

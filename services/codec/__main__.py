@@ -26,7 +26,7 @@ import torch
 
 from services.codec.server import serve
 from services.common import random_weights
-from services.common.grpcutil import env_default, run_stage, serve_until_signalled
+from services.common.grpcutil import env_default, env_switch, run_stage, serve_until_signalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     args.max_encode_seconds = env_default("DRAMA_CODEC_MAX_ENCODE_SECONDS", 60.0, float)
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
-    args.graphs = graphs_setting()
+    args.graphs = env_switch("DRAMA_CODEC_GRAPHS")   # unset: on for CUDA devices
     args.slots = env_default("DRAMA_CODEC_SLOTS", 256, int)
     lengths = env_default("DRAMA_CODEC_GRAPH_LENGTHS", None)
     args.graph_lengths = None
@@ -73,12 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 DECODE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def graphs_setting() -> bool | None:
-    """DRAMA_CODEC_GRAPHS: unset (None: on for CUDA devices), 0 off, anything else on."""
-    value = env_default("DRAMA_CODEC_GRAPHS", None)
-    return None if value is None else value.strip().lower() not in ("0", "false", "no", "off")
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -179,7 +179,7 @@ class SafetensorsCheckpoint:
         order = sorted(by_shard, key=lambda f: -sum(self.nbytes_of(n) for n in by_shard[f]))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
             futures = [pool.submit(read_shard, shard, by_shard[shard]) for shard in order]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            wait(futures, return_when=FIRST_EXCEPTION)
             for future in futures:
                 if future.done() and future.exception() is not None:
                     for other in futures:

@@ -302,6 +302,13 @@ def env_default(name: str, fallback=None, cast=str):
     return fallback if value in (None, "") else cast(value)
 
 
+def env_switch(name: str) -> bool | None:
+    """An on/off variable: unset or empty -> None (the caller's default, e.g. on for CUDA),
+    0/false/off/no -> False, anything else -> True."""
+    value = env_default(name, None)
+    return None if value is None else value.strip().lower() not in ("0", "false", "off", "no")
+
+
 def run_stage(service_name: str, serve_coro_factory: Callable[[], object]) -> int:
     """The body of every stage's `main`: logging from DRAMA_LOG_LEVEL, OpenTelemetry under
     `service_name`, then run the server coroutine until it returns; Ctrl-C is a clean exit (0)."""

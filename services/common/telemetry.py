@@ -45,10 +45,6 @@ def exporters(signal: str) -> set[str]:
     return names - unknown
 
 
-def _exporting(signal: str) -> bool:
-    return bool(exporters(signal))
-
-
 def metrics_json_line(metrics_data) -> str:
     """The console metric exporter's format: one compact JSON document per line (the SDK's
     default is indented over many lines, which cannot be picked out of a log)."""

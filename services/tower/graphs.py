@@ -33,11 +33,12 @@ and scratch-slot logic against the eager step.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from services.common import grpcutil
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ENV = "DRAMA_TOWER_GRAPHS"
@@ -48,8 +49,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "penalty")
 
 def enabled_by_default(device: torch.device) -> bool:
     """Graphs on for CUDA unless DRAMA_TOWER_GRAPHS=0 (or false/off/no)."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    return device.type == "cuda" and value not in ("0", "false", "off", "no")
+    return device.type == "cuda" and grpcutil.env_switch(ENV) is not False
 
 
 def bucket_sizes(max_sessions: int) -> list[int]:
@@ -90,9 +90,6 @@ class Bucket:
     def int_field(self, name: str) -> Tensor:
         return self.ints[INT_FIELDS.index(name)]
 
-    def float_field(self, name: str) -> Tensor:
-        return self.floats[FLOAT_FIELDS.index(name)]
-
     def stage_idle(self, scratch_slot: int) -> None:
         """Every row on the scratch slot at position 0 with neutral parameters (for capture)."""
         self.host.zero_()
@@ -110,7 +107,6 @@ class DecodeGraphs:
                  hidden_dtype: torch.dtype, num_codebooks: int, device: torch.device, scratch_slot: int):
         self.step = step
         self.scratch_slot = scratch_slot
-        self.num_codebooks = num_codebooks
         self.buckets = [Bucket(size, hidden_size, hidden_dtype, num_codebooks, device)
                         for size in bucket_sizes(max_sessions)]
         self.largest = self.buckets[-1].size

@@ -38,6 +38,7 @@ import os
 import torch
 from torch import Tensor
 
+from services.common import invariant
 from services.tower import sampling
 
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
@@ -203,7 +204,8 @@ def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0:
         return reference(x, weight, eps)
     rows, dim = x.shape
-    out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+    # storage padded to invariant.linear_rows' tile: the projections after the norm read it in place
+    out = invariant.empty_rows(rows, dim, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4)
     return out
 
