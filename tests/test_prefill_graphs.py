@@ -1,0 +1,124 @@
+"""Prefill segments as padded pieces (Backbone.prefill_graphs, services/backbone/model.py).
+
+On CPU the pieces run eagerly through the kernels' torch references (the same function a CUDA
+graph captures); the CUDA tests replay the graphs. What is proven:
+- the cut of a segment into bucket pieces is a function of its length alone;
+- padding rows change nothing: the same piece padded to different buckets gives the same bits,
+  and the next decode row too (the GDN state passes them, their keys go to the spare slot);
+- another session's caches are untouched by a piece;
+- the pieces agree with the eager varlen path within BF16 rounding (as a different prompt cut does);
+- on CUDA, a replayed piece gives the same bits alone and beside another session's piece or
+  decode row, and the graphs are really replayed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import services.backbone.model as backbone_model
+from services.backbone.engine import BackboneEngine
+from services.backbone.model import PREFILL_BUCKETS, prefill_cuts
+from services.backbone.weights import random_backbone
+from test_backbone_gpu import MID, copy_to
+
+CUDA = torch.cuda.is_available()
+
+
+def test_prefill_cuts():
+    for rows in list(range(1, 40)) + [63, 64, 65, 200, 511, 512, 513, 1024, 1100, 2048, 2049]:
+        cuts = prefill_cuts(rows)
+        assert sum(n for n, _ in cuts) == rows
+        assert all(n <= b and b in PREFILL_BUCKETS for n, b in cuts)
+        assert all(n == b == PREFILL_BUCKETS[-1] for n, b in cuts[:-1])        # full pieces first
+        n, b = cuts[-1]
+        assert b == min(x for x in PREFILL_BUCKETS if x >= n)                   # the rest padded
+    assert prefill_cuts(70) == [(70, 128)]
+    assert prefill_cuts(600) == [(512, 512), (88, 128)]
+    assert prefill_cuts(5, (8, 32)) == [(5, 8)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_backbone(MID, device="cpu", seed=3)
+
+
+def _engine(weights, device="cpu", **kwargs) -> BackboneEngine:
+    model = copy_to(weights, device, kernels=True, **kwargs)
+    return BackboneEngine(model, max_sessions=3, max_context=1024)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, MID.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _cache_tensors(engine: BackboneEngine, slot: int) -> list[torch.Tensor]:
+    return [t[slot].clone() for cache in engine.caches.layers for t in cache.tensors() if t.shape[0]]
+
+
+def test_padding_rows_change_nothing(weights, monkeypatch):
+    prompt, other = _ids(40, 1), _ids(30, 2)
+    results = []
+    for buckets in [(40,), (64,), (100,), (16, 32)]:       # no padding, padded twice, 40 = 32 + 8 padded to 16
+        monkeypatch.setattr(backbone_model, "PREFILL_BUCKETS", buckets)
+        engine = _engine(weights, prefill_graphs=True)
+        b, a = engine.open(), engine.open()
+        engine.step([(b, other, None)])
+        before = _cache_tensors(engine, b)
+        hidden = engine.step([(a, prompt, None)])[0]
+        assert all(torch.equal(x, y) for x, y in zip(before, _cache_tensors(engine, b))), \
+            "a piece touched another session's caches"
+        decode = engine.step([(a, prompt[:1], None), (b, other[:1], None)])
+        results.append((buckets, hidden, decode))
+    (_, hidden, decode), *rest = results
+    for buckets, h, d in rest[:2]:
+        assert torch.equal(h, hidden), f"padding to {buckets} changed the piece's rows"
+        assert torch.equal(d[0], decode[0]) and torch.equal(d[1], decode[1]), \
+            f"padding to {buckets} changed the state the piece left"
+    # another cut (32 + 8) is other arithmetic: close, not equal (GDN chunks restart per piece)
+    _, h, _ = rest[2]
+    assert torch.nn.functional.cosine_similarity(h.float(), hidden.float(), dim=-1).min() > 0.999
+
+
+@pytest.mark.parametrize("rows", [20, 75])
+def test_pieces_match_the_eager_path(weights, rows, monkeypatch):
+    """Graph pieces vs the eager varlen step, beside a decode row of another session: the same
+    values within BF16 rounding, for the prompt and the decode rows after it; the other session's
+    decode row is bit-identical (it never goes through a piece). 75 rows = 32 + 32 + 11 padded."""
+    monkeypatch.setattr(backbone_model, "PREFILL_BUCKETS", (16, 32))
+    prompt, other = _ids(rows, 3), _ids(20, 4)
+    out = {}
+    for graphs in (False, True):
+        engine = _engine(weights, prefill_graphs=graphs)
+        b, a = engine.open(), engine.open()
+        engine.step([(b, other, None)])
+        mixed = engine.step([(b, other[:1], None), (a, prompt, None)])
+        after = [engine.step([(a, prompt[i:i + 1], None), (b, other[i:i + 1], None)]) for i in range(3)]
+        out[graphs] = mixed, after
+    (mixed_e, after_e), (mixed_g, after_g) = out[False], out[True]
+    assert torch.equal(mixed_e[0], mixed_g[0])
+    cos = lambda x, y: torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).min().item()  # noqa: E731
+    assert cos(mixed_e[1], mixed_g[1]) > 0.9995
+    for e, g in zip(after_e, after_g):
+        assert cos(e[0], g[0]) > 0.9995
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_graph_replay_is_batch_invariant(weights):
+    """On CUDA the pieces are replayed graphs; a prompt's rows are the same bits alone and beside
+    another prompt or a decode row, and agree with the eager varlen path within BF16 rounding."""
+    prompt, other, third = _ids(300, 5), _ids(90, 6), _ids(40, 7)
+    engine = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=True)
+    assert engine.model.capture_prefill_graphs(engine.caches) == list(PREFILL_BUCKETS)
+    a = engine.open()
+    alone = engine.step([(a, prompt, None)])[0].clone()
+    engine.release(a)
+    b, a = engine.open(), engine.open()
+    engine.step([(b, third, None)])
+    beside = engine.step([(b, third[:1], None), (a, prompt, None), (engine.open(), other, None)])
+    assert torch.equal(beside[1], alone)
+    assert engine.model.prefill_replays == 2 * len(prefill_cuts(300)) + len(prefill_cuts(90)) + len(prefill_cuts(40))
+
+    eager = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=False)
+    ref = eager.step([(eager.open(), prompt, None)])[0]
+    assert torch.nn.functional.cosine_similarity(ref.float(), alone.float(), dim=-1).min() > 0.999
