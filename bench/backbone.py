@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     mem = engine.memory_bytes()
     gen = torch.Generator().manual_seed(0)
     print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}, kernels: {model.kernels}, "
-          f"decode graphs: {model.decode_graphs}): "
+          f"decode graphs: {model.decode_graphs}, prefill graphs: {model.prefill_graphs}): "
           f"weights {mem['weights'] / 2**30:.2f} GiB, cache pool {mem['cache'] / 2**30:.2f} GiB "
           f"({engine.max_sessions} x {max_context} rows), built in {build_s:.1f} s")
     results = {"prefill": [], "decode": [], "peer": None}

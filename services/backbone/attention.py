@@ -222,10 +222,12 @@ class GatedAttention(nn.Module):
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
-        if plan.decode:
+        if plan.decode or plan.row_mask is not None:
+            # each row over keys [0, its position] of its slot: decode rows, and the rows of a
+            # padded prefill piece (their keys were all written by the prologue above).
             # plan.context: the pool length in a graph, and eagerly too with batch invariance on
             # (the split size follows it; Backbone._eager_kernels)
-            o = attend_slots(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.context, self.scale)
+            o = attend_slots(q, cache.k, cache.v, plan.row_slots, plan.positions, plan.context, self.scale)
         else:
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])

@@ -437,6 +437,10 @@ class GatedDeltaNet(nn.Module):
             mixed = varlen_causal_conv(proj[:, :channels], self.conv_weight, cache.conv, plan)
             q, k, v = self._heads(mixed)
             g, beta = kgdn.gdn_gates(a, b, self.A_log, self.dt_bias)
+            if plan.row_mask is not None:
+                # padding rows of a padded piece: decay exp(0) = 1 and β = 0 make the update
+                # S ← (I − 0·kkᵀ)·S + 0·kvᵀ = S, so the state leaves the piece as after its last row
+                g, beta = g * plan.row_mask[:, None], beta * plan.row_mask[:, None]
             o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
                                                    initial_state=cache.state[plan.seg_slots],
                                                    cu_seqlens=plan.cu_seqlens)

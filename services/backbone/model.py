@@ -18,7 +18,17 @@ rows were grouped (see layers.py). Three paths, chosen once in __init__:
     kernels   CUDA + Triton + BF16 default (issue #7): fused projections, the FP8 MoE, GDN and
               norm kernels of services/backbone/kernels, slot-pool caches updated in place; a
               decode step (one row per session) is one batched forward with no per-session work,
-              optionally replayed from a CUDA graph per batch bucket (`decode_graphs`)
+              optionally replayed from a CUDA graph per batch bucket (`decode_graphs`); a prefill
+              segment, optionally replayed from CUDA graphs of padded pieces (`prefill_graphs`)
+
+Why prefill graphs: an eager prefill step is host-bound, ~3900 launches and ~150-200 ms of Python
+on the H200 whatever its size, which set the time to first audio and, on the prefill lane's thread,
+held the GIL against the decode loop. A graphed piece is one launch. What makes a piece capturable
+(no host sync, shapes fixed by its bucket): the slot, start and length live in a device tensor; the
+attention rows read the pool row by row (the decode kernel, lengths from positions); the GDN runs
+one sequence without cu_seqlens, padding rows' gates zeroed so the state passes them unchanged;
+the MoE is the decode MoE (no host-built block table); padding rows write their keys and conv
+state to the spare slot the decode graphs pad with.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from torch import nn
 
 from services.common import invariant
 from services.common.config import TextConfig
+from services.common.grpcutil import env_switch
 
 from .attention import GatedAttention, KVCache
 from .gated_deltanet import GatedDeltaNet, GDNCache
@@ -44,6 +55,22 @@ from .rope import RotaryTable
 
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)    # rows of a captured prefill-piece graph (prefill_graphs)
+
+
+def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[tuple[int, int]]:
+    """[(rows, bucket)]: how a prefill segment of `rows` rows runs through the prefill graphs,
+    in order: pieces of the largest bucket while more rows are left than it holds, then the rest
+    padded to the smallest bucket that holds it (padding < half a bucket above the smallest).
+    A function of the segment's length alone, so a session's cut (and with it the bits: GDN chunks
+    restart at each piece) never depends on the other sessions of the step (issue #8)."""
+    cuts = []
+    while rows > buckets[-1]:
+        cuts.append((buckets[-1], buckets[-1]))
+        rows -= buckets[-1]
+    if rows:
+        cuts.append((rows, next(b for b in buckets if b >= rows)))
+    return cuts
 
 
 @dataclass(frozen=True)
@@ -103,8 +130,9 @@ class DecoderLayer(nn.Module):
         u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache)
+        # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured)
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
-                                        decode=batch.plan.decode)
+                                        decode=batch.plan.decode or batch.plan.row_mask is not None)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:
@@ -116,11 +144,13 @@ class Backbone(nn.Module):
     """The backbone stage. `exact=None` picks the exact per-row path on CPU, batched elsewhere;
     `kernels=None` picks the kernel path where `default_kernels` says so (pass it explicitly when
     building on meta). kernels=True on CPU runs the same code through the kernels' torch references
-    (tests). `decode_graphs`: replay decode steps from CUDA graphs (kernel path on CUDA only)."""
+    (tests). `decode_graphs`: replay decode steps from CUDA graphs (kernel path on CUDA only);
+    `prefill_graphs`: prefill segments as padded pieces from CUDA graphs (default: with the decode
+    graphs unless DRAMA_PREFILL_GRAPHS=0; off CUDA the pieces run eagerly, for tests)."""
 
     def __init__(self, cfg: TextConfig, audio: AudioSpec | None = None, *, dtype=torch.float32,
                  device="cpu", lm_head: bool = True, exact: bool | None = None, kernels: bool | None = None,
-                 decode_graphs: bool = False):
+                 decode_graphs: bool = False, prefill_graphs: bool | None = None):
         super().__init__()
         self.config, self.audio, self.dtype = cfg, audio, dtype
         self.exact = (torch.device(device).type == "cpu") if exact is None else exact
@@ -128,9 +158,15 @@ class Backbone(nn.Module):
         if self.kernels and (self.exact or dtype != torch.bfloat16):
             raise ValueError("the kernel path computes in bfloat16 and is not the exact path")
         self.decode_graphs = decode_graphs and self.kernels
+        if prefill_graphs is None:     # default: with the decode graphs, unless DRAMA_PREFILL_GRAPHS=0
+            prefill_graphs = self.decode_graphs and env_switch("DRAMA_PREFILL_GRAPHS") is not False
+        # prefill_graphs=True off CUDA runs the same padded pieces eagerly (tests of their math)
+        self.prefill_graphs = prefill_graphs and self.kernels
         self._packed = False
         self._graphs: dict = {}
+        self._prefill_pool = None       # (memory pool, capture stream) of every prefill graph (replayed one at a time)
         self.graph_replays = 0          # decode steps replayed from a graph (tests, logs)
+        self.prefill_replays = 0        # prefill pieces replayed (from a graph on CUDA; tests, logs)
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
@@ -174,8 +210,9 @@ class Backbone(nn.Module):
 
     def allocate_caches(self, slots: int, max_context: int) -> BackboneCaches:
         cfg, device = self.config, self.device
-        # decode graphs pad a batch to its bucket with rows that write into one spare slot
-        pool = slots + 1 if self.decode_graphs else slots
+        # decode graphs pad a batch to its bucket with rows that write into one spare slot, and
+        # padded prefill pieces their padding rows
+        pool = slots + 1 if self.decode_graphs or self.prefill_graphs else slots
         layers = [GDNCache.allocate(cfg, pool, self.dtype, device, self.exact, channels_first=self.kernels)
                   if t == "linear_attention" else KVCache.allocate(cfg, pool, max_context, self.dtype, device)
                   for t in cfg.layer_types]
@@ -220,10 +257,21 @@ class Backbone(nn.Module):
         pieces while others decode.)"""
         self.prepare()
         singles = [s for s in segments if s.count == 1]
-        if not singles:
-            return self._eager_kernels(x, segments, caches)
         if len(singles) == len(segments):
             return self._decode_rows(x, segments, caches)
+        if self.prefill_graphs:       # every segment on its own: decode rows together, each piece alone
+            out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
+            if singles:
+                index = torch.tensor([s.offset for s in singles], dtype=torch.int64).to(x.device)
+                out.index_copy_(0, index, self._decode_rows(
+                    x.index_select(0, index), [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)],
+                    caches))
+            for s in segments:
+                if s.count != 1:
+                    self._prefill_graphed(x[s.rows], s, caches, out=out[s.rows])
+            return out
+        if not singles:
+            return self._eager_kernels(x, segments, caches)
         decode_rows = [s.offset for s in singles]
         others = [s for s in segments if s.count != 1]
         index = torch.cat([torch.tensor(decode_rows, dtype=torch.int64)]
@@ -239,6 +287,84 @@ class Backbone(nn.Module):
             offset += s.count
         out.index_copy_(0, other_index, self._eager_kernels(x.index_select(0, other_index), repacked, caches))
         return out
+
+    # prefill graphs ---------------------------------------------------------------------------
+    def _prefill_graphed(self, x: torch.Tensor, segment: Segment, caches: BackboneCaches,
+                         out: torch.Tensor) -> torch.Tensor:
+        """One prefill segment's rows x [n, H] through its padded pieces (prefill_cuts), each
+        replayed from the graph of its bucket (run eagerly off CUDA); final-norm hidden into out."""
+        done = 0
+        for rows, bucket in prefill_cuts(segment.count, self._prefill_buckets(caches)):
+            step, static_x, index = self._prefill_graph(bucket, caches)
+            index.copy_(torch.tensor([segment.slot, segment.start + done, rows], dtype=torch.int64))
+            static_x[:rows].copy_(x[done:done + rows])
+            static_x[rows:].zero_()
+            out[done:done + rows].copy_(step.replay()[:rows])
+            self.prefill_replays += 1
+            done += rows
+        return out
+
+    def _prefill_buckets(self, caches: BackboneCaches) -> tuple[int, ...]:
+        """PREFILL_BUCKETS that fit the pool's context (padding rows take spare-slot positions
+        0..bucket−1), at least the smallest."""
+        return tuple(b for b in PREFILL_BUCKETS if b <= caches.max_context) or PREFILL_BUCKETS[:1]
+
+    def _piece_plan(self, index: torch.Tensor, bucket: int, caches: BackboneCaches) -> StepPlan:
+        """The StepPlan of a padded piece from its device index [slot, start, rows], built with
+        device ops only (inside the capture, so each replay derives it from the index it finds).
+        Piece rows: the slot at start + i. Padding rows: the spare slot at position i (clamped to
+        the pool), their conv taps and keys written there, their GDN gates zeroed (row_mask)."""
+        slot, start, rows = index[0], index[1], index[2]
+        i = torch.arange(bucket, dtype=torch.int64, device=index.device)
+        valid = i < rows
+        row_slots = torch.where(valid, slot, caches.slots)
+        positions = torch.where(valid, start + i, i.clamp(max=caches.max_context - 1))
+        taps = torch.arange(self.config.linear_conv_kernel_dim - 1, dtype=torch.int64, device=index.device)
+        return StepPlan(row_slots, positions, index[:1], None, decode=False, context=caches.max_context,
+                        conv_base=i, conv_state_rows=taps, conv_tail_rows=rows + taps,
+                        row_mask=valid.to(torch.float32))
+
+    def _prefill_graph(self, bucket: int, caches: BackboneCaches):
+        """(step with .replay(), static rows [bucket, H], static index [3]) of a bucket, made once
+        per pool: a CUDA graph on CUDA (all buckets share one memory pool: the pieces of a step
+        replay one after another on one stream), the same function run eagerly elsewhere. The
+        capture, and the warm-up runs before it, see padding rows only (index [spare, 0, 0])."""
+        key = ("prefill", bucket, id(caches))
+        if key not in self._graphs:
+            from .kernels.decode_graph import GraphedStep
+
+            device = self.device
+            index = torch.tensor([caches.slots, 0, 0], dtype=torch.int64, device=device)
+            static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
+            segments = (Segment(caches.slots, 0, bucket, 0),)
+
+            def piece():
+                batch = RowBatch(segments, None, False, self._piece_plan(index, bucket, caches))
+                return self._layers_kernels(static_x, batch, caches)
+
+            if device.type == "cuda":
+                if self._prefill_pool is None:
+                    # own memory pool and capture stream: prefill pieces replay on the prefill
+                    # lane's stream while decode graphs replay on the main loop's (GraphedStep)
+                    self._prefill_pool = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+                pool, stream = self._prefill_pool
+                step = GraphedStep(piece, pool=pool, stream=stream)
+            else:
+                step = dg.EagerStep(piece)
+            self._graphs[key] = (step, static_x, index)
+        return self._graphs[key]
+
+    def capture_prefill_graphs(self, caches: BackboneCaches) -> list[int]:
+        """Capture the prefill-piece graphs of every bucket before serving; returns the buckets.
+        A no-op without prefill graphs or off CUDA."""
+        if not (self.prefill_graphs and self.device.type == "cuda"):
+            return []
+        self.prepare()
+        buckets = self._prefill_buckets(caches)
+        with torch.inference_mode():
+            for bucket in buckets:
+                self._prefill_graph(bucket, caches)
+        return list(buckets)
 
     def _decode_rows(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         """Rows of one-row segments: replayed from a decode graph when graphs are on and a bucket

@@ -133,7 +133,12 @@ class GraphedStep:
     docs require); `replay()` reruns it on whatever the static input tensors now hold. Tensors
     that fn mutates (caches, states) are mutated by each replay too."""
 
-    def __init__(self, fn, *static_inputs, warmup: int = 2):
+    def __init__(self, fn, *static_inputs, warmup: int = 2, pool=None, stream=None):
+        """pool: a torch.cuda.graph_pool_handle() shared with other graphs that never replay
+        concurrently with this one (their intermediates then share memory). stream: the capture
+        stream; graphs that may replay concurrently need different ones, because cuBLAS's
+        workspace is chosen per stream and a graph keeps the one of its capture stream (torch's
+        default capture stream is one for all graphs)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -141,12 +146,23 @@ class GraphedStep:
                 fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn(*static_inputs)
 
     def replay(self):
         self.graph.replay()
         return self.output
+
+
+class EagerStep:
+    """GraphedStep's interface without a graph: `replay()` calls fn (off CUDA, where the same
+    fixed-shape function is run to test its math)."""
+
+    def __init__(self, fn, *static_inputs):
+        self.fn, self.static_inputs = fn, static_inputs
+
+    def replay(self):
+        return self.fn(*self.static_inputs)
 
 
 # --------------------------------------------------------------------------------------------
