@@ -18,7 +18,8 @@ import torch
 
 import services.backbone.model as backbone_model
 from services.backbone.engine import BackboneEngine
-from services.backbone.model import PREFILL_BUCKETS, prefill_cuts
+from services.backbone.model import (PREFILL_BUCKETS, PREFILL_GRAPH_ROWS, graph_pieces, prefill_cuts,
+                                     prefill_groups)
 from services.backbone.weights import random_backbone
 from test_backbone_gpu import MID, copy_to
 
@@ -38,6 +39,26 @@ def test_prefill_cuts():
     assert prefill_cuts(5, (8, 32)) == [(5, 8)]
 
 
+def test_prefill_groups():
+    lengths = [70, 600, 20, 1100, 5]
+    groups = prefill_groups(lengths)
+    seen = {i: [] for i in range(len(lengths))}
+    for group in groups:
+        assert group.slots in graph_pieces(group.bucket) and len(group.pieces) <= group.slots
+        assert group.slots * group.bucket <= PREFILL_GRAPH_ROWS
+        assert len({i for i, _, _ in group.pieces}) == len(group.pieces)       # a segment once per group
+        for i, first, rows in group.pieces:
+            assert rows <= group.bucket
+            seen[i].append((first, rows))
+    for i, n in enumerate(lengths):       # every segment's pieces in order, as its own cut says
+        assert [rows for _, rows in seen[i]] == [rows for rows, _ in prefill_cuts(n)]
+        assert [first for first, _ in seen[i]] == [sum(r for _, r in seen[i][:j]) for j in range(len(seen[i]))]
+    # 40 sessions' 70-row prompts: 16 pieces of 128 rows per graph
+    assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([70] * 40)] == \
+        [(128, 16, 16), (128, 16, 16), (128, 8, 8)]
+    assert prefill_groups([]) == []
+
+
 @pytest.fixture(scope="module")
 def weights():
     return random_backbone(MID, device="cpu", seed=3)
@@ -45,7 +66,7 @@ def weights():
 
 def _engine(weights, device="cpu", **kwargs) -> BackboneEngine:
     model = copy_to(weights, device, kernels=True, **kwargs)
-    return BackboneEngine(model, max_sessions=3, max_context=1024)
+    return BackboneEngine(model, max_sessions=4, max_context=1024)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -66,6 +87,8 @@ def test_padding_rows_change_nothing(weights, monkeypatch):
         engine.step([(b, other, None)])
         before = _cache_tensors(engine, b)
         hidden = engine.step([(a, prompt, None)])[0]
+        c = engine.open()       # beside another session's longer prompt: padded to its bucket, in one replay
+        assert torch.equal(engine.step([(c, prompt, None), (engine.open(), _ids(90, 9), None)])[0], hidden)
         assert all(torch.equal(x, y) for x, y in zip(before, _cache_tensors(engine, b))), \
             "a piece touched another session's caches"
         decode = engine.step([(a, prompt[:1], None), (b, other[:1], None)])

@@ -437,15 +437,21 @@ class GatedDeltaNet(nn.Module):
             mixed = varlen_causal_conv(proj[:, :channels], self.conv_weight, cache.conv, plan)
             q, k, v = self._heads(mixed)
             g, beta = kgdn.gdn_gates(a, b, self.A_log, self.dt_bias)
-            if plan.row_mask is not None:
-                # padding rows of a padded piece: decay exp(0) = 1 and β = 0 make the update
-                # S ← (I − 0·kkᵀ)·S + 0·kvᵀ = S, so the state leaves the piece as after its last row
+            if plan.row_mask is None:       # segments packed along one sequence (fla's varlen)
+                o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
+                                                       initial_state=cache.state[plan.seg_slots],
+                                                       cu_seqlens=plan.cu_seqlens)
+                o = o[0]
+            else:                           # padded pieces: one sequence per piece, fla's batch
+                # padding rows: decay exp(0) = 1 and β = 0 make the update S ← (I − 0·kkᵀ)·S +
+                # 0·kvᵀ = S, so the state leaves a piece as after its last row
                 g, beta = g * plan.row_mask[:, None], beta * plan.row_mask[:, None]
-            o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
-                                                   initial_state=cache.state[plan.seg_slots],
-                                                   cu_seqlens=plan.cu_seqlens)
+                pieces = (plan.seg_slots.shape[0], rows // plan.seg_slots.shape[0])
+                o, state = kgdn.chunk_gated_delta_rule(
+                    *(t.unflatten(0, pieces) for t in (q, k, v, g, beta.to(v.dtype))),
+                    initial_state=cache.state[plan.seg_slots])
+                o = o.flatten(0, 1)
             cache.state[plan.seg_slots] = state
-            o = o[0]
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
         return invariant.linear_rows(y.view(rows, hv * dv), self.out_weight, x)   # x + y·W_outᵀ

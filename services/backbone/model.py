@@ -55,7 +55,9 @@ from .rope import RotaryTable
 
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)    # rows of a captured prefill-piece graph (prefill_graphs)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)    # rows per piece of a captured prefill graph (prefill_graphs)
+PREFILL_GRAPH_ROWS = 2048                         # most rows (pieces x bucket) of one prefill graph
+PREFILL_GRAPH_PIECES = 16                         # most pieces of one prefill graph
 
 
 def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[tuple[int, int]]:
@@ -71,6 +73,42 @@ def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[
     if rows:
         cuts.append((rows, next(b for b in buckets if b >= rows)))
     return cuts
+
+
+def graph_pieces(bucket: int) -> tuple[int, ...]:
+    """The piece counts (powers of two) with a prefill graph of `bucket` rows per piece."""
+    most = min(PREFILL_GRAPH_PIECES, max(1, PREFILL_GRAPH_ROWS // bucket))
+    return tuple(1 << i for i in range(most.bit_length()) if 1 << i <= most)
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """One prefill-graph replay: `pieces` = (segment index, first row in the segment, rows) of up
+    to `slots` pieces, each padded to `bucket` rows (slots x bucket rows in all)."""
+    bucket: int
+    slots: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+
+def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[PrefillGroup]:
+    """The replays that run prefill segments of these lengths, in order. Each segment is cut by
+    `prefill_cuts`; round r holds every segment's r-th piece (a segment's pieces run one after
+    another), and a round's pieces are packed into graphs, the largest buckets first, each graph
+    taking pieces of its first piece's bucket or smaller (a piece padded further is the same bits,
+    tests/test_prefill_graphs.py). Why pack: a piece of any size reads nearly every expert of
+    every layer (~32 GB), so pieces of many sessions in one replay share that read."""
+    cuts = [prefill_cuts(n, buckets) for n in lengths]
+    groups = []
+    for r in range(max((len(c) for c in cuts), default=0)):
+        todo = sorted(((cuts[i][r][1], i) for i in range(len(cuts)) if r < len(cuts[i])), key=lambda t: (-t[0], t[1]))
+        while todo:
+            bucket = todo[0][0]
+            most = graph_pieces(bucket)[-1]
+            members, todo = todo[:most], todo[most:]
+            slots = next(n for n in graph_pieces(bucket) if n >= len(members))
+            pieces = tuple((i, sum(n for n, _ in cuts[i][:r]), cuts[i][r][0]) for _, i in members)
+            groups.append(PrefillGroup(bucket, slots, pieces))
+    return groups
 
 
 @dataclass(frozen=True)
@@ -164,9 +202,11 @@ class Backbone(nn.Module):
         self.prefill_graphs = prefill_graphs and self.kernels
         self._packed = False
         self._graphs: dict = {}
-        self._prefill_pool = None       # (memory pool, capture stream) of every prefill graph (replayed one at a time)
+        # (memory pool, capture stream) of every prefill graph: own ones, because prefill groups
+        # replay on the prefill lane's stream while decode graphs replay on the main loop's
+        self._prefill_pool = None
         self.graph_replays = 0          # decode steps replayed from a graph (tests, logs)
-        self.prefill_replays = 0        # prefill pieces replayed (from a graph on CUDA; tests, logs)
+        self.prefill_replays = 0        # prefill groups replayed (from a graph on CUDA; tests, logs)
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
@@ -259,16 +299,14 @@ class Backbone(nn.Module):
         singles = [s for s in segments if s.count == 1]
         if len(singles) == len(segments):
             return self._decode_rows(x, segments, caches)
-        if self.prefill_graphs:       # every segment on its own: decode rows together, each piece alone
+        if self.prefill_graphs:       # decode rows together, prefill segments in padded pieces
             out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
             if singles:
                 index = torch.tensor([s.offset for s in singles], dtype=torch.int64).to(x.device)
                 out.index_copy_(0, index, self._decode_rows(
                     x.index_select(0, index), [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)],
                     caches))
-            for s in segments:
-                if s.count != 1:
-                    self._prefill_graphed(x[s.rows], s, caches, out=out[s.rows])
+            self._prefill_graphed(x, [s for s in segments if s.count != 1], caches, out)
             return out
         if not singles:
             return self._eager_kernels(x, segments, caches)
@@ -289,20 +327,26 @@ class Backbone(nn.Module):
         return out
 
     # prefill graphs ---------------------------------------------------------------------------
-    def _prefill_graphed(self, x: torch.Tensor, segment: Segment, caches: BackboneCaches,
-                         out: torch.Tensor) -> torch.Tensor:
-        """One prefill segment's rows x [n, H] through its padded pieces (prefill_cuts), each
-        replayed from the graph of its bucket (run eagerly off CUDA); final-norm hidden into out."""
-        done = 0
-        for rows, bucket in prefill_cuts(segment.count, self._prefill_buckets(caches)):
-            step, static_x, index = self._prefill_graph(bucket, caches)
-            index.copy_(torch.tensor([segment.slot, segment.start + done, rows], dtype=torch.int64))
-            static_x[:rows].copy_(x[done:done + rows])
-            static_x[rows:].zero_()
-            out[done:done + rows].copy_(step.replay()[:rows])
+    def _prefill_graphed(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches,
+                         out: torch.Tensor) -> None:
+        """Prefill segments' rows (of x, at their offsets) through padded pieces (prefill_groups),
+        each group replayed from the graph of its (bucket, piece slots) (run eagerly off CUDA);
+        their final-norm hidden rows go to the same rows of out."""
+        for group in prefill_groups([s.count for s in segments], self._prefill_buckets(caches)):
+            step, static_x, index = self._prefill_graph(group.bucket, group.slots, caches)
+            host = torch.zeros(3, group.slots, dtype=torch.int64)
+            host[0] = caches.slots                                   # empty piece slots: the spare slot
+            for j, (i, first, rows) in enumerate(group.pieces):
+                host[:, j] = torch.tensor([segments[i].slot, segments[i].start + first, rows])
+            index.copy_(host)                                        # [slots; starts; rows]
+            static_x.zero_()
+            view = static_x.view(group.slots, group.bucket, -1)
+            for j, (i, first, rows) in enumerate(group.pieces):
+                view[j, :rows].copy_(x[segments[i].offset + first:][:rows])
+            result = step.replay().view(group.slots, group.bucket, -1)
+            for j, (i, first, rows) in enumerate(group.pieces):
+                out[segments[i].offset + first:][:rows].copy_(result[j, :rows])
             self.prefill_replays += 1
-            done += rows
-        return out
 
     def _prefill_buckets(self, caches: BackboneCaches) -> tuple[int, ...]:
         """PREFILL_BUCKETS that fit the pool's context (padding rows take spare-slot positions
@@ -310,33 +354,40 @@ class Backbone(nn.Module):
         return tuple(b for b in PREFILL_BUCKETS if b <= caches.max_context) or PREFILL_BUCKETS[:1]
 
     def _piece_plan(self, index: torch.Tensor, bucket: int, caches: BackboneCaches) -> StepPlan:
-        """The StepPlan of a padded piece from its device index [slot, start, rows], built with
-        device ops only (inside the capture, so each replay derives it from the index it finds).
-        Piece rows: the slot at start + i. Padding rows: the spare slot at position i (clamped to
-        the pool), their conv taps and keys written there, their GDN gates zeroed (row_mask)."""
+        """The StepPlan of a group of padded pieces from its device index [3, P] (slot, start, rows
+        of each piece slot), built with device ops only (inside the capture, so each replay derives
+        it from the index it finds). Piece j's row i is the slot's position start + i; padding rows
+        (i >= rows) go to the spare slot at position i (clamped to the pool): their keys are
+        written there and their GDN gates zeroed (row_mask). The packed conv holds per piece its
+        K_c−1 state rows, then its `bucket` rows (see gated_deltanet.varlen_causal_conv)."""
         slot, start, rows = index[0], index[1], index[2]
-        i = torch.arange(bucket, dtype=torch.int64, device=index.device)
-        valid = i < rows
-        row_slots = torch.where(valid, slot, caches.slots)
-        positions = torch.where(valid, start + i, i.clamp(max=caches.max_context - 1))
-        taps = torch.arange(self.config.linear_conv_kernel_dim - 1, dtype=torch.int64, device=index.device)
-        return StepPlan(row_slots, positions, index[:1], None, decode=False, context=caches.max_context,
-                        conv_base=i, conv_state_rows=taps, conv_tail_rows=rows + taps,
-                        row_mask=valid.to(torch.float32))
+        dev = index.device
+        i = torch.arange(bucket, dtype=torch.int64, device=dev)
+        valid = i < rows[:, None]                                            # [P, bucket]
+        row_slots = torch.where(valid, slot[:, None], caches.slots).flatten()
+        positions = torch.where(valid, start[:, None] + i, i.clamp(max=caches.max_context - 1)).flatten()
+        taps = torch.arange(self.config.linear_conv_kernel_dim - 1, dtype=torch.int64, device=dev)
+        base = torch.arange(index.shape[1], dtype=torch.int64, device=dev)[:, None] * (bucket + taps.numel())
+        return StepPlan(row_slots, positions, slot, None, decode=False, context=caches.max_context,
+                        conv_base=(base + i).flatten(), conv_state_rows=(base + taps).flatten(),
+                        conv_tail_rows=(base + rows[:, None] + taps).flatten(),
+                        row_mask=valid.flatten().to(torch.float32))
 
-    def _prefill_graph(self, bucket: int, caches: BackboneCaches):
-        """(step with .replay(), static rows [bucket, H], static index [3]) of a bucket, made once
-        per pool: a CUDA graph on CUDA (all buckets share one memory pool: the pieces of a step
-        replay one after another on one stream), the same function run eagerly elsewhere. The
-        capture, and the warm-up runs before it, see padding rows only (index [spare, 0, 0])."""
-        key = ("prefill", bucket, id(caches))
+    def _prefill_graph(self, bucket: int, slots: int, caches: BackboneCaches):
+        """(step with .replay(), static rows [slots·bucket, H], static index [3, slots]) of a group
+        shape, made once per pool: a CUDA graph on CUDA (all share one memory pool and capture
+        stream: groups replay one after another, on the lane's stream while decode graphs replay
+        on the main loop's), the same function run eagerly elsewhere. The capture, and the warm-up
+        runs before it, see empty piece slots only (the spare slot, no rows)."""
+        key = ("prefill", bucket, slots, id(caches))
         if key not in self._graphs:
             from .kernels.decode_graph import GraphedStep
 
             device = self.device
-            index = torch.tensor([caches.slots, 0, 0], dtype=torch.int64, device=device)
-            static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
-            segments = (Segment(caches.slots, 0, bucket, 0),)
+            index = torch.zeros(3, slots, dtype=torch.int64, device=device)
+            index[0] = caches.slots
+            static_x = torch.zeros(slots * bucket, self.config.hidden_size, dtype=self.dtype, device=device)
+            segments = tuple(Segment(caches.slots, 0, bucket, j * bucket) for j in range(slots))
 
             def piece():
                 batch = RowBatch(segments, None, False, self._piece_plan(index, bucket, caches))
@@ -344,8 +395,6 @@ class Backbone(nn.Module):
 
             if device.type == "cuda":
                 if self._prefill_pool is None:
-                    # own memory pool and capture stream: prefill pieces replay on the prefill
-                    # lane's stream while decode graphs replay on the main loop's (GraphedStep)
                     self._prefill_pool = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
                 pool, stream = self._prefill_pool
                 step = GraphedStep(piece, pool=pool, stream=stream)
@@ -355,16 +404,16 @@ class Backbone(nn.Module):
         return self._graphs[key]
 
     def capture_prefill_graphs(self, caches: BackboneCaches) -> list[int]:
-        """Capture the prefill-piece graphs of every bucket before serving; returns the buckets.
+        """Capture the prefill graphs of every (bucket, piece slots) before serving; returns them.
         A no-op without prefill graphs or off CUDA."""
         if not (self.prefill_graphs and self.device.type == "cuda"):
             return []
         self.prepare()
-        buckets = self._prefill_buckets(caches)
+        shapes = [(bucket, slots) for bucket in self._prefill_buckets(caches) for slots in graph_pieces(bucket)]
         with torch.inference_mode():
-            for bucket in buckets:
-                self._prefill_graph(bucket, caches)
-        return list(buckets)
+            for bucket, slots in shapes:
+                self._prefill_graph(bucket, slots, caches)
+        return shapes
 
     def _decode_rows(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         """Rows of one-row segments: replayed from a decode graph when graphs are on and a bucket
