@@ -128,20 +128,26 @@ def test_pieces_match_the_eager_path(weights, rows, monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_graph_replay_is_batch_invariant(weights):
-    """On CUDA the pieces are replayed graphs; a prompt's rows are the same bits alone and beside
-    another prompt or a decode row, and agree with the eager varlen path within BF16 rounding."""
+    """On CUDA the pieces are replayed graphs; a prompt's rows are the same bits alone (its own
+    bucket, one piece slot) and packed with another prompt's piece in one replay (padded to the
+    larger bucket, fla's batch of two), beside a decode row; and they agree with the eager varlen
+    path within BF16 rounding."""
     prompt, other, third = _ids(300, 5), _ids(90, 6), _ids(40, 7)
     engine = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=True)
-    assert engine.model.capture_prefill_graphs(engine.caches) == list(PREFILL_BUCKETS)
-    a = engine.open()
-    alone = engine.step([(a, prompt, None)])[0].clone()
-    engine.release(a)
-    b, a = engine.open(), engine.open()
+    shapes = engine.model.capture_prefill_graphs(engine.caches)
+    assert len(shapes) == sum(len(graph_pieces(b)) for b in PREFILL_BUCKETS)
+    alone = []
+    for ids in (prompt, other):
+        slot = engine.open()
+        alone.append(engine.step([(slot, ids, None)])[0].clone())
+        engine.release(slot)
+    b, a, c = engine.open(), engine.open(), engine.open()
     engine.step([(b, third, None)])
-    beside = engine.step([(b, third[:1], None), (a, prompt, None), (engine.open(), other, None)])
-    assert torch.equal(beside[1], alone)
-    assert engine.model.prefill_replays == 2 * len(prefill_cuts(300)) + len(prefill_cuts(90)) + len(prefill_cuts(40))
+    replays = engine.model.prefill_replays
+    beside = engine.step([(b, third[:1], None), (a, prompt, None), (c, other, None)])
+    assert engine.model.prefill_replays == replays + 1           # both prompts in one replay
+    assert torch.equal(beside[1], alone[0]) and torch.equal(beside[2], alone[1])
 
     eager = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=False)
     ref = eager.step([(eager.open(), prompt, None)])[0]
-    assert torch.nn.functional.cosine_similarity(ref.float(), alone.float(), dim=-1).min() > 0.999
+    assert torch.nn.functional.cosine_similarity(ref.float(), alone[0].float(), dim=-1).min() > 0.999
