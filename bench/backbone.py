@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-decode", type=int, nargs="+", metavar="BATCH",
                         help="print the top kernels of a decode step at each of these batch sizes (graph replay "
                              "with --decode-graphs): where the step's device time goes, kernel by kernel")
+    parser.add_argument("--prefill-sessions", type=int, nargs="+", default=[1], metavar="P",
+                        help="time each prefill length also with P sessions' prompts in one step (one "
+                             "packed prefill-graph replay when they fit one: what a lane step does)")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per length after the first")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
                         "per-row path is many tiny ops that threads only slow down)")
@@ -94,25 +97,26 @@ def _text_rows(n: int, vocab: int, gen: torch.Generator):
     return torch.randint(0, vocab, (n,), generator=gen), None
 
 
-def bench_prefill(engine, n: int, gen, device, repeats: int = 3) -> dict:
-    """One session's prompt of n text rows in one step: the first call at this size (Triton
+def bench_prefill(engine, n: int, gen, device, repeats: int = 3, sessions: int = 1) -> dict:
+    """`sessions` prompts of n text rows each in one step: the first call at this size (Triton
     compilation for new specialisations included, unless the served warm-up ran), then the
     median of `repeats` more (steady state)."""
     vocab = engine.model.config.vocab_size
     times = []
     _reset_peak(device)
     for _ in range(1 + repeats):
-        slot = engine.open()
-        tokens, frames = _text_rows(n, vocab, gen)
+        slots = [engine.open() for _ in range(sessions)]
+        work = [(slot, *_text_rows(n, vocab, gen)) for slot in slots]
         _sync(device)
         started = time.perf_counter()
-        engine.step([(slot, tokens, frames)])
+        engine.step(work)
         _sync(device)
         times.append((time.perf_counter() - started) * 1000)
-        engine.release(slot)
+        for slot in slots:
+            engine.release(slot)
     steady = statistics.median(times[1:]) if repeats else times[0]
-    return {"rows": n, "first_ms": times[0], "ms": steady, "rows_per_s": n / steady * 1000,
-            "peak_gib": _peak_gib(device)}
+    return {"rows": n, "sessions": sessions, "first_ms": times[0], "ms": steady,
+            "rows_per_s": n * sessions / steady * 1000, "peak_gib": _peak_gib(device)}
 
 
 def profile_prefill(engine, n: int, gen, device, rows: int = 25) -> str:
@@ -254,7 +258,7 @@ def main(argv=None) -> dict:
                             decode_graphs=args.decode_graphs)
     build_s = time.perf_counter() - started
     max_context = max(max(args.prefill), args.context + args.warmup + args.steps) + 8
-    engine = BackboneEngine(model, max_sessions=max(args.batch), max_context=max_context)
+    engine = BackboneEngine(model, max_sessions=max(args.batch + args.prefill_sessions), max_context=max_context)
     mem = engine.memory_bytes()
     gen = torch.Generator().manual_seed(0)
     print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}, kernels: {model.kernels}, "
@@ -267,11 +271,15 @@ def main(argv=None) -> dict:
         buckets = engine.warm_up()
         results["warm_up"] = {"s": time.perf_counter() - started, "graph_buckets": buckets}
         print(f"served warm-up: {results['warm_up']['s']:.1f} s, decode graph buckets {buckets}")
-    print(f"{'prefill rows':>12} {'first ms':>10} {'ms':>10} {'rows/s':>10} {'peak GiB':>9}")
+    print(f"{'prefill rows':>12} {'sessions':>8} {'first ms':>10} {'ms':>10} {'rows/s':>10} {'peak GiB':>9}")
     for n in args.prefill:
-        r = bench_prefill(engine, n, gen, device, args.prefill_repeats)
-        results["prefill"].append(r)
-        print(f"{n:>12} {r['first_ms']:>10.1f} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} {_fmt(r['peak_gib']):>9}")
+        for sessions in args.prefill_sessions:
+            if sessions > engine.max_sessions:
+                continue
+            r = bench_prefill(engine, n, gen, device, args.prefill_repeats, sessions)
+            results["prefill"].append(r)
+            print(f"{n:>12} {sessions:>8} {r['first_ms']:>10.1f} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} "
+                  f"{_fmt(r['peak_gib']):>9}")
     if args.profile_prefill:
         print(profile_prefill(engine, args.profile_prefill, gen, device))
     print(f"{'batch':>5} {'graphs':>6} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
