@@ -53,9 +53,10 @@ def test_prefill_groups():
     for i, n in enumerate(lengths):       # every segment's pieces in order, as its own cut says
         assert [rows for _, rows in seen[i]] == [rows for rows, _ in prefill_cuts(n)]
         assert [first for first, _ in seen[i]] == [sum(r for _, r in seen[i][:j]) for j in range(len(seen[i]))]
-    # 40 sessions' 70-row prompts: 16 pieces of 128 rows per graph
-    assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([70] * 40)] == \
-        [(128, 16, 16), (128, 16, 16), (128, 8, 8)]
+    # 21 sessions' 70-row prompts: 8 pieces of 128 rows per graph, the rest in the next count up
+    assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([70] * 21)] == \
+        [(128, 8, 8), (128, 8, 8), (128, 6, 5)]
+    assert graph_pieces(512) == (1, 2) and graph_pieces(16)[-1] == 16
     assert prefill_groups([]) == []
 
 

@@ -56,8 +56,13 @@ from .rope import RotaryTable
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)    # rows per piece of a captured prefill graph (prefill_graphs)
-PREFILL_GRAPH_ROWS = 2048                         # most rows (pieces x bucket) of one prefill graph
-PREFILL_GRAPH_PIECES = 16                         # most pieces of one prefill graph
+# Piece counts with a prefill graph per bucket, at most PREFILL_GRAPH_ROWS rows in all. Why 1024:
+# on the H200 a packed replay costs ~75 µs per row from ~1000 rows on (13.4k rows/s at 1024 and at
+# 2048 rows; bench/backbone.py --prefill-sessions), so larger graphs only hold the GPU longer
+# against the decode steps; the counts between powers of two cut the padding of a lane step's
+# group (10 pieces of 128 rows ran as 16 before).
+PREFILL_GRAPH_ROWS = 1024
+PREFILL_GRAPH_PIECES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[tuple[int, int]]:
@@ -76,9 +81,8 @@ def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[
 
 
 def graph_pieces(bucket: int) -> tuple[int, ...]:
-    """The piece counts (powers of two) with a prefill graph of `bucket` rows per piece."""
-    most = min(PREFILL_GRAPH_PIECES, max(1, PREFILL_GRAPH_ROWS // bucket))
-    return tuple(1 << i for i in range(most.bit_length()) if 1 << i <= most)
+    """The piece counts with a prefill graph of `bucket` rows per piece (at least one piece)."""
+    return tuple(n for n in PREFILL_GRAPH_PIECES if n == 1 or n * bucket <= PREFILL_GRAPH_ROWS)
 
 
 @dataclass(frozen=True)
