@@ -9,7 +9,10 @@ on 4-D [B, C, 1, L] tensors in torch's channels_last memory format (physically [
 weights in the same format, so cuDNN's F16 NHWC kernels take them as they are instead of
 transposing input and weight on every call; their stream tails are kept in that layout too.
 The decoder's last conv (w_4 -> 1 channel) has no good cuDNN kernel in either layout; with
-`set_narrow` it runs as one GEMM and a shifted sum instead (`taps_conv1d`).
+`set_narrow` it runs as one GEMM and a shifted sum instead (`taps_conv1d`). With
+`set_shifted_gemm` the wide stride-1 convs (the first conv and the residual units' k 7 convs) run
+the same way (`shifted_gemm_conv1d`): in F16 cuDNN runs some of them on a generic
+non-tensor-core kernel and transposes NCHW <-> NHWC around the others.
 
 Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
 Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
@@ -92,6 +95,71 @@ def conv_taps(weight: Tensor) -> Tensor:
     taps = weight.new_zeros(-(-rows // 8) * 8, c_in)
     taps[:rows] = weight.permute(0, 2, 1).reshape(rows, c_in)
     return taps
+
+
+def stacked_taps(weight: Tensor) -> Tensor:
+    """weight [C_out, C_in, k] -> taps [R, C_in] for shifted_gemm_conv1d: row j·C_out + o =
+    weight[o, :, j] (tap-major, so tap j's outputs are one block of C_out rows of the GEMM's
+    result), R = k·C_out rounded up to 8 with zero rows (16-byte aligned F16 rows for cuBLAS)."""
+    c_out, c_in, kernel = weight.shape
+    rows = kernel * c_out
+    taps = weight.new_zeros(-(-rows // 8) * 8, c_in)
+    taps[:rows] = weight.permute(2, 0, 1).reshape(rows, c_in)
+    return taps
+
+
+def shifted_gemm_conv1d(window: Tensor, taps: Tensor, bias: Tensor | None, out_channels: int,
+                        kernel: int, dilation: int = 1, start: int = 0) -> Tensor:
+    """A valid (unpadded) stride-1 conv of window[..., start:] as one GEMM and a shifted sum.
+
+    window [B, C_in, W] (time contiguous) -> [B, C_out, L], contiguous; or 4-D [B, C_in, 1, W]
+    in channels_last (physically [B, W, C_in], the channels_last decoder) -> [B, C_out, 1, L] in
+    channels_last. L = W - start - (k-1)·d; taps from `stacked_taps`; the result is in the
+    window's dtype:
+        y[b, o, t] = bias[o] + Σ_j Σ_c taps[j·C_out + o, c] · window[b, c, start + t + j·d]
+    `start` skips inputs a stream keeps only for alignment (CausalConv1d.tail_length).
+
+    Why: in an H200 profile of the graphed F16 10 s decode, cuDNN spent a quarter of the time in
+    its generic non-tensor-core kernel (implicit_convolve_sgemm, 5 calls at 1.1 ms; k 7 conv
+    shapes, the decoder's long few-channel convs the likely ones) and another 13% transposing
+    NCHW <-> NHWC around its other F16 convs; bench/codec.py --conv-table times each shape. Here
+    P = taps · window holds every tap's partial sum at every position (one cuBLAS GEMM, K = C_in,
+    reads the window once, writes k outputs' worth), and y is Σ_j of k shifted views of P (one
+    as_strided view, no copy; one reduction that accumulates in float32 on CUDA and rounds once).
+    Nothing is transposed: channels-first in, channels-first out; rows in, rows out. The cost is
+    P's traffic (k times the output, written and read once) instead of an implicit GEMM's.
+    """
+    four_d = window.dim() == 4
+    batch, c_in, width = window.shape[0], window.shape[1], window.shape[-1]
+    length = width - start - (kernel - 1) * dilation
+    if taps.shape[0] < kernel * out_channels or taps.shape[1] != c_in or length < 0 or start < 0:
+        raise ValueError(f"taps {list(taps.shape)} for {out_channels} x {kernel} taps (dilation "
+                         f"{dilation}) do not fit a window of {c_in} x {width} from {start}")
+    if four_d:
+        rows = as_channels_last(window).permute(0, 2, 3, 1).reshape(batch * width, c_in)  # a view
+        partial = torch.mm(rows, taps.t())                          # [B·W, R]
+        # element (b, t, o, j) = partial[b·W + start + t + j·d, j·C_out + o]; rows never cross
+        # from one batch row into the next, since start + t + j·d < W
+        sw, sr = partial.stride()
+        shifted = partial.as_strided((batch, length, out_channels, kernel),
+                                     (width * sw, sw, sr, dilation * sw + out_channels * sr),
+                                     partial.storage_offset() + start * sw)
+        y = shifted.sum(-1)                                         # [B, L, C_out]
+        if bias is not None:
+            y.add_(bias)
+        return y.permute(0, 2, 1).unsqueeze(2)                      # channels_last, no copy
+    if window.stride(-1) != 1:
+        window = window.contiguous()
+    partial = torch.bmm(taps.expand(batch, -1, -1), window)         # [B, R, W]
+    # element (b, o, t, j) = partial[b, j·C_out + o, start + t + j·d]
+    sb, sr, sw = partial.stride()
+    shifted = partial.as_strided((batch, out_channels, length, kernel),
+                                 (sb, sr, sw, out_channels * sr + dilation * sw),
+                                 partial.storage_offset() + start * sw)
+    y = shifted.sum(-1)                                             # [B, C_out, L]
+    if bias is not None:
+        y.add_(bias[:, None])
+    return y
 
 
 def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) -> Tensor:
@@ -179,11 +247,29 @@ class CausalConv1d(Streaming):
                               dilation=dilation, groups=groups)
         self.conv.weight_normed = weight_normed
         self.stride, self.dilation, self.groups = stride, dilation, groups
-        self.tail_length = effective_kernel(kernel_size, dilation) - stride
+        # inputs before the first new one that an output reads (k_e - s)
+        self.causal_span = effective_kernel(kernel_size, dilation) - stride
         self.weight_4d: Tensor | None = None     # channels_last [C_out, C_in, 1, k] (set_channels_last)
         self.taps: Tensor | None = None          # [C_out·k, C_in] for taps_conv1d (set_narrow)
+        self.gemm_taps: Tensor | None = None     # [k·C_out, C_in] for shifted_gemm_conv1d (set_shifted_gemm)
+
+    @property
+    def tail_length(self) -> int:
+        """Inputs a stream keeps: the causal span k_e - s, rounded up to a multiple of 8 for the
+        shifted GEMM in the default layout, whose GEMM reads the window [tail | t inputs] with
+        the window's length as leading dimension: cuBLAS's fast F16 kernels want it 16-byte
+        aligned (t is a multiple of 8 in every decoder block). The extra inputs are skipped
+        (`start`). channels_last windows are rows of C_in channels, aligned whatever the tail."""
+        if self.gemm_taps is not None and self.weight_4d is None:
+            return -(-self.causal_span // 8) * 8
+        return self.causal_span
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gemm_taps is not None:
+            window = F.pad(x, (self.tail_length, 0))
+            return shifted_gemm_conv1d(window, self.gemm_taps, self.conv.bias, self.conv.out_channels,
+                                       self.conv.kernel_size[0], self.dilation,
+                                       start=self.tail_length - self.causal_span)
         return causal_conv1d(x, self.conv.weight, self.conv.bias, self.stride, self.dilation,
                              self.groups)
 
@@ -199,6 +285,20 @@ class CausalConv1d(Streaming):
     def set_narrow(self, on: bool) -> None:
         """Streaming steps through taps_conv1d (only where `narrow`; otherwise a no-op)."""
         self.taps = conv_taps(self.conv.weight) if on and self.narrow else None
+
+    @property
+    def wide(self) -> bool:
+        """A stride-1 conv with a kernel of more than one tap and more output taps than `narrow`
+        (the decoder's first conv and its residual units' k 7 convs): `step` and `forward` may
+        run it as shifted_gemm_conv1d."""
+        return (self.conv.kernel_size[0] > 1 and self.stride == 1 and self.groups == 1
+                and not self.narrow)
+
+    def set_shifted_gemm(self, on: bool) -> None:
+        """Steps (and forward) through shifted_gemm_conv1d (only where `wide`; otherwise a
+        no-op). In the default layout this lengthens the stream tail (`tail_length`): states made
+        before the switch no longer fit."""
+        self.gemm_taps = stacked_taps(self.conv.weight) if on and self.wide else None
 
     def initial_state(self, batch: int, device, dtype) -> Tensor:
         if self.weight_4d is not None:
@@ -218,7 +318,8 @@ class CausalConv1d(Streaming):
         """The step on its window [stream tail | next t inputs] (`step` makes it with a cat; a
         fused Snake writes it directly, Snake.step(tail=...)): keeps the window's last inputs as
         the new tail and convolves. bias=False leaves the bias to the caller (a fused Snake next
-        adds it on the way, Snake.step(bias=...))."""
+        adds it on the way, Snake.step(bias=...)). The tail is `tail_length` inputs long: more
+        than the conv reads with the default-layout shifted GEMM, which skips the extra ones."""
         bias_tensor = self.conv.bias if bias else None
         if self.weight_4d is not None:
             if self.tail_length > 0:
@@ -229,6 +330,9 @@ class CausalConv1d(Streaming):
                 # [B, C_out, 1, t]: with C_out = 1 contiguous and channels_last are the same bytes
                 return taps_conv1d(window.squeeze(2), self.taps, bias_tensor, self.conv.out_channels,
                                    self.conv.kernel_size[0], self.dilation).unsqueeze(2)
+            if self.gemm_taps is not None:
+                return shifted_gemm_conv1d(window, self.gemm_taps, bias_tensor, self.conv.out_channels,
+                                           self.conv.kernel_size[0], self.dilation)
             return F.conv2d(window, self.weight_4d, bias_tensor, dilation=(1, self.dilation),
                             groups=self.groups)
         if self.tail_length > 0:
@@ -237,6 +341,10 @@ class CausalConv1d(Streaming):
         if self.taps is not None:
             return taps_conv1d(window, self.taps, bias_tensor, self.conv.out_channels,
                                self.conv.kernel_size[0], self.dilation)
+        if self.gemm_taps is not None:
+            return shifted_gemm_conv1d(window, self.gemm_taps, bias_tensor, self.conv.out_channels,
+                                       self.conv.kernel_size[0], self.dilation,
+                                       start=self.tail_length - self.causal_span)
         return F.conv1d(window, self.conv.weight, bias_tensor, dilation=self.dilation, groups=self.groups)
 
 

@@ -8,8 +8,10 @@ then Snake(w_4) -> causal conv w_4 -> 1 (k 7) -> tanh. Module indices match the 
 GPU paths (set by Codec.prepare): `set_channels_last(True)` gives every conv a 4-D channels_last
 weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and the audio back to
 [B, 1, L] at the end (float32; F16 keeps torch's default layout, see Codec.prepare);
-`set_narrow` runs the last conv as one GEMM (conv.taps_conv1d); `set_fused_windows` lets each
-Snake write the next causal conv's input window (snake_triton.fused_snake_window).
+`set_narrow` runs the last conv as one GEMM (conv.taps_conv1d); `set_shifted_gemm` runs the
+first conv and the residual units' k 7 convs as one GEMM and a shifted sum each
+(conv.shifted_gemm_conv1d) instead of cuDNN; `set_fused_windows` lets each Snake write the next
+causal conv's input window (snake_triton.fused_snake_window).
 
 Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
 """
@@ -75,6 +77,14 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, CausalConv1d):
                 module.set_narrow(on)
+
+    def set_shifted_gemm(self, on: bool) -> None:
+        """The wide stride-1 convs (model.0, C -> w_0, and the residual units' k 7 convs) through
+        conv.shifted_gemm_conv1d instead of cuDNN (Codec.prepare); the last conv is narrow_conv's.
+        In the default layout their stream tails grow to a multiple of 8 inputs (alignment)."""
+        for module in self.modules():
+            if isinstance(module, CausalConv1d):
+                module.set_shifted_gemm(on)
 
     def set_fused_windows(self, on: bool) -> None:
         """Each Snake that feeds a causal conv writes that conv's input window itself, and a

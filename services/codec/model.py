@@ -111,7 +111,7 @@ class Codec(nn.Module):
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
 
     FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv",
-                    "pointwise_gemm", "fused_windows")
+                    "pointwise_gemm", "fused_windows", "shifted_gemm")
 
     def prepare(self, device, dtype: torch.dtype, fast: bool | None = None,
                 **options: bool) -> "Codec":
@@ -126,7 +126,9 @@ class Codec(nn.Module):
         pointwise_gemm (each residual unit's 1x1 conv and skip add as one in-place GEMM:
         conv.pointwise_residual_) and fused_windows (each Snake before a causal conv writes the
         conv's [tail | input] window and adds the previous conv's bias: one kernel with
-        fused_snake, the same numbers through torch.cat without; Decoder.set_fused_windows).
+        fused_snake, the same numbers through torch.cat without; Decoder.set_fused_windows) and
+        shifted_gemm (the decoder's first conv and residual k 7 convs as one GEMM and a shifted
+        sum each, off cuDNN: conv.shifted_gemm_conv1d; Decoder.set_shifted_gemm).
         `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
         DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
         how a server or a benchmark is switched without code changes (fast=False, the reference
@@ -160,6 +162,7 @@ class Codec(nn.Module):
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         self.decoder.set_narrow(chosen["narrow_conv"])
+        self.decoder.set_shifted_gemm(chosen["shifted_gemm"])
         self.decoder.set_fused_windows(chosen["fused_windows"])
         for module in self.decoder.modules():
             if isinstance(module, Snake):

@@ -1,0 +1,226 @@
+"""The decoder's wide convs as one GEMM and a shifted sum (conv.shifted_gemm_conv1d, the
+`shifted_gemm` decode option, issue #3) against the F.conv1d path and the naive float64 conv, in
+both window layouts, alone, in a stream and in the whole tiny decoder.
+
+CPU float32 only: the GPU numbers come from `bench/codec.py --conv-table`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.codec import naive
+from services.codec.conv import CausalConv1d, causal_conv1d, shifted_gemm_conv1d, stacked_taps
+from services.codec.model import load_codec
+from services.codec.state import StreamState
+from tests.test_codec_model import AWKWARD_LENGTHS, assert_close, random_codes
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+LAYOUTS = ["contiguous", "channels_last"]
+
+
+def as_layout(window: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, C, W] as the decoder hands it over: as is, or 4-D channels_last ([B, W, C] in memory)."""
+    if layout == "channels_last":
+        return window.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    return window
+
+
+def from_layout(y: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_last":
+        assert y.dim() == 4 and y.is_contiguous(memory_format=torch.channels_last)
+        return y.squeeze(2)
+    assert y.is_contiguous()
+    return y
+
+
+def random_conv(c_in: int, c_out: int, kernel: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(c_out, c_in, kernel, generator=gen) / c_in ** 0.5,
+            torch.randn(c_out, generator=gen))
+
+
+# --------------------------------------------------------------------------------------------
+# the function
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", AWKWARD_LENGTHS)
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shifted_gemm_matches_the_causal_conv(length, dilation, layout):
+    """Over a window [junk | zeros of the causal span | x], started past the junk, the shifted
+    GEMM equals F.conv1d's causal conv (and the naive one) of x; 5 output channels make 35 taps
+    rows, padded to 40, and two batch rows check that rows of one never reach the other."""
+    gen = torch.Generator().manual_seed(length * 10 + dilation)
+    weight, bias = random_conv(6, 5, 7, seed=dilation)
+    x = torch.randn(2, 6, length, generator=gen)
+    span, start = 6 * dilation, 3
+    window = torch.cat([torch.full((2, 6, start), 1e4), torch.zeros(2, 6, span), x], dim=-1)
+    taps = stacked_taps(weight)
+    assert taps.shape == (40, 6)
+    y = from_layout(shifted_gemm_conv1d(as_layout(window, layout), taps, bias, 5, 7, dilation,
+                                        start=start), layout)
+    assert y.shape == (2, 5, length) and y.dtype == torch.float32
+    assert_close(y, causal_conv1d(x, weight, bias, 1, dilation), 1e-5, "vs F.conv1d")
+    assert_close(y, naive.naive_causal_conv1d(x, weight, bias, 1, dilation), 1e-5, "vs naive")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shifted_gemm_window_edges(layout):
+    """The last output's last tap reads the window's last input (and nothing after it), the
+    first output's first tap the input at `start`; a window one input short is refused; a
+    window of exactly the span gives an empty output."""
+    weight, _ = random_conv(8, 8, 7, seed=4)
+    taps, dilation, start = stacked_taps(weight), 3, 2
+    window = torch.randn(1, 8, start + 18 + 5, generator=torch.Generator().manual_seed(5))
+
+    def run(w):
+        return from_layout(shifted_gemm_conv1d(as_layout(w, layout), taps, None, 8, 7, dilation,
+                                               start=start), layout)
+
+    base = run(window)
+    assert base.shape == (1, 8, 5)
+    last = window.clone()
+    last[..., -1] += 1.0
+    moved = run(last) - base
+    assert moved[..., :-1].abs().max() == 0 and moved[..., -1].abs().max() > 0
+    first = window.clone()
+    first[..., start] += 1.0
+    moved = run(first) - base
+    assert moved[..., 0].abs().max() > 0 and moved[..., 1:].abs().max() == 0
+    before = window.clone()
+    before[..., :start] = float("nan")                       # skipped inputs are never read
+    assert torch.equal(run(before), base)
+    assert run(window[..., :start + 18]).shape == (1, 8, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        run(window[..., :start + 17])
+
+
+def test_shifted_gemm_on_a_strided_window():
+    """A window that is a slice of a longer buffer (time stride 1, rows longer than the window)
+    gives the same numbers as its contiguous copy."""
+    weight, bias = random_conv(8, 16, 7, seed=6)
+    buffer = torch.randn(2, 8, 50, generator=torch.Generator().manual_seed(7))
+    view = buffer[..., 5:45]
+    taps = stacked_taps(weight)
+    assert_close(shifted_gemm_conv1d(view, taps, bias, 16, 7, 1),
+                 shifted_gemm_conv1d(view.contiguous(), taps, bias, 16, 7, 1), 1e-7, "strided window")
+
+
+# --------------------------------------------------------------------------------------------
+# the module, streamed
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_shifted_gemm_conv_streams_like_offline(dilation, channels_last):
+    """A CausalConv1d with set_shifted_gemm, streamed in awkward chunks (1, 5, 3, 32, 89), equals
+    its offline forward (the same path) and the naive conv; the default layout keeps a tail
+    rounded up to 8 inputs (the last 8·⌈6d/8⌉ inputs, zeros at first), channels_last exactly 6d."""
+    torch.manual_seed(dilation)
+    conv = CausalConv1d(16, 16, kernel_size=7, dilation=dilation)
+    conv.state_key = "conv"
+    conv.set_channels_last(channels_last)
+    conv.set_shifted_gemm(True)
+    assert conv.wide and conv.gemm_taps is not None
+    tail = 6 * dilation if channels_last else -(-6 * dilation // 8) * 8
+    assert conv.tail_length == tail
+    x = torch.randn(2, 16, 130)
+    with torch.no_grad():
+        offline = conv(x)
+        state = StreamState(torch.zeros(2, dtype=torch.int64),
+                            {"conv": conv.initial_state(2, "cpu", torch.float32)})
+        parts, start = [], 0
+        for size in (1, 5, 3, 32, 89):
+            piece = as_layout(x[:, :, start:start + size], "channels_last" if channels_last else "")
+            parts.append(from_layout(conv.step(piece, state), "channels_last" if channels_last else ""))
+            start += size
+    streamed = torch.cat(parts, -1)
+    assert_close(streamed, offline, 1e-6, "streamed vs offline")
+    assert_close(offline, naive.naive_conv(conv, x), 1e-5, "offline vs naive")
+    kept = state.tensors["conv"].squeeze(2) if channels_last else state.tensors["conv"]
+    assert torch.equal(kept, x[..., -tail:])
+
+
+def test_shifted_gemm_is_for_wide_convs_only():
+    """Narrow convs (the last conv: narrow_conv's), strided, grouped and 1x1 convs keep their
+    paths and their tails."""
+    for conv in (CausalConv1d(16, 1, 7), CausalConv1d(16, 16, 4, stride=2),
+                 CausalConv1d(16, 16, 7, groups=16), CausalConv1d(16, 16, 1)):
+        span = conv.tail_length
+        conv.set_shifted_gemm(True)
+        assert not conv.wide and conv.gemm_taps is None and conv.tail_length == span
+    conv = CausalConv1d(16, 16, 7)
+    conv.set_shifted_gemm(True)
+    conv.set_shifted_gemm(False)
+    assert conv.gemm_taps is None and conv.tail_length == 6
+
+
+# --------------------------------------------------------------------------------------------
+# the decoder
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return load_codec(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def shifted(tiny_checkpoint):
+    """The CPU reference path with only shifted_gemm on (frame-serial, float32)."""
+    codec = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, shifted_gemm=True)
+    assert codec.decode_options["shifted_gemm"] and codec.frame_serial
+    return codec
+
+
+def test_option_reaches_the_wide_convs_only(reference, shifted):
+    """On: model.0 and every residual unit's k 7 conv wide enough (the tiny decoder's last block
+    has 2 channels: 14 taps, narrow) get taps; the last conv does not. Off (the default on CPU):
+    none, and the tails are the causal spans, as before."""
+    decoder = shifted.decoder
+    assert decoder.model[0].gemm_taps is not None
+    for block in decoder.model[1:5]:
+        for unit in block.block[2:]:
+            conv7 = unit.block[1]
+            assert (conv7.gemm_taps is not None) == (conv7.conv.out_channels * 7 > 16)
+    assert decoder.model[1].block[2].block[1].gemm_taps is not None
+    assert decoder.model[-2].gemm_taps is None
+    assert not reference.decode_options["shifted_gemm"]
+    assert all(getattr(m, "gemm_taps", None) is None for m in reference.decoder.modules())
+    assert reference.new_state().tensors["decoder.model.1.block.4.block.1"].shape[-1] == 54
+    assert shifted.new_state().tensors["decoder.model.1.block.4.block.1"].shape[-1] == 56
+
+
+def test_decoder_with_shifted_gemm_matches_without(reference, shifted):
+    codes = random_codes(reference, 9, batch=2, seed=31)
+    expected = reference.decode(codes)
+    assert_close(shifted.decode(codes), expected, 5e-4, "shifted_gemm on vs off")
+
+
+@pytest.mark.parametrize("group", [1, 4, 9])
+def test_streamed_equals_offline_bit_for_bit_with_shifted_gemm(shifted, group):
+    codes = random_codes(shifted, 9, batch=2, seed=32)
+    offline = shifted.decode(codes)
+    stream = shifted.stream(batch=2)
+    streamed = torch.cat([stream.push(codes[:, :, i:i + group]) for i in range(0, 9, group)], -1)
+    assert torch.equal(streamed, offline)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_gpu_configuration_with_shifted_gemm_on_cpu(reference, tiny_checkpoint, channels_last):
+    """Every GPU decoder path (Snakes through the torch fallback), batched chunks as the GPU
+    runs them, in both layouts: the reference decode within rounding; and the same with
+    shifted_gemm off, so the option is the only difference."""
+    codes = random_codes(reference, 11, batch=2, seed=33)
+    expected = reference.decode(codes)
+    for on in (True, False):
+        fast = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True,
+                                                   channels_last=channels_last, shifted_gemm=on)
+        assert fast.decode_options["shifted_gemm"] is on
+        fast.frame_serial = False
+        stream = fast.stream(batch=2)
+        streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 11))], -1)
+        assert_close(streamed, expected, 5e-4, f"GPU paths, shifted_gemm={on}")
