@@ -3,8 +3,9 @@ capture, i.e. the same `_decode_step` code the CUDA graphs capture, against the 
 
 Checked: one staging buffer per bucket carries every row's slot, position and sampling
 parameters; rows past the real ones go to the scratch slot and change nothing real; RAS windows
-advance as in the eager step; steps that are not pure single-row draws stay eager. (The CUDA
-capture itself is tests/test_tower_gpu.py.)
+advance as in the eager step; steps that are not pure single-row draws do not use them (they
+go to the general-step graphs, tests/test_tower_prefill_graphs.py). (The CUDA capture itself
+is tests/test_tower_gpu.py.)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def test_staged_decode_step_equals_eager(one_intra_op_thread):
     assert (staged._ras_history[:sessions] >= 0).any()
 
 
-def test_steps_that_are_not_single_row_draws_stay_eager():
+def test_steps_that_are_not_single_row_draws_do_not_use_the_decode_graphs():
     engine = TowerEngine(random_tower(TINY, seed=1), TINY, max_sessions=2, max_context=16, graphs=True)
     engine.warm_up()
     calls = []
@@ -92,7 +93,7 @@ def test_steps_that_are_not_single_row_draws_stay_eager():
     engine.step([StepEntry("a", 3, 1, draw=False)], torch.randn(1, d), none[:1])           # no draw
     engine.step([StepEntry("a", 4, 1, draw=True), StepEntry("b", 0, 2, draw=True)],       # mixed
                 torch.randn(3, d), none)
-    assert calls == []
+    assert calls == [] and engine.rows_held("a") == 5 and engine.rows_held("b") == 2
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -17,8 +17,19 @@ exact prefix rows, so any stream may use them. A restore whose snapshot was evic
 error FAILED_PRECONDITION (the backbone then prefills the whole prompt).
 
 On CUDA a step whose accepted entries are all single-row draws (the steady state) replays a
-CUDA graph of `_decode_step` (graphs.py); every other step runs eagerly. With graphs the pool
-has one more slot than max_sessions, the scratch slot the graphs' padding rows write into.
+CUDA graph of `_decode_step` (graphs.DecodeGraphs); any other step (prompt pieces, non-drawing
+rows, mixes) replays graphs of `_general_step` (graphs.StepGraphs: T rows as single-row
+segments, D draws among them), unless an entry restores a prefix or the step has more draws
+than the largest graph holds: those run eagerly. With graphs the pool has one more slot than
+max_sessions, the scratch slot the graphs' padding rows write into.
+
+On CUDA the eager step runs its rows as single-row segments too, as the graphs do (with graphs
+on or off): every row then attends through the same decode-attention kernel over its own
+positions whichever path its step took, so a session's bits never depend on whether a
+neighbour's restore sent the step down the eager path, nor on DRAMA_TOWER_GRAPHS (batch
+invariance, issue #8); and a prompt's bits no longer depend on how it was cut into pieces. On
+the CPU the eager step keeps its segments (attend_rowwise on the exact path, SDPA per segment
+on the fast path, which is test-only there).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from services.backbone.prefix_cache import PrefixCache, default_capacity_mb
 from services.common.config import DramaConfig
 from services.tower import graphs as decode_graphs
 from services.tower import kernels, sampling
-from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS, Bucket, DecodeGraphs
+from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS, Bucket, DecodeGraphs, StepBucket, StepGraphs
 from services.tower.model import RowBatch, TowerModel, forward_rows
 
 
@@ -119,10 +130,14 @@ class TowerEngine:
             graphs = decode_graphs.enabled_by_default(self.device)
         # On the CPU (tests only) "graphs" are the same staged step run without capture.
         self.use_graphs = bool(graphs)
+        # Eager steps attend row by row as the graphs do (module docstring); the batch-invariant
+        # path attends row by row anyway (attend_rowwise, over host-side segments).
+        self.single_row_segments = self.device.type == "cuda" and not model.batch_invariant
         self.scratch_slot = max_sessions          # owned by no session; only the graphs use it
         pool_slots = max_sessions + (1 if self.use_graphs else 0)
         model.setup_caches(pool_slots, max_context)
         self._graphs: DecodeGraphs | None = None
+        self._step_graphs: StepGraphs | None = None
         self._sessions: dict[tuple[Hashable, str], _Session] = {}
         self._free = list(range(max_sessions))   # lowest slot first
         self._code_limits = torch.tensor([cfg.semantic_codebook_size]
@@ -285,27 +300,33 @@ class TowerEngine:
         """The batched computation over every accepted entry; returns the draw entries' frames."""
         if self._graphable(accepted):
             return self._run_graph(accepted, hidden)
-        row_index, draw_rows, segments = [], [], []
-        for _, entry, session, offset in accepted:
-            if entry.draw:
-                draw_rows.append(len(row_index) + entry.n_rows - 1)
-            row_index.extend(range(offset, offset + entry.n_rows))
-            segments.append((session.slot, entry.first_row, entry.n_rows))
+        step = _StepRows.of(accepted)
+        chunks = self._step_plan(accepted, step)
+        if chunks is not None:
+            return self._run_step_graphs(chunks, accepted, step, hidden, targets)
         device = self.device
-        index = torch.tensor(row_index, dtype=torch.int64)
+        index = torch.tensor(step.row_index, dtype=torch.int64)
         batch_hidden = hidden[index].to(device=device, dtype=self.hidden_dtype)
         batch_targets = targets[index].to(device)
-        rows = RowBatch.from_segments(segments, device)
+        rows = self._eager_rows(step)
         draws = [(entry, session) for _, entry, session, _ in accepted if entry.draw]
         if not draws:
             forward_rows(self.model, batch_hidden, batch_targets, rows)
             return torch.empty(0, self.cfg.num_codebooks, dtype=torch.int64), []
 
-        draw_index = torch.tensor(draw_rows, dtype=torch.int64, device=device)
+        draw_index = torch.tensor(step.draw_rows, dtype=torch.int64, device=device)
         ints, floats = _draw_columns(accepted)
         ints, floats = ints.to(device), floats.to(device)
         codes, stopped = self._draw_step(batch_hidden, batch_targets, rows, draw_index, ints, floats)
         return codes[draw_index].cpu(), stopped.cpu().tolist()
+
+    def _eager_rows(self, step: "_StepRows") -> RowBatch:
+        """The eager step's RowBatch: its segments, or (CUDA) every row a segment of its own."""
+        if not self.single_row_segments:
+            return RowBatch.from_segments(step.segments, self.device)
+        return RowBatch.decode_only(torch.tensor(step.slots, dtype=torch.int64, device=self.device),
+                                    torch.tensor(step.positions, dtype=torch.int64, device=self.device),
+                                    self.max_context - 1)
 
     def _draw_step(self, hidden: Tensor, targets: Tensor, rows: RowBatch, draw_index: Tensor,
                    ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
@@ -361,32 +382,70 @@ class TowerEngine:
 
     def _decode_step(self, bucket: Bucket) -> Tensor:
         """What a graph captures: `_draw_step` on a bucket's static buffers -> int64 [B, N + 1]."""
-        slots, positions = bucket.int_field("slot"), bucket.int_field("position")
-        if self.model.batch_invariant:    # CPU: attend_rowwise walks host-side segments
-            rows = RowBatch.from_segments([(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())],
-                                          self.device)
-        else:                             # built inside the capture: its rotary tables are too
-            rows = RowBatch.decode_only(slots, positions, self.max_context - 1)
+        rows = self._single_rows(bucket.int_field("slot"), bucket.int_field("position"))
         codes, stopped = self._draw_step(bucket.hidden, bucket.targets, rows, bucket.draw_rows,
                                          bucket.ints, bucket.floats)
         return torch.cat([codes, stopped[:, None].to(torch.int64)], dim=1)
 
+    def _single_rows(self, slots: Tensor, positions: Tensor) -> RowBatch:
+        """Device slots/positions [T] as T single-row segments."""
+        if self.model.batch_invariant:    # CPU: attend_rowwise walks host-side segments
+            return RowBatch.from_segments([(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())],
+                                          self.device)
+        # built inside the capture: its rotary tables are too
+        return RowBatch.decode_only(slots, positions, self.max_context - 1)
+
+    def _step_plan(self, accepted, step: "_StepRows"):
+        """The general graphs' replays for this step, or None to run it eagerly (graphs off,
+        a prefix restore among the entries, or more draws than the largest graph holds)."""
+        if self._step_graphs is None or any(entry.prefix_key for _, entry, _, _ in accepted):
+            return None
+        return self._step_graphs.plan(len(step.row_index), step.draw_rows)
+
+    def _run_step_graphs(self, chunks, accepted, step: "_StepRows", hidden: Tensor,
+                         targets: Tensor) -> tuple[Tensor, list[bool]]:
+        first, count = step.row_index[0], len(step.row_index)
+        if step.row_index[-1] - first == count - 1:       # every entry accepted (or a run of them)
+            hidden, targets = hidden[first:first + count], targets[first:first + count]
+        else:                                             # failed entries in between: leave them out
+            index = torch.tensor(step.row_index, dtype=torch.int64)
+            hidden, targets = hidden[index.to(hidden.device)], targets[index.to(targets.device)]
+        ints, floats = _draw_columns(accepted)
+        out = self._step_graphs.run(chunks, hidden, targets.cpu(), torch.tensor(step.slots, dtype=torch.int64),
+                                    torch.tensor(step.positions, dtype=torch.int64),
+                                    torch.tensor(step.draw_rows, dtype=torch.int64), ints, floats)
+        n = self.cfg.num_codebooks
+        return out[:, :n], out[:, n].bool().tolist()
+
+    def _general_step(self, bucket: StepBucket) -> Tensor:
+        """What a general graph captures: `_draw_step` over a bucket's T rows (single-row
+        segments: a piece's rows see each other through the pool, see the module docstring) and
+        its D draws -> int64 [D, N + 1], the draw rows' codes and stop flags."""
+        rows = self._single_rows(bucket.slots, bucket.positions)
+        codes, stopped = self._draw_step(bucket.hidden, bucket.targets, rows, bucket.draw_rows,
+                                         bucket.ints, bucket.floats)
+        return torch.cat([codes[bucket.draw_rows], stopped[:, None].to(torch.int64)], dim=1)
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (warm_up does this when graphs are on)."""
+        """Capture the decode and the general graphs (warm_up does this when graphs are on)."""
         if not self.use_graphs or (self.device.type == "cuda" and self.model.batch_invariant):
             return                        # the batch-invariant path syncs with the host per row
-        graphs = DecodeGraphs(self._decode_step, max_sessions=self.max_sessions,
-                              hidden_size=self.model.hidden_size, hidden_dtype=self.hidden_dtype,
-                              num_codebooks=self.cfg.num_codebooks, device=self.device,
-                              scratch_slot=self.scratch_slot)
+        sizes = dict(max_sessions=self.max_sessions, hidden_size=self.model.hidden_size,
+                     hidden_dtype=self.hidden_dtype, num_codebooks=self.cfg.num_codebooks, device=self.device,
+                     scratch_slot=self.scratch_slot)
+        graphs = DecodeGraphs(self._decode_step, **sizes)
+        step_graphs = StepGraphs(self._general_step, **sizes)
         if self.device.type == "cuda":
             graphs.capture()
-        self._graphs = graphs
+            step_graphs.capture()
+        self._graphs, self._step_graphs = graphs, step_graphs
 
     @property
     def graphs_captured(self) -> bool:
-        return self._graphs is not None and self._graphs.captured
+        """Both families captured (CUDA, graphs on, after warm_up)."""
+        return (self._graphs is not None and self._graphs.captured
+                and self._step_graphs is not None and self._step_graphs.captured)
 
     # ---------------------------------------------------------------- warm-up
     def warm_up(self) -> None:
@@ -402,6 +461,28 @@ class TowerEngine:
                   hidden[:1], targets[:1], owner=owner)
         self.release_owner(owner)
         self.capture_graphs()
+
+
+@dataclass
+class _StepRows:
+    """Where a step's rows come from and go, on the host: the accepted entries' rows in order."""
+    row_index: list[int]                        # [R] indices into the request's hidden/targets
+    slots: list[int]                            # [R] pool slot of each row
+    positions: list[int]                        # [R] position of each row in its slot
+    draw_rows: list[int]                        # [d] the draw entries' last rows, ascending
+    segments: list[tuple[int, int, int]]        # (slot, first position, rows) per entry
+
+    @classmethod
+    def of(cls, accepted) -> "_StepRows":
+        step = cls([], [], [], [], [])
+        for _, entry, session, offset in accepted:
+            if entry.draw:
+                step.draw_rows.append(len(step.row_index) + entry.n_rows - 1)
+            step.row_index.extend(range(offset, offset + entry.n_rows))
+            step.slots.extend([session.slot] * entry.n_rows)
+            step.positions.extend(range(entry.first_row, entry.first_row + entry.n_rows))
+            step.segments.append((session.slot, entry.first_row, entry.n_rows))
+        return step
 
 
 def _draw_columns(accepted) -> tuple[Tensor, Tensor]:
