@@ -139,12 +139,12 @@ class GraphedStep:
         stream; graphs that may replay concurrently need different ones, because cuBLAS's
         workspace is chosen per stream and a graph keeps the one of its capture stream (torch's
         default capture stream is one for all graphs)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             for _ in range(warmup):
                 fn(*static_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn(*static_inputs)
