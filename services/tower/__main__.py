@@ -7,7 +7,8 @@ the cache pool reads DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (
 the same variables the backbone sizes its pool with (API.md §3.5), DRAMA_PREFIX_CACHE_MB the
 voice-prefix snapshots (default 64 on the CPU, 1024 on a GPU; 0 turns them off) and
 DRAMA_GRACE_S (30) bounds the SIGTERM drain. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of
-the decode step (default on with --device cuda; read by TowerEngine, captured during warm-up).
+the decode step and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on
+with --device cuda; read by TowerEngine, captured during warm-up).
 """
 
 from __future__ import annotations
