@@ -11,8 +11,10 @@ decode groups: on by default on CUDA, off on the CPU; 1 or 0 forces it),
 DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
 Step requests at the tower at once, capped by the tower's own), DRAMA_PREFIX_CACHE_MB (voice-prefix
 cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
-step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off) and
-DRAMA_GRACE_S (30).
+step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off),
+DRAMA_PREFILL_GRAPHS (the prefill pieces of a step as padded pieces replayed from CUDA graphs,
+several sessions' pieces packed in one replay: on with the decode graphs, 0 turns them off; read
+by Backbone) and DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
