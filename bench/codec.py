@@ -5,6 +5,7 @@
     python bench/codec.py --out codec.json                  also write the numbers as JSON
     python bench/codec.py --ablate --profile                + rows with single GPU fast paths off,
                                                               + torch.profiler tables
+    python bench/codec.py --conv-table [FRAMES ...]         + first, every decoder conv shape alone
 
 Random weights are made on the device (no checkpoint; the decode cost does not depend on the
 values). Timed, per decode dtype, on two paths:
@@ -22,13 +23,21 @@ real-time factor (audio seconds per compute second). On CPU the codec runs its b
 frame-serial path, as the server does. --ablate adds FP16 rows (eager 215 frames and chunk of
 4, graphed server chunk of 215) with the reference ops (fast=False), with each fast path flipped
 alone (narrow_conv=False is the last conv on cuDNN again, pointwise_gemm=False the residual 1x1
-convs, channels_last=True the F16 NHWC decoder), and with cudnn.benchmark on.
+convs, channels_last=True the F16 NHWC decoder, shifted_gemm=False the wide k 7 convs on cuDNN
+again), and with cudnn.benchmark on.
+
+--conv-table times every distinct decoder conv shape alone (batch 1; at 215 frames and at the
+pieces of the graphed 215-frame chunk unless given frame counts; FP16 on CUDA as CUDA graph
+replays, float32 wall clock on CPU): cuDNN in both layouts against the codec's GEMM paths and two
+candidates (CONV_LEGEND), with the kernels cuDNN runs for the wide and transposed convs, and per
+frame count the sum over the decoder's convs for each layout with shifted_gemm off and on.
 
 Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
 batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0
 pointwise_gemm=0 fused_windows=0` is the decoder as before (last conv on cuDNN's generic kernel,
 1x1 convs on cuDNN plus a skip add, torch.cat windows and bias adds); the server takes the same
 as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0,pointwise_gemm=0,...
+`--options shifted_gemm=0` is the wide convs on cuDNN as before the shifted GEMM.
 
 Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
 ablation rows), with channels_last still on in FP16 (median ms):
@@ -71,8 +80,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from services.codec.graphs import LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder  # noqa: E402
+from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, as_channels_last,  # noqa: E402
+                                 conv_taps, shifted_gemm_conv1d, stacked_taps, taps_conv1d)
+from services.codec.graphs import LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder, split_length  # noqa: E402
 from services.codec.model import Codec, decode_options_from_env  # noqa: E402
 from services.common.config import CodecConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
@@ -99,6 +111,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--options", nargs="*", default=[], metavar="NAME=0|1",
                         help="decode fast-path switches for every fast prepare, e.g. narrow_conv=0 "
                         "channels_last=1 (sets DRAMA_CODEC_OPTIONS; Codec.FAST_OPTIONS has the names)")
+    parser.add_argument("--conv-table", type=int, nargs="*", metavar="FRAMES",
+                        help="first, time every distinct decoder conv shape alone at these frame "
+                        "counts, cuDNN against the GEMM paths (bare: 215 and the pieces of the "
+                        "graphed 215-frame server chunk)")
+    parser.add_argument("--conv-table-only", action="store_true", help="the conv table and nothing else")
     parser.add_argument("--encode-seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, help="timed calls per case (default 10 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -359,6 +376,245 @@ def profile_eager(codec: Codec, device: torch.device, args) -> None:
                device, steps=3, top=30)
 
 
+# --------------------------------------------------------------------------------------------
+# --conv-table: every distinct decoder conv shape alone, cuDNN against the GEMM paths
+# --------------------------------------------------------------------------------------------
+
+CONV_COLUMNS = ("cudnn", "cudnn_cl", "gemm", "gemm_u", "gemm_cl", "acc_cl", "im2col_cl")
+CONV_LEGEND = """columns: ms per call, batch 1, no bias; '-' where a column does not apply
+  cudnn      F.conv1d / F.conv_transpose1d on the [1, C, W] window, as the default (F16) layout calls cuDNN
+  cudnn_cl   F.conv2d / F.conv_transpose2d on the 4-D channels_last window, as the channels_last decoder
+  gemm       the codec's GEMM path in the default layout: shifted_gemm (wide convs; tail rounded up to
+             8), pointwise_gemm (1x1; here without its skip add), narrow_conv (the last conv)
+  gemm_u     shifted_gemm with the tail left at (k-1)d: the GEMM's leading dimension unaligned
+  gemm_cl    the same GEMM paths on channels_last windows
+  acc_cl     candidate, not in the codec: k GEMMs on shifted row views accumulating into one output
+  im2col_cl  candidate, not in the codec: an im2col copy [L, k·C_in] and one GEMM
+  err        the largest relative RMS difference of any column from cudnn"""
+
+
+def decoder_conv_shapes(codec: Codec, frames: int) -> list[dict]:
+    """Every decoder conv at `frames` frames in decode order: name, kind (wide: shifted_gemm's;
+    pointwise; narrow: narrow_conv's; transposed), channels, kernel, dilation, stride, input and
+    output length, GFLOP."""
+    length = frames * codec.frame_samples // math.prod(codec.cfg.decoder_rates)
+    shapes = []
+    for name, module in codec.decoder.named_modules():
+        if not isinstance(module, (CausalConv1d, CausalConvTranspose1d)):
+            continue
+        conv = module.conv
+        shape = dict(name=f"decoder.{name}", c_in=conv.in_channels, c_out=conv.out_channels,
+                     kernel=conv.kernel_size[0], stride=module.stride, l_in=length)
+        if isinstance(module, CausalConvTranspose1d):
+            length *= module.stride
+            shape.update(kind="transposed", dilation=1, history=module.history)
+        else:
+            # a 1x1 conv is a residual unit's (pointwise_gemm's, even where it counts as narrow)
+            kind = ("pointwise" if shape["kernel"] == 1 else "narrow" if module.narrow
+                    else "wide" if module.wide else "other")
+            shape.update(kind=kind, dilation=module.dilation)
+        shape["l_out"] = length
+        # a transposed conv with k = 2s adds 2 taps into each output
+        taps = 2 if shape["kind"] == "transposed" else shape["kernel"]
+        shape["gflop"] = 2 * length * shape["c_in"] * shape["c_out"] * taps / 1e9
+        shapes.append(shape)
+    return shapes
+
+
+def _rows(window_cl: torch.Tensor) -> torch.Tensor:
+    """4-D channels_last [1, C, 1, W] -> its memory as a [W, C] matrix (a view)."""
+    return window_cl[0].permute(1, 2, 0).reshape(window_cl.shape[-1], window_cl.shape[1])
+
+
+def accumulate_rows_conv(window_cl: torch.Tensor, weight_t: torch.Tensor, dilation: int) -> torch.Tensor:
+    """Candidate (bench only): y [L, C_out] = Σ_j rows[j·d : j·d + L] · W_jᵀ, k GEMMs adding into
+    one output; weight_t [k, C_in, C_out] (W_jᵀ per tap, contiguous)."""
+    rows = _rows(window_cl)
+    kernel = weight_t.shape[0]
+    length = rows.shape[0] - (kernel - 1) * dilation
+    y = rows[:length] @ weight_t[0]
+    for j in range(1, kernel):
+        y.addmm_(rows[j * dilation: j * dilation + length], weight_t[j])
+    return y
+
+
+def im2col_rows_conv(window_cl: torch.Tensor, weight_stack: torch.Tensor, dilation: int) -> torch.Tensor:
+    """Candidate (bench only): cols [L, k·C_in] (a copy: the reshape cannot be a view) times
+    weight_stack [k·C_in, C_out] -> y [L, C_out]."""
+    rows = _rows(window_cl)
+    channels = rows.shape[1]
+    kernel = weight_stack.shape[0] // channels
+    length = rows.shape[0] - (kernel - 1) * dilation
+    cols = rows.as_strided((length, kernel, channels), (channels, dilation * channels, 1))
+    return cols.reshape(length, kernel * channels) @ weight_stack
+
+
+def conv_variants(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
+    """column -> a no-argument callable: the conv of one random window of `shape`, that way."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    c_in, c_out, kernel, dilation = shape["c_in"], shape["c_out"], shape["kernel"], shape["dilation"]
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(device, dtype)
+
+    if shape["kind"] == "transposed":
+        stride, history = shape["stride"], shape["history"]
+        weight = rand(c_in, c_out, kernel, scale=(c_in * 2) ** -0.5)
+        window = rand(1, c_in, history + shape["l_in"])
+        window_cl, weight_4d = as_channels_last(window.unsqueeze(2)), as_channels_last(weight.unsqueeze(2))
+        crop = history * stride            # CausalConvTranspose1d's dense crop: exactly L·s outputs
+        return {"cudnn": lambda: F.conv_transpose1d(window, weight, None, stride=stride, padding=crop),
+                "cudnn_cl": lambda: F.conv_transpose2d(window_cl, weight_4d, None, stride=(1, stride),
+                                                       padding=(0, crop))}
+    weight = rand(c_out, c_in, kernel, scale=(c_in * kernel) ** -0.5)
+    weight_4d = as_channels_last(weight.unsqueeze(2))
+    span = (kernel - 1) * dilation
+    x = rand(1, c_in, shape["l_out"])
+    window = F.pad(x, (span, 0))
+    window_cl = as_channels_last(window.unsqueeze(2))
+    variants = {"cudnn": lambda: F.conv1d(window, weight, None, dilation=dilation),
+                "cudnn_cl": lambda: F.conv2d(window_cl, weight_4d, None, dilation=(1, dilation))}
+    if shape["kind"] == "wide":
+        taps = stacked_taps(weight)
+        aligned = -(-span // 8) * 8                                    # CausalConv1d.tail_length
+        window8 = F.pad(x, (aligned, 0))
+        weight_t = weight.permute(2, 1, 0).contiguous()                 # [k, C_in, C_out]
+        weight_stack = weight_t.reshape(kernel * c_in, c_out)
+        variants.update(
+            gemm=lambda: shifted_gemm_conv1d(window8, taps, None, c_out, kernel, dilation,
+                                             start=aligned - span),
+            gemm_u=lambda: shifted_gemm_conv1d(window, taps, None, c_out, kernel, dilation),
+            gemm_cl=lambda: shifted_gemm_conv1d(window_cl, taps, None, c_out, kernel, dilation),
+            acc_cl=lambda: accumulate_rows_conv(window_cl, weight_t, dilation),
+            im2col_cl=lambda: im2col_rows_conv(window_cl, weight_stack, dilation))
+    elif shape["kind"] == "pointwise":
+        matrix = weight[..., 0]
+        variants.update(gemm=lambda: torch.bmm(matrix[None], window),      # pointwise_residual_'s GEMM
+                        gemm_cl=lambda: _rows(window_cl) @ matrix.t())
+    elif shape["kind"] == "narrow":
+        taps = conv_taps(weight)
+        variants.update(gemm=lambda: taps_conv1d(window, taps, None, c_out, kernel, dilation),
+                        gemm_cl=lambda: taps_conv1d(window_cl.squeeze(2), taps, None, c_out, kernel,
+                                                    dilation))
+    return variants
+
+
+def _channels_first(y: torch.Tensor, c_out: int) -> torch.Tensor:
+    """A column's result ([1, C, L], 4-D channels_last, or rows [L, C_out]) as float [C_out, L]."""
+    if y.dim() == 2:
+        return y.t().float()
+    return y.reshape(c_out, -1).float()
+
+
+def device_ms(fn, device: torch.device, repeats: int, inner: int = 10) -> float:
+    """Median ms per call of fn. On CUDA the call is captured as a CUDA graph and replayed, as the
+    server runs the decoder (no launch overhead in the number; eager if capture fails); on CPU
+    the wall clock."""
+    if device.type != "cuda":
+        return statistics.median(timed(fn, device, repeats, 1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except RuntimeError as error:
+        print(f"        (capture failed, eager timing: {str(error).splitlines()[0][:80]})")
+        run = fn
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(inner):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    del graph
+    return statistics.median(times)
+
+
+def cuda_kernels(fn, top: int = 3, width: int = 70) -> str:
+    """The top device kernels of one call of fn by time, 'name ms | …' (names cut to `width`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(event, "self_device_time_total", None)
+            kernels.append((event.key, us if us is not None else event.self_cuda_time_total))
+    kernels.sort(key=lambda kv: -kv[1])
+    return " | ".join(f"{name[:width]} {us / 1000:.3f}" for name, us in kernels[:top]) or "(none)"
+
+
+# What each decode configuration runs per kind of conv (CONV_COLUMNS).
+CONV_CONFIGS = {
+    "default layout, shifted_gemm=0": {"wide": "cudnn", "pointwise": "gemm", "narrow": "gemm",
+                                       "transposed": "cudnn"},
+    "default layout, shifted_gemm=1": {"wide": "gemm", "pointwise": "gemm", "narrow": "gemm",
+                                       "transposed": "cudnn"},
+    "channels_last=1, shifted_gemm=0": {"wide": "cudnn_cl", "pointwise": "gemm_cl", "narrow": "gemm_cl",
+                                        "transposed": "cudnn_cl"},
+    "channels_last=1, shifted_gemm=1": {"wide": "gemm_cl", "pointwise": "gemm_cl", "narrow": "gemm_cl",
+                                        "transposed": "cudnn_cl"},
+}
+
+
+def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
+    """Time every distinct decoder conv shape at each --conv-table frame count (CONV_LEGEND): one
+    row per shape (on CUDA, for the wide and transposed convs, the kernels cuDNN runs), then per
+    frame count the sum over the decoder's convs for each decode configuration (CONV_CONFIGS)."""
+    frames_list = args.conv_table or sorted({215} | set(split_length(
+        215, tuple(sorted(set(args.long_lengths) | set(STREAM_LENGTHS))))), reverse=True)
+    dtype = DTYPES[args.dtype[0]] if device.type == "cuda" else torch.float32
+    timing = "CUDA graph replays, median of 5 x 10" if device.type == "cuda" else "wall clock, median"
+    print(f"\nconv table: {str(dtype).removeprefix('torch.')} on {device}, frames {frames_list} ({timing})")
+    print(CONV_LEGEND)
+    print(f"{'frames':>6} {'conv':<24} {'kind':<10} {'C_in':>5} {'C_out':>5} {'k':>2} {'d':>2} {'s':>2} "
+          f"{'L_out':>7} {'GFLOP':>6} " + " ".join(f"{c:>9}" for c in CONV_COLUMNS) + f" {'err':>8}",
+          flush=True)
+    rows = []
+    for frames in frames_list:
+        totals = dict.fromkeys(CONV_CONFIGS, 0.0)
+        for shape in decoder_conv_shapes(codec, frames):
+            if shape["kind"] == "other":
+                continue
+            variants = conv_variants(shape, dtype, device)
+            reference = _channels_first(variants["cudnn"](), shape["c_out"])
+            err = max(float((_channels_first(fn(), shape["c_out"]) - reference).norm() / reference.norm())
+                      for fn in variants.values())
+            times = {name: device_ms(fn, device, 5 if device.type == "cuda" else args.repeats)
+                     for name, fn in variants.items()}
+            row = dict(shape, frames=frames, ms=times, err=err)
+            rows.append(row)
+            cells = " ".join(f"{times[c]:>9.3f}" if c in times else f"{'-':>9}" for c in CONV_COLUMNS)
+            print(f"{frames:>6} {shape['name'].removeprefix('decoder.model.'):<24} {shape['kind']:<10} "
+                  f"{shape['c_in']:>5} {shape['c_out']:>5} {shape['kernel']:>2} {shape['dilation']:>2} "
+                  f"{shape['stride']:>2} {shape['l_out']:>7} {shape['gflop']:>6.1f} {cells} {err:>8.1e}",
+                  flush=True)
+            if device.type == "cuda" and shape["kind"] in ("wide", "transposed"):
+                for column in ("cudnn", "cudnn_cl"):
+                    row[f"kernels_{column}"] = cuda_kernels(variants[column])
+                    print(f"{'':>8}{column} kernels: {row[f'kernels_{column}']}", flush=True)
+            for config, choice in CONV_CONFIGS.items():
+                totals[config] += times[choice[shape["kind"]]]
+            del variants
+            if device.type == "cuda":
+                torch.cuda.empty_cache()     # the timing graphs' pools (P: up to ~0.6 GB at 215 frames)
+        print(f"{frames:>6} sum over the decoder's convs (ms): " +
+              "; ".join(f"{config} {ms:.3f}" for config, ms in totals.items()), flush=True)
+        rows.append({"frames": frames, "totals_ms": totals})
+    return rows
+
+
 def bench_encode(codec: Codec, args, device: torch.device) -> dict:
     codec.prepare(device, torch.float32)
     seconds = args.encode_seconds
@@ -397,9 +653,16 @@ def main(argv=None) -> int:
         rows.extend(new_rows)
         if args.out:
             args.out.write_text(json.dumps({"preset": args.preset, "device": str(device), "rows": rows,
-                                            "accuracy": accuracy}, indent=2))
+                                            "accuracy": accuracy, "conv_table": conv_rows}, indent=2))
 
     accuracy: list[dict] = []
+    conv_rows: list[dict] = []
+    if args.conv_table is not None or args.conv_table_only:
+        with torch.inference_mode():
+            conv_rows += conv_table(codec, args, device)
+        add([])
+        if args.conv_table_only:
+            return 0
     with torch.inference_mode():
         for dtype_name in args.dtype:
             codec.prepare(device, DTYPES[dtype_name])

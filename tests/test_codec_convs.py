@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.codec import naive
 from services.codec.conv import CausalConv1d, causal_conv1d, shifted_gemm_conv1d, stacked_taps
