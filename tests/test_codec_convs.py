@@ -223,3 +223,37 @@ def test_gpu_configuration_with_shifted_gemm_on_cpu(reference, tiny_checkpoint, 
         stream = fast.stream(batch=2)
         streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 11))], -1)
         assert_close(streamed, expected, 5e-4, f"GPU paths, shifted_gemm={on}")
+
+
+# --------------------------------------------------------------------------------------------
+# F16 on the GPU
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shifted_gemm_f16_on_cuda(dilation, layout):
+    """The last block's conv shape (96 channels) in F16 on CUDA: as close to the float64 conv as
+    cuDNN's F16 conv is (both within 2e-3), and a CUDA-graph replay gives the eager bits."""
+    weight, _ = random_conv(96, 96, 7, seed=dilation)
+    x = torch.randn(2, 96, 4099, generator=torch.Generator().manual_seed(8)).half().float()
+    span = 6 * dilation
+    start = 0 if layout == "channels_last" else -(-span // 8) * 8 - span
+    window = as_layout(torch.cat([torch.zeros(2, 96, start + span), x], -1), layout).cuda().half()
+    taps = stacked_taps(weight.cuda().half())
+    expected = naive.naive_causal_conv1d(x, weight.half().float(), None, 1, dilation)
+    eager = shifted_gemm_conv1d(window, taps, None, 96, 7, dilation, start=start)
+    assert_close(from_layout(eager, layout).cpu(), expected, 2e-3, "shifted gemm F16")
+    cudnn = causal_conv1d(x.cuda().half(), weight.cuda().half(), None, 1, dilation)
+    assert_close(cudnn.cpu(), expected, 2e-3, "cuDNN F16")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        shifted_gemm_conv1d(window, taps, None, 96, 7, dilation, start=start)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        replayed = shifted_gemm_conv1d(window, taps, None, 96, 7, dilation, start=start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
