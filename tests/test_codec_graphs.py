@@ -93,7 +93,7 @@ def fast_codec(tiny_checkpoint):
     assert model.decode_options == {"channels_last": True, "fused_snake": False,
                                     "fused_attention": True, "dequant_table": True,
                                     "narrow_conv": True, "pointwise_gemm": True,
-                                    "fused_windows": True}
+                                    "fused_windows": True, "shifted_gemm": True}
     model.frame_serial = False
     return model
 
