@@ -60,7 +60,7 @@ case $part in
     echo "DRAMA_PREFILL_LANE=$DRAMA_PREFILL_LANE" | tee -a "$work/commands.txt"
     timeout 100 python3 bench/codec.py --dtype fp16 --frames 1 4 215 --batch 8 64 --out "$work/codec.json" 2>&1 \
       | tee "$work/codec.log"
-    OUT=$work SKIP_MICRO=1 SKIP_VOICE=1 SWEEP=${SWEEP:-1,8,32,128} DURATION=${DURATION:-8} \
+    OUT=$work SKIP_MICRO=1 SKIP_VOICE=${SKIP_VOICE:-1} SWEEP=${SWEEP:-1,8,32,128} DURATION=${DURATION:-8} \
       timeout "${SERVING_LIMIT:-300}" bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
     status=${PIPESTATUS[0]} ;;
   cmd)   # any commands: bash bench/h200_run.sh cmd "python3 ..." "python3 ..."
