@@ -12,6 +12,7 @@ import torch
 
 from services.codec import naive
 from services.codec.conv import CausalConv1d, causal_conv1d, shifted_gemm_conv1d, stacked_taps
+from services.codec.decoder import Decoder, choose_conv_method
 from services.codec.model import load_codec
 from services.codec.state import StreamState
 from tests.test_codec_model import AWKWARD_LENGTHS, assert_close, random_codes
@@ -223,6 +224,165 @@ def test_gpu_configuration_with_shifted_gemm_on_cpu(reference, tiny_checkpoint, 
         stream = fast.stream(batch=2)
         streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 11))], -1)
         assert_close(streamed, expected, 5e-4, f"GPU paths, shifted_gemm={on}")
+
+
+# --------------------------------------------------------------------------------------------
+# the per-conv choice (cuDNN or the GEMM path, measured at Codec.prepare on CUDA)
+# --------------------------------------------------------------------------------------------
+
+def test_choose_conv_method_takes_cudnn_unless_the_gemm_is_clearly_faster():
+    assert choose_conv_method(1.0, 0.85) == "gemm"
+    assert choose_conv_method(1.0, 0.95) == "cudnn"       # within the 10% margin
+    assert choose_conv_method(1.0, 1.5) == "cudnn"
+    assert choose_conv_method(118.0, 0.12) == "gemm"      # the H200's channels_last d 9 case
+    assert choose_conv_method(1.0, 0.95, margin=0.0) == "gemm"
+
+
+def test_choose_conv_methods_with_a_fake_timer(reference):
+    """A fake ConvTimer: cuDNN catastrophic on dilation 9, 5% slower than the GEMM on dilation 3
+    (inside the margin), faster on dilation 1 and on model.0. Each wide conv is timed GEMM first,
+    then cuDNN allowed to give up at 3x the GEMM's time, at its block's step length."""
+    decoder = reference.decoder
+    calls = []
+
+    def fake(conv, method, length, give_up_ms):
+        calls.append((conv, method, length, give_up_ms))
+        if method == "gemm":
+            return 0.2
+        return {1: 0.1, 3: 0.21, 9: 150.0}[conv.dilation]
+
+    choices = decoder.choose_conv_methods(fake, latent_length=8)
+    convs = decoder.wide_convs(8)
+    assert list(choices) == list(convs)
+    assert {name: c["method"] for name, c in choices.items()} == {
+        name: "gemm" if conv.dilation == 9 else "cudnn" for name, (conv, _) in convs.items()}
+    assert choices["model.0"]["length"] == 8 and choices["model.1.block.4.block.1"]["length"] == 64
+    assert calls[::2] == [(conv, "gemm", length, None) for conv, length in convs.values()]
+    assert calls[1::2] == [(conv, "cudnn", length, pytest.approx(0.6)) for conv, length in convs.values()]
+    assert choices["model.2.block.4.block.1"] == {"method": "gemm", "cudnn_ms": 150.0, "gemm_ms": 0.2,
+                                                  "length": 512}
+    # choosing sets nothing: the reference decoder is still all cuDNN
+    assert set(decoder.conv_methods().values()) == {"cudnn"}
+
+
+def test_choose_conv_methods_times_each_shape_once():
+    """Two wide convs of one shape (two decoders' worth of blocks of one width) share a timing."""
+    decoder = Decoder(16, 16, [1])
+    decoder.model[1].block[3] = decoder.model[1].block[2].__class__(8, 1)    # a second d 1 unit
+    timed = []
+    choices = decoder.choose_conv_methods(lambda conv, method, length, give_up: timed.append(
+        (conv.conv.in_channels, conv.dilation, method)) or 1.0, latent_length=5)
+    assert len(choices) == 4 and len(timed) == 2 * 3
+    assert sorted(timed) == sorted({t for t in timed})
+
+
+@pytest.mark.parametrize("method", ["cudnn", "gemm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forced_method_streams_like_f_conv1d(method, layout):
+    """A wide conv forced to either method (set_method), streamed in awkward pieces in either
+    layout, gives F.conv1d's causal conv within float32 rounding."""
+    weight, bias = random_conv(12, 10, 7, seed=41)
+    conv = CausalConv1d(12, 10, 7, dilation=3)
+    with torch.no_grad():
+        conv.conv.weight.copy_(weight)
+        conv.conv.bias.copy_(bias)
+    conv.state_key = "conv"
+    conv.requires_grad_(False)
+    conv.set_channels_last(layout == "channels_last")
+    conv.set_method(method)
+    assert conv.method == method
+    x = torch.randn(2, 12, 70, generator=torch.Generator().manual_seed(42))
+    state = StreamState(torch.zeros(2, dtype=torch.int64), {"conv": conv.initial_state(2, "cpu", torch.float32)})
+    parts, start = [], 0
+    for size in (1, 8, 5, 56):
+        parts.append(from_layout(conv.step(as_layout(x[:, :, start:start + size], layout), state), layout))
+        start += size
+    assert_close(torch.cat(parts, -1), causal_conv1d(x, weight, bias, 1, 3), 1e-5, f"{method} {layout}")
+
+
+def test_set_method_refuses_what_has_no_choice():
+    with pytest.raises(ValueError, match="expected one of"):
+        CausalConv1d(16, 16, 7).set_method("im2col")
+    with pytest.raises(ValueError, match="only a wide conv"):
+        CausalConv1d(16, 1, 7).set_method("gemm")
+
+
+MIXED = {"model.0": "gemm", "model.1.block.2.block.1": "cudnn", "model.1.block.3.block.1": "gemm",
+         "model.1.block.4.block.1": "cudnn", "model.2.block.3.block.1": "gemm",
+         "model.2.block.4.block.1": "gemm", "model.3.block.2.block.1": "gemm"}
+
+
+def test_prepare_conv_methods(tiny_checkpoint):
+    """On CPU shifted_gemm means the GEMM path for every wide conv (no measurement); conv_methods
+    forces either method for all or per conv (unnamed: cuDNN); shifted_gemm=0 is never the GEMM."""
+    codec = load_codec(tiny_checkpoint)
+    names = list(codec.decoder.wide_convs())
+    assert codec.prepare("cpu", torch.float32, fast=True).conv_methods == dict.fromkeys(names, "gemm")
+    assert codec.conv_timings == {}
+    assert codec.prepare("cpu", torch.float32, fast=True, conv_methods="cudnn").conv_methods == \
+        dict.fromkeys(names, "cudnn")
+    mixed = codec.prepare("cpu", torch.float32, fast=True, conv_methods=MIXED).conv_methods
+    assert mixed == {name: MIXED.get(name, "cudnn") for name in names}
+    assert all(getattr(m, "gemm_taps", None) is None for m in
+               codec.prepare("cpu", torch.float32, fast=True, shifted_gemm=False).decoder.modules())
+    assert codec.prepare("cpu", torch.float32, fast=True, shifted_gemm=False,
+                         conv_methods="cudnn").conv_methods == dict.fromkeys(names, "cudnn")
+    with pytest.raises(ValueError, match="shifted_gemm off"):
+        codec.prepare("cpu", torch.float32, fast=True, shifted_gemm=False, conv_methods="gemm")
+    with pytest.raises(ValueError, match="not wide decoder convs"):
+        codec.prepare("cpu", torch.float32, fast=True, conv_methods={"model.5": "gemm"})
+    with pytest.raises(ValueError, match="expected one of"):
+        codec.prepare("cpu", torch.float32, fast=True, conv_methods="fastest")
+
+
+def test_f16_layout_follows_shifted_gemm(tiny_checkpoint):
+    """F16 decodes in channels_last when the GEMM path can take cuDNN's catastrophic NHWC shapes
+    (shifted_gemm on, the default), in torch's default layout without it, and as asked."""
+    codec = load_codec(tiny_checkpoint)
+    assert codec.prepare("cpu", torch.float16, fast=True).decode_options["channels_last"]
+    assert codec.decoder.channels_last and codec.decoder.model[0].weight_4d is not None
+    assert not codec.prepare("cpu", torch.float16, fast=True, shifted_gemm=False).decode_options["channels_last"]
+    assert not codec.prepare("cpu", torch.float16, fast=True, channels_last=False).decoder.channels_last
+    assert codec.prepare("cpu", torch.float16, fast=True, shifted_gemm=False,
+                         channels_last=True).decoder.channels_last
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_mixed_methods_stream_like_offline(reference, tiny_checkpoint, channels_last):
+    """Every GPU decoder path with the wide convs' methods mixed (MIXED): frame-serial, streamed
+    equals offline bit for bit; batched chunks as the GPU runs them, the reference decode within
+    rounding."""
+    codes = random_codes(reference, 11, batch=2, seed=34)
+    expected = reference.decode(codes)
+    fast = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True,
+                                               channels_last=channels_last, conv_methods=MIXED)
+    assert fast.decoder.channels_last is channels_last and fast.frame_serial
+    offline = fast.decode(codes)
+    stream = fast.stream(batch=2)
+    streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 5), (5, 11))], -1)
+    assert torch.equal(streamed, offline)
+    assert_close(offline, expected, 5e-4, "mixed methods, frame-serial")
+    fast.frame_serial = False
+    stream = fast.stream(batch=2)
+    streamed = torch.cat([stream.push(codes[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 11))], -1)
+    assert_close(streamed, expected, 5e-4, "mixed methods, batched chunks")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
+    """On CUDA a fast prepare times every wide conv (both methods, positive ms), takes the
+    rule's method for each and decodes in channels_last. (The numbers: the F16 shifted-GEMM test
+    below and test_codec_model's CUDA stream-vs-offline test, which runs this configuration; the
+    tiny decoder as it is is too chaotic to compare against the reference ops here.)"""
+    codec = load_codec(tiny_checkpoint, device="cuda", dtype=dtype)
+    assert set(codec.conv_timings) == set(codec.decoder.wide_convs())
+    for name, timing in codec.conv_timings.items():
+        assert timing["cudnn_ms"] > 0 and timing["gemm_ms"] > 0
+        assert codec.conv_methods[name] == choose_conv_method(timing["cudnn_ms"], timing["gemm_ms"])
+    assert codec.decoder.channels_last
+    audio = codec.decode(random_codes(codec, 6, seed=35))
+    assert audio.shape == (1, 6 * codec.frame_samples) and bool(audio.isfinite().all())
 
 
 # --------------------------------------------------------------------------------------------

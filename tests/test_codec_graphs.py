@@ -98,6 +98,31 @@ def fast_codec(tiny_checkpoint):
     return model
 
 
+# The wide convs' methods mixed (the per-conv choice Codec.prepare measures on CUDA), forced.
+MIXED_METHODS = {"model.0": "gemm", "model.1.block.3.block.1": "gemm",
+                 "model.1.block.4.block.1": "gemm", "model.2.block.2.block.1": "gemm",
+                 "model.3.block.4.block.1": "gemm"}
+
+
+@pytest.fixture(scope="module")
+def mixed_codec(tiny_checkpoint):
+    """layout -> fast_codec with the wide convs' methods mixed, in that layout (in the default
+    layout only the GEMM convs' tails are rounded up to 8 inputs); made on first use."""
+    made = {}
+
+    def make(layout: str):
+        if layout not in made:
+            model = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True,
+                                                        channels_last=layout == "channels_last",
+                                                        conv_methods=MIXED_METHODS)
+            assert set(model.conv_methods.values()) == {"cudnn", "gemm"}
+            model.frame_serial = False
+            made[layout] = model
+        return made[layout]
+
+    return make
+
+
 def test_fast_paths_match_the_reference_on_cpu(codec, fast_codec):
     codes = torch.stack([random_codes(codec, 13, seed=s) for s in (1, 2)])
     reference = codec.decode(codes)
@@ -111,14 +136,16 @@ def small_pool(codec, slots: int = 4) -> GraphedDecoder:
     return GraphedDecoder(codec, slots, lengths=(1, 2, 4), buckets=(1, 2, 4))
 
 
-@pytest.mark.parametrize("which", ["reference", "fast"])
-def test_interleaved_sessions_equal_their_own_streams(codec, fast_codec, which):
+@pytest.mark.parametrize("which", ["reference", "fast", "mixed channels_last", "mixed default-layout"])
+def test_interleaved_sessions_equal_their_own_streams(codec, fast_codec, mixed_codec, which):
     """Three sessions at different positions, chunks of 1…9 frames (9 = 4+4+1 pieces), batched in
     changing company: each one's audio equals the Codec's offline decode of its frames, and its
-    pool state equals an eager stream's state after the same frames (with the reference ops and
-    with the fast paths, whose conv tails are channels_last)."""
+    pool state equals an eager stream's state after the same frames (with the reference ops,
+    with the fast paths, whose conv tails are channels_last, and with the wide convs' methods
+    mixed in either layout)."""
     reference = codec
-    codec = fast_codec if which == "fast" else codec
+    codec = ({"reference": codec, "fast": fast_codec}[which] if " " not in which
+             else mixed_codec(which.split()[1]))
     pool = small_pool(codec)
     slots = [pool.acquire() for _ in range(3)]
     codes = [random_codes(codec, 30, seed=i) for i in range(3)]

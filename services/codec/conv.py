@@ -10,9 +10,10 @@ weights in the same format, so cuDNN's F16 NHWC kernels take them as they are in
 transposing input and weight on every call; their stream tails are kept in that layout too.
 The decoder's last conv (w_4 -> 1 channel) has no good cuDNN kernel in either layout; with
 `set_narrow` it runs as one GEMM and a shifted sum instead (`taps_conv1d`). With
-`set_shifted_gemm` the wide stride-1 convs (the first conv and the residual units' k 7 convs) run
-the same way (`shifted_gemm_conv1d`): in F16 cuDNN runs some of them on a generic
-non-tensor-core kernel and transposes NCHW <-> NHWC around the others.
+`set_shifted_gemm` (or `set_method("gemm")`, per conv) the wide stride-1 convs (the first conv
+and the residual units' k 7 convs) run the same way (`shifted_gemm_conv1d`): in F16 cuDNN runs a
+few dilated shapes on a generic kernel 10-1000x slower than its tensor-core ones (the choice is
+measured per conv at Codec.prepare: Decoder.choose_conv_methods).
 
 Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
 Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
@@ -180,6 +181,9 @@ def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stri
 # conv (1 x 7) is the one that needs it; every other decoder conv has hundreds of output channels.
 NARROW_MAX_TAPS = 16
 
+# How a wide conv may run (CausalConv1d.set_method): cuDNN, or one GEMM and a shifted sum.
+CONV_METHODS = ("cudnn", "gemm")
+
 
 class Streaming(nn.Module):
     """A module that keeps a tensor in the stream state under `state_key` (set by the model)."""
@@ -300,6 +304,21 @@ class CausalConv1d(Streaming):
         before the switch no longer fit."""
         self.gemm_taps = stacked_taps(self.conv.weight) if on and self.wide else None
 
+    @property
+    def method(self) -> str:
+        """How a wide conv runs: "gemm" (shifted_gemm_conv1d) or "cudnn" (F.conv1d / F.conv2d)."""
+        return "gemm" if self.gemm_taps is not None else "cudnn"
+
+    def set_method(self, method: str) -> None:
+        """set_shifted_gemm by name, for a wide conv only (Decoder.set_conv_methods: the choice
+        is per conv, measured at Codec.prepare on CUDA)."""
+        if method not in CONV_METHODS:
+            raise ValueError(f"conv method {method!r}: expected one of {CONV_METHODS}")
+        if not self.wide:
+            raise ValueError(f"only a wide conv has a choice of method (C_out {self.conv.out_channels}, "
+                             f"k {self.conv.kernel_size[0]}, stride {self.stride}, groups {self.groups})")
+        self.set_shifted_gemm(method == "gemm")
+
     def initial_state(self, batch: int, device, dtype) -> Tensor:
         if self.weight_4d is not None:
             return as_channels_last(torch.zeros(batch, self.conv.in_channels, 1, self.tail_length,
@@ -320,10 +339,19 @@ class CausalConv1d(Streaming):
         the new tail and convolves. bias=False leaves the bias to the caller (a fused Snake next
         adds it on the way, Snake.step(bias=...)). The tail is `tail_length` inputs long: more
         than the conv reads with the default-layout shifted GEMM, which skips the extra ones."""
-        bias_tensor = self.conv.bias if bias else None
-        if self.weight_4d is not None:
-            if self.tail_length > 0:
+        if self.tail_length > 0:
+            if self.weight_4d is not None:
                 state.tails[self.state_key] = as_channels_last(window[..., -self.tail_length:])
+            else:
+                # clone: a view would keep the whole window alive between calls
+                state.tails[self.state_key] = window[..., -self.tail_length:].clone()
+        return self.convolve_window(window, self.conv.bias if bias else None)
+
+    def convolve_window(self, window: Tensor, bias_tensor: Tensor | None) -> Tensor:
+        """The conv of a step's window [stream tail | t inputs] -> its t outputs, by whichever
+        path is set (narrow taps, shifted GEMM, cuDNN); no state (Decoder.choose_conv_methods
+        times this)."""
+        if self.weight_4d is not None:
             # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
             window = as_channels_last(window)
             if self.taps is not None:
@@ -335,9 +363,6 @@ class CausalConv1d(Streaming):
                                            self.conv.kernel_size[0], self.dilation)
             return F.conv2d(window, self.weight_4d, bias_tensor, dilation=(1, self.dilation),
                             groups=self.groups)
-        if self.tail_length > 0:
-            # clone: a view would keep the whole window alive between calls
-            state.tails[self.state_key] = window[..., -self.tail_length:].clone()
         if self.taps is not None:
             return taps_conv1d(window, self.taps, bias_tensor, self.conv.out_channels,
                                self.conv.kernel_size[0], self.dilation)

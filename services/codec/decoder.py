@@ -7,24 +7,98 @@ then Snake(w_4) -> causal conv w_4 -> 1 (k 7) -> tanh. Module indices match the 
 
 GPU paths (set by Codec.prepare): `set_channels_last(True)` gives every conv a 4-D channels_last
 weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and the audio back to
-[B, 1, L] at the end (float32; F16 keeps torch's default layout, see Codec.prepare);
-`set_narrow` runs the last conv as one GEMM (conv.taps_conv1d); `set_shifted_gemm` runs the
-first conv and the residual units' k 7 convs as one GEMM and a shifted sum each
-(conv.shifted_gemm_conv1d) instead of cuDNN; `set_fused_windows` lets each Snake write the next
-causal conv's input window (snake_triton.fused_snake_window).
+[B, 1, L] at the end; `set_narrow` runs the last conv as one GEMM (conv.taps_conv1d);
+`set_conv_methods` runs each wide conv (the first conv and the residual units' k 7 convs) on
+cuDNN or as one GEMM and a shifted sum (conv.shifted_gemm_conv1d), as `choose_conv_methods`
+measured (`set_shifted_gemm`: all of them one way); `set_fused_windows` lets each Snake write the
+next causal conv's input window (snake_triton.fused_snake_window).
+
+Why a per-conv choice: on the H200 in F16 (bench/codec.py --conv-table, 10 s) cuDNN is the
+fastest for most wide conv shapes, in channels_last most of all, but runs a few dilated ones on a
+generic kernel: 2 ms (default layout) or 118-232 ms (channels_last) per call for what the GEMM
+path does in 0.12-0.33 ms. Which shapes depends on the cuDNN version and the GPU, so it is
+measured, once per shape, instead of listed.
 
 Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+
+import torch
 from torch import Tensor, nn
 
-from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
-                                 as_channels_last)
+from services.codec.conv import (CONV_METHODS, CausalConv1d, CausalConvTranspose1d, ResidualUnit,
+                                 Snake, as_channels_last)
 from services.codec.state import StreamState
 
 DILATIONS = (1, 3, 9)
+
+# choose_conv_methods: the GEMM path must beat cuDNN by this fraction to be taken (a shape where
+# the two are close stays on cuDNN: one kernel, no P buffer, and timing noise cannot flip it) ...
+GEMM_MARGIN = 0.10
+# ... and cuDNN's timing stops after its first timed call once that call is this many times the
+# GEMM path's (its slow kernels take 0.1-0.25 s a call: a median of three would add seconds).
+CUDNN_GIVE_UP = 3.0
+
+# time_conv(conv, method, length, give_up_ms) -> ms per call of `conv` by `method` on a window of
+# `length` new inputs; give_up_ms (None for the first method timed) allows stopping early.
+ConvTimer = Callable[[CausalConv1d, str, int, "float | None"], float]
+
+
+def choose_conv_method(cudnn_ms: float, gemm_ms: float, margin: float = GEMM_MARGIN) -> str:
+    """cuDNN unless the GEMM path is faster by more than `margin` (a fraction of cuDNN's time)."""
+    return "gemm" if gemm_ms < (1.0 - margin) * cudnn_ms else "cudnn"
+
+
+def cuda_conv_ms(conv: CausalConv1d, method: str, length: int, give_up_ms: float | None = None,
+                 calls: int = 3) -> float:
+    """ConvTimer on CUDA: ms per call of `conv.convolve_window` by `method` on a random batch-1
+    window [tail | length inputs] in the conv's layout and dtype, no bias (the fused windows leave
+    the k 7 convs' biases to the Snakes). One eager warm-up call (cuDNN's algorithm choice, cuBLAS
+    handles), then the call captured as a CUDA graph, as the server runs the decoder (launch
+    overhead out of the number; eager if capture fails), timed over `calls` replays: the median,
+    or the first replay alone when it already exceeds give_up_ms. The conv's method is restored."""
+    saved = conv.method
+    conv.set_method(method)
+    try:
+        weight = conv.conv.weight
+        window = torch.randn(1, conv.conv.in_channels, conv.tail_length + length,
+                             device=weight.device, dtype=weight.dtype)
+        if conv.weight_4d is not None:
+            window = as_channels_last(window.unsqueeze(2))
+
+        def run():
+            return conv.convolve_window(window, None)
+
+        side = torch.cuda.Stream(weight.device)
+        side.wait_stream(torch.cuda.current_stream(weight.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(weight.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                run()
+            replay = graph.replay
+        except RuntimeError:
+            replay = run
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times: list[float] = []
+        for _ in range(calls):
+            start.record()
+            replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            if give_up_ms is not None and times[-1] > give_up_ms:
+                break
+        del graph
+        return statistics.median(times)
+    finally:
+        conv.set_method(saved)
 
 
 class DecoderBlock(nn.Module):
@@ -79,12 +153,58 @@ class Decoder(nn.Module):
                 module.set_narrow(on)
 
     def set_shifted_gemm(self, on: bool) -> None:
-        """The wide stride-1 convs (model.0, C -> w_0, and the residual units' k 7 convs) through
-        conv.shifted_gemm_conv1d instead of cuDNN (Codec.prepare); the last conv is narrow_conv's.
-        In the default layout their stream tails grow to a multiple of 8 inputs (alignment)."""
+        """Every wide stride-1 conv (model.0, C -> w_0, and the residual units' k 7 convs) through
+        conv.shifted_gemm_conv1d (on) or cuDNN (off); the last conv is narrow_conv's. In the
+        default layout a GEMM conv's stream tail grows to a multiple of 8 inputs (alignment)."""
         for module in self.modules():
             if isinstance(module, CausalConv1d):
                 module.set_shifted_gemm(on)
+
+    def wide_convs(self, latent_length: int = 1) -> dict[str, tuple[CausalConv1d, int]]:
+        """name -> (conv, the new inputs per step it sees when the decoder steps `latent_length`
+        latents) for every wide conv, in decode order (names as in the checkpoint, no prefix)."""
+        convs: dict[str, tuple[CausalConv1d, int]] = {}
+        length = latent_length
+        for name, module in self.model.named_modules(prefix="model"):
+            if isinstance(module, CausalConvTranspose1d):
+                length *= module.stride
+            elif isinstance(module, CausalConv1d) and module.wide:
+                convs[name] = (module, length)
+        return convs
+
+    def conv_methods(self) -> dict[str, str]:
+        """name -> "cudnn" or "gemm" for every wide conv."""
+        return {name: conv.method for name, (conv, _) in self.wide_convs().items()}
+
+    def set_conv_methods(self, methods: dict[str, str]) -> None:
+        """Each wide conv by its own method (names as `wide_convs`; a conv not named: cuDNN).
+        A name that is not a wide conv is a ValueError."""
+        convs = self.wide_convs()
+        unknown = set(methods) - set(convs)
+        if unknown:
+            raise ValueError(f"not wide decoder convs: {sorted(unknown)} (wide: {list(convs)})")
+        for name, (conv, _) in convs.items():
+            conv.set_method(methods.get(name, "cudnn"))
+
+    def choose_conv_methods(self, time_conv: ConvTimer, latent_length: int,
+                            margin: float = GEMM_MARGIN) -> dict[str, dict]:
+        """Time each distinct wide conv shape (C_in, C_out, k, dilation, step length, layout)
+        once at the step lengths of `latent_length` latents, the GEMM path first, then cuDNN
+        (allowed to give up past CUDNN_GIVE_UP x the GEMM's time), and pick per
+        choose_conv_method. Sets nothing; returns name -> {"method", "cudnn_ms", "gemm_ms",
+        "length"} for every wide conv (Decoder.set_conv_methods takes the methods)."""
+        measured: dict[tuple, dict] = {}
+        choices: dict[str, dict] = {}
+        for name, (conv, length) in self.wide_convs(latent_length).items():
+            key = (conv.conv.in_channels, conv.conv.out_channels, conv.conv.kernel_size[0],
+                   conv.dilation, length, conv.weight_4d is not None)
+            if key not in measured:
+                gemm_ms = time_conv(conv, "gemm", length, None)
+                cudnn_ms = time_conv(conv, "cudnn", length, CUDNN_GIVE_UP * gemm_ms)
+                measured[key] = {"method": choose_conv_method(cudnn_ms, gemm_ms, margin),
+                                 "cudnn_ms": cudnn_ms, "gemm_ms": gemm_ms, "length": length}
+            choices[name] = dict(measured[key])
+        return choices
 
     def set_fused_windows(self, on: bool) -> None:
         """Each Snake that feeds a causal conv writes that conv's input window itself, and a

@@ -35,14 +35,15 @@ range are refused (the reference clamps).
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.codec.conv import ResidualUnit, Snake, Streaming, step_sequence
-from services.codec.decoder import Decoder
+from services.codec.conv import CONV_METHODS, ResidualUnit, Snake, Streaming, step_sequence
+from services.codec.decoder import Decoder, cuda_conv_ms
 from services.codec.encoder import Encoder
 from services.codec.quantizer import DownsampleResidualVectorQuantize, check_codes
 from services.codec.resample import resample
@@ -58,6 +59,11 @@ except ImportError:  # pragma: no cover - until the allow-list loader lands
         return torch.load(path, map_location="cpu", weights_only=True)
 
 log = logging.getLogger(__name__)
+
+# prepare times the wide convs at the step lengths of a piece this long: graphs.py's longest
+# graph (LONG_LENGTHS), where the convs' cost is; a per-conv choice that is right there is right
+# where it matters (the 10 s decode runs 128 + 64 + 32).
+MEASURE_FRAMES = 128
 
 
 class Codec(nn.Module):
@@ -75,6 +81,8 @@ class Codec(nn.Module):
         # CPU float32 is the bit-exact reference path; see the module docstring.
         self.frame_serial = True
         self.decode_options: dict[str, bool] = {}
+        self.conv_methods: dict[str, str] = {}       # wide decoder conv -> "cudnn" | "gemm" (prepare)
+        self.conv_timings: dict[str, dict] = {}      # what prepare measured for them (CUDA)
         self.load_report: LoadReport | None = None
 
     # -- facts ----------------------------------------------------------------------------------
@@ -113,8 +121,8 @@ class Codec(nn.Module):
     FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv",
                     "pointwise_gemm", "fused_windows", "shifted_gemm")
 
-    def prepare(self, device, dtype: torch.dtype, fast: bool | None = None,
-                **options: bool) -> "Codec":
+    def prepare(self, device, dtype: torch.dtype, fast: bool | None = None, *,
+                conv_methods: str | dict[str, str] | None = None, **options: bool) -> "Codec":
         """Move to `device`; decode path in `dtype`, encode path (and RVQ tables) in float32.
 
         fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
@@ -127,12 +135,23 @@ class Codec(nn.Module):
         conv.pointwise_residual_) and fused_windows (each Snake before a causal conv writes the
         conv's [tail | input] window and adds the previous conv's bias: one kernel with
         fused_snake, the same numbers through torch.cat without; Decoder.set_fused_windows) and
-        shifted_gemm (the decoder's first conv and residual k 7 convs as one GEMM and a shifted
-        sum each, off cuDNN: conv.shifted_gemm_conv1d; Decoder.set_shifted_gemm).
+        shifted_gemm (the decoder's first conv and residual k 7 convs may run as one GEMM and a
+        shifted sum each, off cuDNN: conv.shifted_gemm_conv1d; see conv_methods).
         `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
         DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
         how a server or a benchmark is switched without code changes (fast=False, the reference
         ops, ignores it). Streams made before a prepare do not fit after it.
+
+        The wide convs' methods (`self.conv_methods`, name -> "cudnn" | "gemm"): shifted_gemm off
+        means cuDNN for all of them. On, conv_methods says: None (default) the GEMM path where it
+        measures faster: on CUDA each distinct shape is timed once (Decoder.choose_conv_methods at
+        the step lengths of a MEASURE_FRAMES-frame piece, about a second; logged, and kept in
+        `self.conv_timings`), on CPU (no measurement, deterministic CI) the GEMM path for all;
+        "gemm" or "cudnn" all one way; a dict per conv name (those not named: cuDNN).
+
+        Layout: channels_last is on in a fast prepare; in F16/BF16 only with shifted_gemm unless
+        asked for, since without the GEMM path cuDNN's F16 NHWC kernels for a few dilated convs
+        are catastrophic (H200: 118-232 ms per call at 10 s, ~470 ms of a 10 s decode).
         """
         from services.codec import snake_triton
 
@@ -151,18 +170,17 @@ class Codec(nn.Module):
             raise ValueError(f"unknown decode options {sorted(unknown)}")
         chosen = {name: options.get(name, fast) for name in self.FAST_OPTIONS}
         if dtype in (torch.float16, torch.bfloat16) and "channels_last" not in options:
-            # Measured on the H200 (bench/codec.py, torch 2.11): in F16 the channels_last convs
-            # ran the decoder at ~2.3 ms per frame (10 s: 488 ms, against 30 ms in float32 with
-            # the same layout and ~38 ms for F16 in torch's default layout), so cuDNN picks a slow
-            # kernel for at least one of these F16 NHWC conv shapes. Off until that is found.
-            # Suspect: the last conv (1 output channel, no tensor-core kernel; in the default
-            # layout it was the top kernel of the profile), which narrow_conv now keeps off
-            # cuDNN. To re-measure: DRAMA_CODEC_OPTIONS=channels_last=1 (or bench --ablate).
-            chosen["channels_last"] = False
+            # Measured on the H200 (torch 2.11): in F16 the channels_last decoder ran 10 s in
+            # 488 ms, against ~38 ms in torch's default layout. bench/codec.py --conv-table found
+            # why: cuDNN runs three dilated k 7 shapes (w_1 d 3 and 9, w_2 d 9) on its generic
+            # conv2d_grouped_direct_kernel in F16 NHWC, 118-232 ms per call; every other shape
+            # is faster in channels_last than in the default layout (no NCHW <-> NHWC transposes).
+            # With shifted_gemm those shapes measure slower on cuDNN and take the GEMM path.
+            chosen["channels_last"] = chosen["shifted_gemm"]
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         self.decoder.set_narrow(chosen["narrow_conv"])
-        self.decoder.set_shifted_gemm(chosen["shifted_gemm"])
+        self._set_conv_methods(chosen["shifted_gemm"], conv_methods, on_cpu)
         self.decoder.set_fused_windows(chosen["fused_windows"])
         for module in self.decoder.modules():
             if isinstance(module, Snake):
@@ -179,6 +197,36 @@ class Codec(nn.Module):
         self.quantizer.set_dequant_table(chosen["dequant_table"])
         self.decode_options = chosen
         return self
+
+    def _set_conv_methods(self, shifted_gemm: bool, conv_methods, on_cpu: bool) -> None:
+        """The wide convs' methods for prepare (its docstring); after the layout is set, since
+        the timings are the layout's."""
+        decoder = self.decoder
+        names = decoder.wide_convs()
+        self.conv_timings = {}
+        if isinstance(conv_methods, str):
+            if conv_methods not in CONV_METHODS:
+                raise ValueError(f"conv_methods {conv_methods!r}: expected one of {CONV_METHODS}, "
+                                 f"a dict per conv, or None (measure)")
+            conv_methods = dict.fromkeys(names, conv_methods)
+        if not shifted_gemm:
+            if conv_methods is not None and "gemm" in conv_methods.values():
+                raise ValueError("conv_methods asks for the GEMM path with shifted_gemm off")
+            conv_methods = {}
+        elif conv_methods is None and on_cpu:
+            conv_methods = dict.fromkeys(names, "gemm")
+        elif conv_methods is None:
+            with torch.no_grad():
+                self.conv_timings = decoder.choose_conv_methods(
+                    cuda_conv_ms, MEASURE_FRAMES * self.frame_samples // math.prod(self.cfg.decoder_rates))
+            conv_methods = {name: t["method"] for name, t in self.conv_timings.items()}
+            log.info("codec: wide decoder convs (%s, %s), ms per call at %d frames: %s",
+                     str(self.decode_dtype).removeprefix("torch."),
+                     "channels_last" if decoder.channels_last else "default layout", MEASURE_FRAMES,
+                     "; ".join(f"{name.removeprefix('model.')} {t['method']} (cudnn {t['cudnn_ms']:.3f}, "
+                               f"gemm {t['gemm_ms']:.3f})" for name, t in self.conv_timings.items()))
+        decoder.set_conv_methods(conv_methods)
+        self.conv_methods = decoder.conv_methods()
 
     # -- decode ---------------------------------------------------------------------------------
 
