@@ -292,7 +292,8 @@ def test_forced_method_streams_like_f_conv1d(method, layout):
     conv.set_method(method)
     assert conv.method == method
     x = torch.randn(2, 12, 70, generator=torch.Generator().manual_seed(42))
-    state = StreamState(torch.zeros(2, dtype=torch.int64), {"conv": conv.initial_state(2, "cpu", torch.float32)})
+    state = StreamState(torch.zeros(2, dtype=torch.int64),
+                        {"conv": conv.initial_state(2, "cpu", torch.float32)})
     parts, start = [], 0
     for size in (1, 8, 5, 56):
         parts.append(from_layout(conv.step(as_layout(x[:, :, start:start + size], layout), state), layout))
@@ -335,13 +336,42 @@ def test_prepare_conv_methods(tiny_checkpoint):
         codec.prepare("cpu", torch.float32, fast=True, conv_methods="fastest")
 
 
+def test_prepare_applies_and_logs_what_it_measures(tiny_checkpoint, monkeypatch, caplog):
+    """prepare's CUDA branch with a fake timer in place of cuda_conv_ms (CPU): the measured
+    methods reach the convs, the timings are kept, one log line names every choice; the timing
+    runs in the decode layout, at a 128-frame piece's step lengths."""
+    import logging
+
+    from services.codec import model as model_module
+
+    seen = []
+
+    def fake(conv, method, length, give_up_ms):
+        seen.append((conv.weight_4d is not None, length))
+        return {"gemm": 0.2, "cudnn": 150.0 if conv.dilation == 3 else 0.1}[method]
+
+    codec = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True)
+    monkeypatch.setattr(model_module, "cuda_conv_ms", fake)
+    with caplog.at_level(logging.INFO, logger="services.codec.model"):
+        codec._set_conv_methods(True, None, measure=True)
+    assert codec.conv_methods == {name: "gemm" if conv.dilation == 3 else "cudnn"
+                                  for name, (conv, _) in codec.decoder.wide_convs().items()}
+    assert codec.decoder.model[1].block[3].block[1].gemm_taps is not None
+    assert codec.decoder.model[1].block[2].block[1].gemm_taps is None
+    assert set(codec.conv_timings) == set(codec.conv_methods)
+    assert all(cl for cl, _ in seen) and seen[0][1] == 128 * 4
+    line, = [r.getMessage() for r in caplog.records if "wide decoder convs" in r.getMessage()]
+    assert "channels_last" in line and "1.block.3.block.1 gemm (cudnn 150.000, gemm 0.200)" in line
+
+
 def test_f16_layout_follows_shifted_gemm(tiny_checkpoint):
     """F16 decodes in channels_last when the GEMM path can take cuDNN's catastrophic NHWC shapes
     (shifted_gemm on, the default), in torch's default layout without it, and as asked."""
     codec = load_codec(tiny_checkpoint)
     assert codec.prepare("cpu", torch.float16, fast=True).decode_options["channels_last"]
     assert codec.decoder.channels_last and codec.decoder.model[0].weight_4d is not None
-    assert not codec.prepare("cpu", torch.float16, fast=True, shifted_gemm=False).decode_options["channels_last"]
+    assert not codec.prepare("cpu", torch.float16, fast=True,
+                             shifted_gemm=False).decode_options["channels_last"]
     assert not codec.prepare("cpu", torch.float16, fast=True, channels_last=False).decoder.channels_last
     assert codec.prepare("cpu", torch.float16, fast=True, shifted_gemm=False,
                          channels_last=True).decoder.channels_last

@@ -54,30 +54,35 @@ def choose_conv_method(cudnn_ms: float, gemm_ms: float, margin: float = GEMM_MAR
 
 
 def cuda_conv_ms(conv: CausalConv1d, method: str, length: int, give_up_ms: float | None = None,
-                 calls: int = 3) -> float:
+                 samples: int = 3, inner: int = 10) -> float:
     """ConvTimer on CUDA: ms per call of `conv.convolve_window` by `method` on a random batch-1
     window [tail | length inputs] in the conv's layout and dtype, no bias (the fused windows leave
-    the k 7 convs' biases to the Snakes). One eager warm-up call (cuDNN's algorithm choice, cuBLAS
-    handles), then the call captured as a CUDA graph, as the server runs the decoder (launch
-    overhead out of the number; eager if capture fails), timed over `calls` replays: the median,
-    or the first replay alone when it already exceeds give_up_ms. The conv's method is restored."""
+    the k 7 convs' biases to the Snakes). The conv's method is restored.
+
+    One eager warm-up call (cuDNN's algorithm choice, cuBLAS handles), then the call captured as a
+    CUDA graph, as the server runs the decoder (eager if capture fails). One replay is timed
+    alone: past give_up_ms that is the answer (a slow cuDNN kernel: 0.1-0.25 s a call). Otherwise
+    the median of `samples` runs of `inner` back-to-back replays, so that the GPU never waits
+    for the host between calls and launch gaps stay out of the number.
+    """
     saved = conv.method
     conv.set_method(method)
     try:
         weight = conv.conv.weight
-        window = torch.randn(1, conv.conv.in_channels, conv.tail_length + length,
-                             device=weight.device, dtype=weight.dtype)
+        device = weight.device
+        window = torch.randn(1, conv.conv.in_channels, conv.tail_length + length, device=device,
+                             dtype=weight.dtype)
         if conv.weight_4d is not None:
             window = as_channels_last(window.unsqueeze(2))
 
         def run():
             return conv.convolve_window(window, None)
 
-        side = torch.cuda.Stream(weight.device)
-        side.wait_stream(torch.cuda.current_stream(weight.device))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             run()
-        torch.cuda.current_stream(weight.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -86,17 +91,19 @@ def cuda_conv_ms(conv: CausalConv1d, method: str, length: int, give_up_ms: float
         except RuntimeError:
             replay = run
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times: list[float] = []
-        for _ in range(calls):
+
+        def timed(calls: int) -> float:
             start.record()
-            replay()
+            for _ in range(calls):
+                replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
-            if give_up_ms is not None and times[-1] > give_up_ms:
-                break
-        del graph
-        return statistics.median(times)
+            return start.elapsed_time(end) / calls
+
+        first = timed(1)
+        if give_up_ms is not None and first > give_up_ms:
+            return first
+        return statistics.median([timed(inner) for _ in range(samples)])
     finally:
         conv.set_method(saved)
 

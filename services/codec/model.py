@@ -127,7 +127,7 @@ class Codec(nn.Module):
 
         fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
         within F16 rounding, not bit for bit, so never on the CPU reference path by default:
-        channels_last decoder convs (conv.py; float32 only unless asked for, see below),
+        channels_last decoder convs (conv.py; in F16 with shifted_gemm only unless asked for, see below),
         fused_snake (Triton, snake_triton.py; only where it can run), fused_attention (SDPA, fused
         RoPE and F.rms_norm in the post module), dequant_table (quantizer.py), narrow_conv
         (the decoder's last conv, 1 output channel, as one GEMM: conv.taps_conv1d) and
@@ -146,7 +146,7 @@ class Codec(nn.Module):
         means cuDNN for all of them. On, conv_methods says: None (default) the GEMM path where it
         measures faster: on CUDA each distinct shape is timed once (Decoder.choose_conv_methods at
         the step lengths of a MEASURE_FRAMES-frame piece, about a second; logged, and kept in
-        `self.conv_timings`), on CPU (no measurement, deterministic CI) the GEMM path for all;
+        `self.conv_timings`), elsewhere (CPU: no measurement, deterministic CI) the GEMM path for all;
         "gemm" or "cudnn" all one way; a dict per conv name (those not named: cuDNN).
 
         Layout: channels_last is on in a fast prepare; in F16/BF16 only with shifted_gemm unless
@@ -180,7 +180,8 @@ class Codec(nn.Module):
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         self.decoder.set_narrow(chosen["narrow_conv"])
-        self._set_conv_methods(chosen["shifted_gemm"], conv_methods, on_cpu)
+        self._set_conv_methods(chosen["shifted_gemm"], conv_methods,
+                               measure=torch.device(device).type == "cuda")
         self.decoder.set_fused_windows(chosen["fused_windows"])
         for module in self.decoder.modules():
             if isinstance(module, Snake):
@@ -198,7 +199,7 @@ class Codec(nn.Module):
         self.decode_options = chosen
         return self
 
-    def _set_conv_methods(self, shifted_gemm: bool, conv_methods, on_cpu: bool) -> None:
+    def _set_conv_methods(self, shifted_gemm: bool, conv_methods, measure: bool) -> None:
         """The wide convs' methods for prepare (its docstring); after the layout is set, since
         the timings are the layout's."""
         decoder = self.decoder
@@ -213,12 +214,13 @@ class Codec(nn.Module):
             if conv_methods is not None and "gemm" in conv_methods.values():
                 raise ValueError("conv_methods asks for the GEMM path with shifted_gemm off")
             conv_methods = {}
-        elif conv_methods is None and on_cpu:
+        elif conv_methods is None and not measure:
             conv_methods = dict.fromkeys(names, "gemm")
         elif conv_methods is None:
             with torch.no_grad():
                 self.conv_timings = decoder.choose_conv_methods(
                     cuda_conv_ms, MEASURE_FRAMES * self.frame_samples // math.prod(self.cfg.decoder_rates))
+            torch.cuda.empty_cache()          # the timing graphs' blocks (P: ~0.35 GB at 128 frames)
             conv_methods = {name: t["method"] for name, t in self.conv_timings.items()}
             log.info("codec: wide decoder convs (%s, %s), ms per call at %d frames: %s",
                      str(self.decode_dtype).removeprefix("torch."),
