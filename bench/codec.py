@@ -21,23 +21,31 @@ values). Timed, per decode dtype, on two paths:
 and encode of 10 s of audio (always float32, §7.3). Reported: median and p90 ms and the
 real-time factor (audio seconds per compute second). On CPU the codec runs its bit-exact
 frame-serial path, as the server does. --ablate adds FP16 rows (eager 215 frames and chunk of
-4, graphed server chunk of 215) with the reference ops (fast=False), with each fast path flipped
-alone (narrow_conv=False is the last conv on cuDNN again, pointwise_gemm=False the residual 1x1
-convs, channels_last=True the F16 NHWC decoder, shifted_gemm=False the wide k 7 convs on cuDNN
-again), and with cudnn.benchmark on.
+4, graphed server chunk of 215) with the reference ops (fast=False); the layout and the wide
+convs' methods (LAYOUT_ROWS: channels_last on and off, each with the per-conv choice Codec.prepare
+measures and with the GEMM path everywhere, and the default layout with cuDNN everywhere, as
+before the shifted GEMM; channels_last with cuDNN everywhere is left out: ~0.5 s per 10 s); each
+other fast path flipped alone (narrow_conv=False is the last conv on cuDNN again,
+pointwise_gemm=False the residual 1x1 convs); and cudnn.benchmark on. Every FP16 prepare prints
+the wide convs that took the GEMM path (and, where it measured, the ms it measured).
 
 --conv-table times every distinct decoder conv shape alone (batch 1; at 215 frames and at the
 pieces of the graphed 215-frame chunk unless given frame counts; FP16 on CUDA as CUDA graph
 replays, float32 wall clock on CPU): cuDNN in both layouts against the codec's GEMM paths and two
 candidates (CONV_LEGEND), with the kernels cuDNN runs for the wide and transposed convs, and per
-frame count the sum over the decoder's convs for each layout with shifted_gemm off and on.
+frame count the sum over the decoder's convs for each layout with shifted_gemm off, on for every
+wide conv, and "per-conv choice" (each wide conv cuDNN or GEMM by Codec.prepare's rule,
+decoder.choose_conv_method, applied to the table's two numbers: what prepare should pick).
 
 Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
 batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0
 pointwise_gemm=0 fused_windows=0` is the decoder as before (last conv on cuDNN's generic kernel,
 1x1 convs on cuDNN plus a skip add, torch.cat windows and bias adds); the server takes the same
 as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0,pointwise_gemm=0,...
-`--options shifted_gemm=0` is the wide convs on cuDNN as before the shifted GEMM.
+`--options shifted_gemm=0` is the wide convs on cuDNN as before the shifted GEMM (and in F16
+torch's default layout, which follows shifted_gemm unless channels_last is given);
+`--conv-methods gemm --options channels_last=0` is the decoder before the per-conv choice
+(shifted GEMM everywhere, default layout).
 
 Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
 ablation rows), with channels_last still on in FP16 (median ms):
@@ -84,6 +92,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, as_channels_last,  # noqa: E402
                                  conv_taps, shifted_gemm_conv1d, stacked_taps, taps_conv1d)
+from services.codec.decoder import choose_conv_method  # noqa: E402
 from services.codec.graphs import LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder, split_length  # noqa: E402
 from services.codec.model import Codec, decode_options_from_env  # noqa: E402
 from services.common.config import CodecConfig  # noqa: E402
@@ -111,6 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--options", nargs="*", default=[], metavar="NAME=0|1",
                         help="decode fast-path switches for every fast prepare, e.g. narrow_conv=0 "
                         "channels_last=1 (sets DRAMA_CODEC_OPTIONS; Codec.FAST_OPTIONS has the names)")
+    parser.add_argument("--conv-methods", choices=["gemm", "cudnn"],
+                        help="every wide decoder conv one way instead of the per-conv choice that "
+                        "Codec.prepare measures (Codec.prepare's conv_methods)")
     parser.add_argument("--conv-table", type=int, nargs="*", metavar="FRAMES",
                         help="first, time every distinct decoder conv shape alone at these frame "
                         "counts, cuDNN against the GEMM paths (bare: 215 and the pieces of the "
@@ -267,6 +279,28 @@ def server_chunk(pool: GraphedDecoder, codes: torch.Tensor) -> list[bytes]:
         pool.release(slot)
 
 
+# --ablate's layout rows: label -> Codec.prepare options (FP16; the other fast paths as default).
+LAYOUT_ROWS = {
+    "channels_last=1, per-conv choice": dict(channels_last=True, shifted_gemm=True),   # the default
+    "channels_last=0, per-conv choice": dict(channels_last=False, shifted_gemm=True),
+    "channels_last=1, GEMM everywhere": dict(channels_last=True, shifted_gemm=True, conv_methods="gemm"),
+    "channels_last=0, GEMM everywhere": dict(channels_last=False, shifted_gemm=True,
+                                             conv_methods="gemm"),                        # before
+    "channels_last=0, shifted_gemm=0": dict(channels_last=False, shifted_gemm=False),
+}
+
+
+def print_conv_methods(codec: Codec, label: str) -> None:
+    """One line: which wide decoder convs run the GEMM path (with prepare's ms where it measured)."""
+    timings = codec.conv_timings
+    gemm = [name.removeprefix("model.") + (f" ({timings[name]['cudnn_ms']:.3f} -> "
+                                           f"{timings[name]['gemm_ms']:.3f} ms)" if name in timings else "")
+            for name, method in codec.conv_methods.items() if method == "gemm"]
+    layout = "channels_last" if codec.decoder.channels_last else "default layout"
+    print(f"{label}: {layout}, wide convs on the GEMM path {len(gemm)}/{len(codec.conv_methods)}"
+          f"{': ' + ', '.join(gemm) if gemm else ''}", flush=True)
+
+
 def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
     """FP16 eager 4-frame chunk and 215-frame decode, and the graphed server chunk of 215 frames
     (a batch-1 pool), with the reference ops, each fast path flipped alone, and cudnn.benchmark
@@ -276,6 +310,7 @@ def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
 
     def measure(label: str, **options) -> None:
         codec.prepare(device, torch.float16, **options)
+        print_conv_methods(codec, label)
         rows = bench_eager(codec, "fp16", args, device, path=label, frames_list=[215], chunks=[4], batches=[])
         if not args.no_graphs:
             pool = GraphedDecoder(codec, 2, lengths=STREAM_LENGTHS, buckets=(1,),
@@ -291,8 +326,11 @@ def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
     codec.prepare(device, torch.float16)
     defaults = dict(codec.decode_options)
     measure("reference ops", fast=False)
+    for label, options in LAYOUT_ROWS.items():
+        measure(label, **options)
     for name, on in defaults.items():
-        measure(f"{name}={not on}", **{name: not on})
+        if name not in ("channels_last", "shifted_gemm"):        # LAYOUT_ROWS has those
+            measure(f"{name}={not on}", **{name: not on})
     torch.backends.cudnn.benchmark = True
     try:
         measure("cudnn.benchmark")
@@ -555,6 +593,13 @@ def cuda_kernels(fn, top: int = 3, width: int = 70) -> str:
     return " | ".join(f"{name[:width]} {us / 1000:.3f}" for name, us in kernels[:top]) or "(none)"
 
 
+# Per-conv choice sums: config -> (cuDNN column, GEMM column, the config the other kinds follow);
+# each wide conv takes the column Codec.prepare's rule (choose_conv_method) picks.
+PER_CONV_CHOICE = {
+    "default layout, per-conv choice": ("cudnn", "gemm", "default layout, shifted_gemm=1"),
+    "channels_last=1, per-conv choice": ("cudnn_cl", "gemm_cl", "channels_last=1, shifted_gemm=1"),
+}
+
 # What each decode configuration runs per kind of conv (CONV_COLUMNS).
 CONV_CONFIGS = {
     "default layout, shifted_gemm=0": {"wide": "cudnn", "pointwise": "gemm", "narrow": "gemm",
@@ -583,7 +628,7 @@ def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
           flush=True)
     rows = []
     for frames in frames_list:
-        totals = dict.fromkeys(CONV_CONFIGS, 0.0)
+        totals = dict.fromkeys([*CONV_CONFIGS, *PER_CONV_CHOICE], 0.0)
         for shape in decoder_conv_shapes(codec, frames):
             if shape["kind"] == "other":
                 continue
@@ -606,6 +651,17 @@ def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
                     print(f"{'':>8}{column} kernels: {row[f'kernels_{column}']}", flush=True)
             for config, choice in CONV_CONFIGS.items():
                 totals[config] += times[choice[shape["kind"]]]
+            for config, (cudnn, gemm, others) in PER_CONV_CHOICE.items():
+                if shape["kind"] == "wide":
+                    column = cudnn if choose_conv_method(times[cudnn], times[gemm]) == "cudnn" else gemm
+                    row.setdefault("choice", {})[config] = column
+                else:
+                    column = CONV_CONFIGS[others][shape["kind"]]
+                totals[config] += times[column]
+            if "choice" in row:
+                print(f"{'':>8}per-conv choice: " + ", ".join(f"{config.split(',')[0]} {column}"
+                                                              for config, column in row["choice"].items()),
+                      flush=True)
             del variants
             if device.type == "cuda":
                 torch.cuda.empty_cache()     # the timing graphs' pools (P: up to ~0.6 GB at 215 frames)
@@ -653,9 +709,11 @@ def main(argv=None) -> int:
         rows.extend(new_rows)
         if args.out:
             args.out.write_text(json.dumps({"preset": args.preset, "device": str(device), "rows": rows,
-                                            "accuracy": accuracy, "conv_table": conv_rows}, indent=2))
+                                            "accuracy": accuracy, "conv_table": conv_rows,
+                                            "conv_methods": conv_choices}, indent=2))
 
     accuracy: list[dict] = []
+    conv_choices: dict[str, dict] = {}
     conv_rows: list[dict] = []
     if args.conv_table is not None or args.conv_table_only:
         with torch.inference_mode():
@@ -665,8 +723,11 @@ def main(argv=None) -> int:
             return 0
     with torch.inference_mode():
         for dtype_name in args.dtype:
-            codec.prepare(device, DTYPES[dtype_name])
+            codec.prepare(device, DTYPES[dtype_name], conv_methods=args.conv_methods)
             print(f"{dtype_name}: decode options {codec.decode_options}", flush=True)
+            print_conv_methods(codec, dtype_name)
+            conv_choices[dtype_name] = {"methods": dict(codec.conv_methods),
+                                        "timings": dict(codec.conv_timings)}
             add(bench_eager(codec, dtype_name, args, device))
             if not args.no_graphs:              # on CPU: the server's pool with eager ticks
                 add(bench_graphed(codec, dtype_name, args, device))
