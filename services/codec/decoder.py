@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from services.codec.conv import (CONV_METHODS, CausalConv1d, CausalConvTranspose1d, ResidualUnit,
-                                 Snake, as_channels_last)
+from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
+                                 as_channels_last)
 from services.codec.state import StreamState
 
 DILATIONS = (1, 3, 9)
