@@ -210,15 +210,22 @@ def test_failed_entries_between_accepted_ones_are_left_out_of_the_staging(small_
     assert torch.equal(staged._ras_history[:SESSIONS], eager._ras_history)
 
 
-def test_restores_and_decode_steps_do_not_use_the_general_graphs(small_buckets):
-    staged, _, shapes = _pair()
+def test_restores_use_the_general_graphs_and_decode_steps_do_not(small_buckets):
+    staged, eager, shapes = _pair()
     hidden, targets = _rows(4, seed=5, draw=False)
-    staged.step([StepEntry("a", 0, 4, snapshot_key="voice")], hidden, targets)
+    for engine in (staged, eager):
+        engine.step([StepEntry("a", 0, 4, snapshot_key="voice")], hidden, targets)
     assert shapes == [(8, 1)]
     shapes.clear()
     restore = StepEntry("b", 4, 3, draw=True, prefix_key="voice", prefix_rows=4)
     hidden, targets = _rows(3, seed=6, draw=True)
-    assert not staged.step([restore], hidden, targets).row_errors and shapes == []      # eager
+    a, b = staged.step([restore], hidden, targets), eager.step([restore], hidden, targets)
+    assert not a.row_errors and shapes == [(4, 1)]            # the restore's rows replayed, after its copies
+    assert torch.equal(a.codes, b.codes) and a.stop == b.stop
+    for x, y in zip(staged.model.layers(), eager.model.layers()):
+        slot_a, slot_b = staged._sessions[(None, "b")].slot, eager._sessions[(None, "b")].slot
+        assert torch.equal(x.self_attn.k_cache[slot_a, :, :7], y.self_attn.k_cache[slot_b, :, :7])
+    shapes.clear()
     decode = []
     run = staged._graphs.step
     staged._graphs.step = lambda bucket: decode.append(bucket.size) or run(bucket)

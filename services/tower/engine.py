@@ -396,9 +396,11 @@ class TowerEngine:
         return RowBatch.decode_only(slots, positions, self.max_context - 1)
 
     def _step_plan(self, accepted, step: "_StepRows"):
-        """The general graphs' replays for this step, or None to run it eagerly (graphs off,
-        a prefix restore among the entries, or more draws than the largest graph holds)."""
-        if self._step_graphs is None or any(entry.prefix_key for _, entry, _, _ in accepted):
+        """The general graphs' replays for this step, or None to run it eagerly (graphs off, or
+        more draws than the largest graph holds). A prefix restore is no reason to run eagerly:
+        `_admit` has queued its cache copies on this stream before the replay (the voice-prefix
+        TTFA, issue #8, is this step's time)."""
+        if self._step_graphs is None:
             return None
         return self._step_graphs.plan(len(step.row_index), step.draw_rows)
 
