@@ -149,9 +149,9 @@ class Codec(nn.Module):
         `self.conv_timings`), elsewhere (CPU: no measurement, deterministic CI) the GEMM path for all;
         "gemm" or "cudnn" all one way; a dict per conv name (those not named: cuDNN).
 
-        Layout: channels_last is on in a fast prepare; in F16/BF16 only with shifted_gemm unless
-        asked for, since without the GEMM path cuDNN's F16 NHWC kernels for a few dilated convs
-        are catastrophic (H200: 118-232 ms per call at 10 s, ~470 ms of a 10 s decode).
+        Layout: channels_last is on in a fast prepare, except in F16/BF16 unless asked for: cuDNN's
+        F16 NHWC kernels for some dilated convs are catastrophic (H200: 118-232 ms per call at
+        10 s), and the per-conv choice does not cover every length and batch (see below).
         """
         from services.codec import snake_triton
 
@@ -176,7 +176,14 @@ class Codec(nn.Module):
             # conv2d_grouped_direct_kernel in F16 NHWC, 118-232 ms per call; every other shape
             # is faster in channels_last than in the default layout (no NCHW <-> NHWC transposes).
             # With shifted_gemm those shapes measure slower on cuDNN and take the GEMM path.
-            chosen["channels_last"] = chosen["shifted_gemm"]
+            # But the choice is measured at one length (a 128-frame piece, batch 1), and at other
+            # lengths and batches cuDNN picks that kernel for further shapes: on the H200 the
+            # channels_last default ran the graphed 10 s decode in 83.9 ms (eager 16.4) and the
+            # graphed tick of 8 sessions x 4 frames in 74 ms (4.6 in the default layout). So F16
+            # stays in the default layout, whose cuDNN kernels are stable across lengths, with
+            # the per-conv choice; channels_last=1 asks for the other (a per-length choice would
+            # be needed to make it the default).
+            chosen["channels_last"] = False
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         self.decoder.set_narrow(chosen["narrow_conv"])
