@@ -209,6 +209,7 @@ class Backbone(nn.Module):
         # (memory pool, capture stream) of every prefill graph: own ones, because prefill groups
         # replay on the prefill lane's stream while decode graphs replay on the main loop's
         self._prefill_pool = None
+        self._decode_stream = None
         self.graph_replays = 0          # decode steps replayed from a graph (tests, logs)
         self.prefill_replays = 0        # prefill groups replayed (from a graph on CUDA; tests, logs)
         kw = dict(dtype=dtype, device=device)
@@ -502,7 +503,9 @@ class Backbone(nn.Module):
             static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
             segments = tuple(Segment(caches.slots, 0, 1, i) for i in range(bucket))
             batch = RowBatch(segments, None, False, plan)
-            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches))
+            if self._decode_stream is None:      # one capture stream for the decode graphs (one cuBLAS workspace)
+                self._decode_stream = torch.cuda.Stream(device)
+            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches), stream=self._decode_stream)
             self._graphs[key] = (graph, static_x, index)
         return self._graphs[key]
 

@@ -18,9 +18,9 @@ error FAILED_PRECONDITION (the backbone then prefills the whole prompt).
 
 On CUDA a step whose accepted entries are all single-row draws (the steady state) replays a
 CUDA graph of `_decode_step` (graphs.DecodeGraphs); any other step (prompt pieces, non-drawing
-rows, mixes) replays graphs of `_general_step` (graphs.StepGraphs: T rows as single-row
-segments, D draws among them), unless an entry restores a prefix or the step has more draws
-than the largest graph holds: those run eagerly. With graphs the pool has one more slot than
+rows, mixes, prefix restores) replays graphs of `_general_step` (graphs.StepGraphs: T rows as
+single-row segments, D draws among them), unless the step has more draws than the largest graph
+holds: that runs eagerly. With graphs the pool has one more slot than
 max_sessions, the scratch slot the graphs' padding rows write into.
 
 On CUDA the eager step runs its rows as single-row segments too, as the graphs do (with graphs

@@ -89,7 +89,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from services.common import grpcutil
+from services.common import cuda_graphs, grpcutil
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_BUCKETS = (32, 128, 256, 512, 1024, 2048)    # StepGraphs' T (each holds T - 1 real rows)
@@ -168,19 +168,11 @@ class DecodeGraphs:
     def capture(self, warmup: int = 2) -> None:
         """Warm up on a side stream (Triton compilation, cuBLAS handles), then capture, largest
         bucket first so the smaller ones fit in the memory the first one left in the pool."""
-        pool = torch.cuda.graph_pool_handle()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             bucket.stage_idle(self.scratch_slot)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(warmup):
-                    self.step(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                bucket.output = self.step(bucket)
-            bucket.graph = graph
+            bucket.graph, bucket.output = cuda_graphs.capture(lambda: self.step(bucket), pool=pool, stream=stream,
+                                                              warmup=warmup)
         torch.cuda.synchronize()
 
     @property
@@ -337,15 +329,8 @@ class StepGraphs:
         for shape in sorted(self.buckets, reverse=True):
             bucket = self.buckets[shape]
             bucket.stage_idle(self.scratch_slot)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(warmup):
-                    self.step(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                bucket.output = self.step(bucket)
-            bucket.graph = graph
+            bucket.graph, bucket.output = cuda_graphs.capture(lambda: self.step(bucket), pool=pool, stream=stream,
+                                                              warmup=warmup)
         torch.cuda.synchronize()
         # The warm-up runs' blocks (the largest shape's activations, ~2 GB at 2048 rows) stay
         # cached for the capture stream, which nothing else allocates on: give them back.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.common import cuda_graphs
 from services.common.invariant import empty_rows
 
 from . import HAS_TRITON, use_triton
@@ -134,20 +135,10 @@ class GraphedStep:
     that fn mutates (caches, states) are mutated by each replay too."""
 
     def __init__(self, fn, *static_inputs, warmup: int = 2, pool=None, stream=None):
-        """pool: a torch.cuda.graph_pool_handle() shared with other graphs that never replay
-        concurrently with this one (their intermediates then share memory). stream: the capture
-        stream; graphs that may replay concurrently need different ones, because cuBLAS's
-        workspace is chosen per stream and a graph keeps the one of its capture stream (torch's
-        default capture stream is one for all graphs)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.output = fn(*static_inputs)
+        """pool, stream: see services/common/cuda_graphs.capture (graphs that may replay
+        concurrently need different capture streams; graphs that never do may share a pool)."""
+        self.graph, self.output = cuda_graphs.capture(lambda: fn(*static_inputs), pool=pool, stream=stream,
+                                                      warmup=warmup)
 
     def replay(self):
         self.graph.replay()
