@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import time
 
 import grpc
 import numpy as np
@@ -177,6 +178,28 @@ async def test_batcher_puts_sessions_in_one_call(codec_server):
     assert batcher.batches == before + 1
     for chunk, out in zip(chunks, outputs):
         assert out == pcm16_bytes(codec.decode(chunk[None])[0])
+
+
+async def test_batcher_closes_a_tick_when_every_open_stream_is_in_it(codec_server):
+    """A tick waits out its window only while an open stream could still join it: with one open
+    stream its chunk goes at once; with two open and one chunk pending, it waits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.codec.batcher import DecodeBatcher
+
+    codec = codec_server.codec
+    chunk = random_codes(codec, 2, seed=3)
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        for open_streams, window, waits in ((1, 5.0, False), (2, 0.4, True)):
+            batcher = DecodeBatcher(codec, worker, max_wait_s=window, open_streams=lambda n=open_streams: n)
+            try:
+                started = time.monotonic()
+                out = await batcher.decode(codec.new_state(), chunk)
+                elapsed = time.monotonic() - started
+            finally:
+                await batcher.close()
+            assert out == pcm16_bytes(codec.decode(chunk[None])[0])
+            assert (elapsed >= window) if waits else (elapsed < 2.0), (open_streams, elapsed)
 
 
 @pytest.mark.parametrize("case", ["too_short", "too_long", "declared_too_long", "undecodable", "empty",

@@ -1,7 +1,9 @@
 """Gathers the pending decode chunks of all sessions into one model call per tick (API.md §3.3).
 
 A tick starts when a chunk arrives and closes when the oldest pending chunk has waited
-`max_wait_s` (5 ms) or the batch is full; the call runs on the model worker thread, so the event
+`max_wait_s` (5 ms), the batch is full, or every open stream has its chunk pending (a stream
+waits for its chunk's PCM before it sends the next, so no one else could join: a lone stream's
+first audio does not wait out the window); the call runs on the model worker thread, so the event
 loop keeps serving I/O meanwhile. Chunks that arrive during a call form the next tick at once.
 """
 
@@ -12,6 +14,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from opentelemetry import metrics
@@ -49,9 +52,12 @@ class DecodeBatcher:
     """Collects pending chunks of all sessions and decodes them together on the worker thread."""
 
     def __init__(self, codec, worker: ThreadPoolExecutor, *, max_wait_s: float = 0.005,
-                 max_batch: int = 64):
+                 max_batch: int = 64, open_streams: Callable[[], int] | None = None):
+        """open_streams: how many Decode streams are open now (the server's count); 0 or None:
+        unknown, the tick waits out its window."""
         self.codec, self.worker = codec, worker
         self.max_wait_s, self.max_batch = max_wait_s, max_batch
+        self.open_streams = open_streams
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="codec-batcher")
@@ -74,6 +80,9 @@ class DecodeBatcher:
                 continue
             # Wait until the oldest chunk has waited max_wait_s, unless the batch is full.
             while len(self._pending) < self.max_batch:
+                streams = self.open_streams() if self.open_streams is not None else 0
+                if streams and len(self._pending) >= streams:
+                    break                    # every open stream is here: nobody else can join
                 left = self._pending[0].arrived + self.max_wait_s - time.monotonic()
                 if left <= 0:
                     break

@@ -149,7 +149,7 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
     def attach(self, codec, streams: GraphedDecoder | None = None) -> None:
         """streams: the graphed slot pool the sessions decode through (None: eager states)."""
         self.codec, self.streams = codec, streams
-        self.batcher = DecodeBatcher(streams or codec, self.worker)
+        self.batcher = DecodeBatcher(streams or codec, self.worker, open_streams=lambda: len(self.sessions))
 
     async def _open_state(self, context):
         if self.streams is None:
