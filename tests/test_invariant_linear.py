@@ -306,15 +306,12 @@ def test_cuda_gemm_inputs_come_padded_from_their_producers(monkeypatch):
 
 
 def _mid_backbone(decode_graphs: bool):
-    from services.backbone.weights import random_backbone
-    from services.common.config import TextConfig
+    import dataclasses
 
-    mid = TextConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                     num_experts=16, num_experts_per_tok=8, moe_intermediate_size=256,
-                     shared_expert_intermediate_size=128,
-                     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+    from services.backbone.weights import random_backbone
+    from test_backbone_gpu import MID
+
+    mid = dataclasses.replace(MID, num_experts=16, moe_intermediate_size=256)   # more experts than k
     model = random_backbone(mid, device="cuda", dtype=torch.bfloat16, seed=8, exact=False, kernels=True,
                             decode_graphs=decode_graphs)
     model.prepare()

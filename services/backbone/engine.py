@@ -274,15 +274,16 @@ class BackboneEngine:
         returns the decode-graph buckets captured (empty without decode graphs).
 
         On CUDA: the decode graphs of every batch bucket up to max_sessions (Backbone.
-        capture_decode_graphs) and the prefill-piece graphs of every bucket (capture_prefill_
-        graphs), then `cuda_warm_up_plan`'s steps, which cover what Triton compiles a kernel again for: integer arguments specialised by value (== 1, divisible by 16), the
-        MoE's two routing paths (at most / more than DECODE_MAX_PAIRS pairs), pieces starting at
+        capture_decode_graphs) and the prefill graphs of every (bucket, pieces) shape
+        (capture_prefill_graphs), then `cuda_warm_up_plan`'s steps, which cover what Triton
+        compiles a kernel again for: integer arguments specialised by value (== 1, divisible by
+        16), the MoE's two routing paths (at most / more than DECODE_MAX_PAIRS pairs), pieces starting at
         0 and after it, one and several segments, mixed decode + prefill steps, eager decode at
         batch 1 and 2. On CPU nothing compiles: a prefill crossing nothing and two decode steps."""
         cuda = self.model.device.type == "cuda"
         if cuda and self.model.kernels:
             self.model.prepare()
-            self.model.warm_route_tables()       # prefill's MoE block-table kernel, every piece size
+            self.model.warm_route_tables()       # eager prefill's MoE block-table kernel, every piece size
         buckets = self.model.capture_decode_graphs(self.caches, self.max_sessions) if cuda else []
         if cuda:
             self.model.capture_prefill_graphs(self.caches)

@@ -34,7 +34,8 @@ The kernel path (`Backbone.kernels`: CUDA, Triton, BF16) is the batched path on 
 of services/backbone/kernels/gdn.py: one fused [qkv | z | b | a] GEMM; a decode step (one row per
 session) runs the conv update and the in-place recurrence on the slot pool directly (conv state
 [S, c, K_c−1] BF16, state [S, H, K, V] F32); any other step packs all sessions' rows into one
-varlen conv (`varlen_causal_conv`) and one fla chunk call with cu_seqlens.
+varlen conv (`varlen_causal_conv`) and one fla chunk call, with cu_seqlens eagerly, or one fla
+sequence per piece for the padded pieces of the prefill graphs (StepPlan.row_mask).
 Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows; the
 conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
 launch configs; fla's varlen chunk kernels give each sequence its own chunks (chunk_indices from

@@ -145,7 +145,7 @@ class StepPlan:
     row_slots, positions  int64 [R]    cache slot and absolute position of each row
     seg_slots             int64 [N]    each segment's slot
     cu_seqlens            int64 [N+1]  row offsets of the segments (fla's varlen layout); None for
-                                       a padded prefill piece (one sequence)
+                                       padded prefill pieces (one fla sequence per piece)
     decode                bool         every segment has one row (R = N): the batched decode kernels
     context               int          keys an attention row may need to read: max position + 1
                                        (a captured graph uses max_context, fixed)
@@ -160,10 +160,11 @@ class StepPlan:
     conv_base: torch.Tensor | None = None        # int64 [R]: packed row of each row's first conv tap
     conv_state_rows: torch.Tensor | None = None  # int64 [N·(K_c−1)]: where each segment's conv state goes
     conv_tail_rows: torch.Tensor | None = None   # int64 [N·(K_c−1)]: each segment's new conv state
-    # a padded prefill piece (Backbone._prefill_graphed): one segment, R = its bucket, rows past
-    # the piece are padding. F32 [R], 1 on the piece's rows, 0 on padding rows. Set, the mixers
-    # take their row-wise kernels (attention per row over the pool, no cu_seqlens) and zero the
-    # GDN gates of padding rows so the recurrent state passes them unchanged.
+    # padded prefill pieces (Backbone._prefill_graphed): N pieces of one bucket each, R = N x
+    # bucket, rows past a piece's length are padding. F32 [R], 1 on the pieces' rows, 0 on
+    # padding rows. Set, the mixers take their row-wise kernels (attention per row over the pool,
+    # one fla sequence per piece) and zero the GDN gates of padding rows so the recurrent state
+    # passes them unchanged; the MoE takes the decode MoE.
     row_mask: torch.Tensor | None = None
 
 

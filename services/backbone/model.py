@@ -292,43 +292,34 @@ class Backbone(nn.Module):
     def _forward_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         """One-row segments (decode rows) and longer ones (prefill pieces) always run apart: the
         decode rows through the decode kernels (replayed from the graph of their batch bucket when
-        decode graphs are on, see `_decode_rows`), the prefill pieces eagerly. Segments touch
-        disjoint slots, so the split changes no row's math, and the graph's launches are queued
-        before the host-bound prefill launches, so the decode rows cost little extra wall time.
-        Keeping the two apart even without graphs is what makes a row's bits independent of the
-        other sessions (issue #8): a decode row never goes through the prefill kernels just
-        because another session's prompt shares its step. (The scheduler mixes decode rows and
-        prefill pieces in one step whenever a session is admitted or a long prompt is cut into
-        pieces while others decode.)"""
+        decode graphs are on, see `_decode_rows`), the prefill segments in padded pieces replayed
+        from the prefill graphs (`_prefill_graphed`) or else eagerly in one varlen call. Segments
+        touch disjoint slots, so the split changes no row's math. Keeping the two apart even
+        without graphs is what makes a row's bits independent of the other sessions (issue #8): a
+        decode row never goes through the prefill kernels just because another session's prompt
+        shares its step. (The scheduler mixes decode rows and prefill pieces in one step whenever
+        a session is admitted or a long prompt is cut into pieces while others decode.)"""
         self.prepare()
         singles = [s for s in segments if s.count == 1]
         if len(singles) == len(segments):
             return self._decode_rows(x, segments, caches)
-        if self.prefill_graphs:       # decode rows together, prefill segments in padded pieces
-            out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
-            if singles:
-                index = torch.tensor([s.offset for s in singles], dtype=torch.int64).to(x.device)
-                out.index_copy_(0, index, self._decode_rows(
-                    x.index_select(0, index), [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)],
-                    caches))
-            self._prefill_graphed(x, [s for s in segments if s.count != 1], caches, out)
-            return out
-        if not singles:
+        if not singles and not self.prefill_graphs:
             return self._eager_kernels(x, segments, caches)
-        decode_rows = [s.offset for s in singles]
-        others = [s for s in segments if s.count != 1]
-        index = torch.cat([torch.tensor(decode_rows, dtype=torch.int64)]
-                          + [torch.arange(s.offset, s.offset + s.count) for s in others]).to(x.device)
-        decode_index, other_index = index[:len(decode_rows)], index[len(decode_rows):]
         out = torch.empty(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
-        decoded = self._decode_rows(x.index_select(0, decode_index),
-                                    [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)], caches)
-        out.index_copy_(0, decode_index, decoded)
+        if singles:
+            index = torch.tensor([s.offset for s in singles], dtype=torch.int64).to(x.device)
+            out.index_copy_(0, index, self._decode_rows(
+                x.index_select(0, index), [Segment(s.slot, s.start, 1, i) for i, s in enumerate(singles)], caches))
+        others = [s for s in segments if s.count != 1]
+        if self.prefill_graphs:
+            self._prefill_graphed(x, others, caches, out)
+            return out
+        index = torch.cat([torch.arange(s.offset, s.offset + s.count) for s in others]).to(x.device)
         repacked, offset = [], 0
         for s in others:
             repacked.append(Segment(s.slot, s.start, s.count, offset))
             offset += s.count
-        out.index_copy_(0, other_index, self._eager_kernels(x.index_select(0, other_index), repacked, caches))
+        out.index_copy_(0, index, self._eager_kernels(x.index_select(0, index), repacked, caches))
         return out
 
     # prefill graphs ---------------------------------------------------------------------------
@@ -524,10 +515,11 @@ class Backbone(nn.Module):
         return buckets
 
     def warm_route_tables(self) -> None:
-        """The prefill MoE's block-table kernel for every pair count a prompt piece can have
-        (kernels/fp8_moe.warm_route_blocks), so no request waits for its compile."""
+        """The eager prefill MoE's block-table kernel for every pair count a prompt piece can have
+        (kernels/fp8_moe.warm_route_blocks), so no request waits for its compile. Nothing to do
+        with prefill graphs: their pieces take the decode MoE, and no prefill runs eagerly."""
         moe = next((layer.mlp for layer in self.layers if getattr(layer.mlp, "fp8_kernels", False)), None)
-        if moe is None:
+        if moe is None or self.prefill_graphs:
             return
         with torch.inference_mode():
             fp8_moe.warm_route_blocks(self.device, moe.w_gate_up.shape[0], moe.top_k,

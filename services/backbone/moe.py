@@ -199,9 +199,9 @@ class SparseMoE(nn.Module):
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
 
-        `decode` (a step whose every segment is one row: a decode step, graphed or not) takes
-        kernels/moe_decode.py's expert-major split-K kernels, every other step fp8_moe's block
-        tables. The choice follows the kind of a session's rows, never the other sessions' rows,
+        `decode` (a step whose every segment is one row: a decode step, graphed or not; and
+        padded prefill pieces, which must not sync with the host) takes kernels/moe_decode.py's
+        expert-major split-K kernels, every other (eager prefill) step fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
         so a row's bits do not depend on the batch either way (issue #8)."""
         i_s = self.shared_down.shape[1]
         u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)

@@ -113,28 +113,35 @@ def _aligned(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
+def _staging(parts: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device
+             ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """(host, staged, host views, device views) for `parts` = (name, dtype, shape) in buffer
+    order: one pinned host buffer and one device buffer with the same byte layout, each part
+    starting 64-byte aligned, so one copy moves every input of a step."""
+    sizes = [torch.empty(0, dtype=dtype).element_size() * math.prod(shape) for _, dtype, shape in parts]
+    offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(parts))]
+    total = sum(_aligned(n) for n in sizes)
+    host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staged = torch.zeros(total, dtype=torch.uint8, device=device)
+
+    def views(buffer: Tensor) -> dict[str, Tensor]:
+        return {name: buffer[offset:offset + size].view(dtype).view(shape)
+                for (name, dtype, shape), offset, size in zip(parts, offsets, sizes)}
+
+    return host, staged, views(host), views(staged)
+
+
 class Bucket:
     """The static buffers, the graph and its output for one batch size."""
 
     def __init__(self, size: int, hidden_size: int, hidden_dtype: torch.dtype, num_codebooks: int,
                  device: torch.device):
         self.size = size
-        element = torch.empty(0, dtype=hidden_dtype).element_size()
-        hidden_bytes = _aligned(size * hidden_size * element)
-        int_bytes = _aligned(len(INT_FIELDS) * size * 8)
-        float_bytes = _aligned(len(FLOAT_FIELDS) * size * 4)
-        total = hidden_bytes + int_bytes + float_bytes
-        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.staged = torch.zeros(total, dtype=torch.uint8, device=device)
-
-        def views(buffer: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            hidden = buffer[:size * hidden_size * element].view(hidden_dtype).view(size, hidden_size)
-            ints = buffer[hidden_bytes:hidden_bytes + len(INT_FIELDS) * size * 8].view(torch.int64)
-            floats = buffer[hidden_bytes + int_bytes:hidden_bytes + int_bytes + len(FLOAT_FIELDS) * size * 4]
-            return hidden, ints.view(len(INT_FIELDS), size), floats.view(torch.float32).view(len(FLOAT_FIELDS), size)
-
-        self.host_hidden, self.host_ints, self.host_floats = views(self.host)
-        self.hidden, self.ints, self.floats = views(self.staged)
+        self.host, self.staged, host, staged = _staging(
+            [("hidden", hidden_dtype, (size, hidden_size)), ("ints", torch.int64, (len(INT_FIELDS), size)),
+             ("floats", torch.float32, (len(FLOAT_FIELDS), size))], device)
+        self.host_hidden, self.host_ints, self.host_floats = host["hidden"], host["ints"], host["floats"]
+        self.hidden, self.ints, self.floats = staged["hidden"], staged["ints"], staged["floats"]
         self.targets = torch.full((size, num_codebooks), -1, dtype=torch.int64, device=device)
         self.draw_rows = torch.arange(size, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -224,30 +231,17 @@ class StepBucket:
     def __init__(self, rows: int, draws: int, hidden_size: int, hidden_dtype: torch.dtype,
                  num_codebooks: int, device: torch.device):
         self.rows, self.draws = rows, draws
-        # (name, dtype, shape) in buffer order; every part starts 64-byte aligned
-        parts = [("hidden", hidden_dtype, (rows, hidden_size)), ("targets", torch.int64, (rows, num_codebooks)),
-                 ("rows", torch.int64, (2, rows)), ("draw_rows", torch.int64, (draws,)),
-                 ("ints", torch.int64, (len(INT_FIELDS), draws)),
-                 ("floats", torch.float32, (len(FLOAT_FIELDS), draws))]
-        sizes = [torch.empty(0, dtype=dtype).element_size() * math.prod(shape) for _, dtype, shape in parts]
-        offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(parts))]
-        total = sum(_aligned(n) for n in sizes)
-        on_cuda = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
-        self.staged = torch.zeros(total, dtype=torch.uint8, device=device)
-
-        def views(buffer: Tensor) -> dict[str, Tensor]:
-            return {name: buffer[offset:offset + size].view(dtype).view(shape)
-                    for (name, dtype, shape), offset, size in zip(parts, offsets, sizes)}
-
-        self.host_views = views(self.host)
-        device_views = views(self.staged)
+        self.host, self.staged, self.host_views, device_views = _staging(
+            [("hidden", hidden_dtype, (rows, hidden_size)), ("targets", torch.int64, (rows, num_codebooks)),
+             ("rows", torch.int64, (2, rows)), ("draw_rows", torch.int64, (draws,)),
+             ("ints", torch.int64, (len(INT_FIELDS), draws)),
+             ("floats", torch.float32, (len(FLOAT_FIELDS), draws))], device)
         self.hidden, self.targets = device_views["hidden"], device_views["targets"]
         self.slots, self.positions = device_views["rows"][0], device_views["rows"][1]
         self.draw_rows, self.ints, self.floats = device_views["draw_rows"], device_views["ints"], device_views["floats"]
         # The host buffer may be rewritten only once the last copy out of it has run: a step
         # without draws returns without waiting for the GPU (as the eager step does).
-        self.copied = torch.cuda.Event() if on_cuda else None
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: Tensor | None = None
 
