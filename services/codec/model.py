@@ -127,7 +127,7 @@ class Codec(nn.Module):
 
         fast (default: on CUDA) turns on the GPU decode-step paths, each equal to the reference
         within F16 rounding, not bit for bit, so never on the CPU reference path by default:
-        channels_last decoder convs (conv.py; in F16 with shifted_gemm only unless asked for, see below),
+        channels_last decoder convs (conv.py; not in F16/BF16 unless asked for, see below),
         fused_snake (Triton, snake_triton.py; only where it can run), fused_attention (SDPA, fused
         RoPE and F.rms_norm in the post module), dequant_table (quantizer.py), narrow_conv
         (the decoder's last conv, 1 output channel, as one GEMM: conv.taps_conv1d) and
