@@ -60,6 +60,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
+    parser.add_argument("--prefill", action="store_true",
+                        help="sweep configs for padded prefill pieces (many pairs per expert: BM 32/64, "
+                             "SPLIT 1/2) instead of the decode sweep; run with --rows 128 256 512 1024")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -68,7 +71,17 @@ def main(argv=None) -> dict:
     layers = [layer_weights(i) for i in range(args.layers)]
     variants = [("fp8_moe decode", dict(fp8_moe.DECODE_CONFIG), fp8_moe.moe_fp8_pairs),
                 ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs)]
-    if not args.quick:
+    if args.prefill:
+        if hasattr(moe_decode, "PREFILL_CONFIG"):
+            variants.append(("moe_decode prefill", dict(moe_decode.PREFILL_CONFIG), moe_decode.moe_decode_pairs))
+        for bm, split, bn1, bn2, warps, stages in [
+                (32, 1, 64, 64, 4, 3), (32, 2, 64, 64, 4, 3), (32, 4, 64, 64, 4, 3),
+                (64, 1, 64, 64, 4, 3), (64, 2, 64, 64, 4, 3), (64, 1, 128, 128, 8, 3),
+                (64, 2, 128, 64, 8, 3), (64, 1, 64, 64, 8, 4), (32, 1, 128, 128, 8, 3),
+                (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (128, 1, 64, 64, 8, 3)]:
+            variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split,
+                                                num_warps=warps, num_stages=stages), moe_decode.moe_decode_pairs))
+    elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG
         for split, bn1, bn2, stages in [(2, 64, 32, 3), (8, 64, 32, 3), (16, 64, 32, 3), (4, 128, 32, 3),
@@ -92,7 +105,7 @@ def main(argv=None) -> dict:
     big = max(args.rows)
     xb = torch.randn(big, H, device="cuda").bfloat16()
     idsb, wb = fp8_moe.router_topk(torch.randn(big, E, device="cuda"), K)
-    print(f"{'T':>4} {'variant':<16} {'config':<58} {'ms/40 layers':>12} {'x floor':>8} {'TB/s':>6}")
+    print(f"{'T':>4} {'variant':<18} {'config':<84} {'ms/40 layers':>12} {'x floor':>8} {'TB/s':>6}")
     for t in args.rows:
         x = torch.randn(t, H, device="cuda").bfloat16()
         routes = [fp8_moe.router_topk(torch.randn(t, E, device="cuda"), K) for _ in layers]
@@ -109,12 +122,12 @@ def main(argv=None) -> dict:
                 graph = dg.GraphedStep(run)
                 ms = do_bench(graph.replay)
             except Exception as exc:   # one failing config must not cost the run
-                print(f"{t:>4} {name:<16} {str(kernel_cfg):<58} failed: {type(exc).__name__}: {exc}"[:300])
+                print(f"{t:>4} {name:<18} {str(kernel_cfg):<84} failed: {type(exc).__name__}: {exc}"[:300])
                 continue
             rows.append(dict(variant=name, config=kernel_cfg, ms=ms, x_floor=ms / floor_ms,
                              rel_err=cfg["rel_err_vs_naive"]))
-            short = ",".join(f"{k}={v}" for k, v in kernel_cfg.items() if k not in ("BM", "num_warps"))
-            print(f"{t:>4} {name:<16} {short:<58} {ms:>12.3f} {ms / floor_ms:>8.2f} "
+            short = ",".join(f"{k}={v}" for k, v in kernel_cfg.items())
+            print(f"{t:>4} {name:<18} {short:<84} {ms:>12.3f} {ms / floor_ms:>8.2f} "
                   f"{expert_bytes(unique) / (ms * 1e-3) / 1e12:>6.2f}", flush=True)
         results["rows"][t] = dict(floor_ms=floor_ms, unique_per_layer=unique / len(layers), variants=rows)
 
