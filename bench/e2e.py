@@ -271,6 +271,7 @@ class Spoken:
     ttfa_ms: float
     wall_ms: float
     steady_ms_per_frame: float | None
+    phases_ms: dict | None = None        # the gateway's milestones of this request, ms from arrival
 
     @property
     def rtf(self) -> float:
@@ -285,6 +286,7 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
     body = {"model": "drama-3", "input": text, "voice": VOICE, "response_format": "pcm", "stream": True,
             "sample_rate": sample_rate, "seed": SEED, "max_new_tokens": max_new_tokens, "latency": "low"}
     pieces: list[tuple[float, int]] = []                   # (seconds since sent, bytes)
+    before = gateway_phases(client, url)
     started = time.perf_counter()
     with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
         if response.status_code != 200:
@@ -300,8 +302,45 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
     bytes_per_frame = 2 * frame_samples * rate / sample_rate     # int16 mono at the response's rate
     later = (total - pieces[0][1]) / bytes_per_frame
     steady = (pieces[-1][0] - pieces[0][0]) * 1000 / later if later >= 1 else None
+    after = gateway_phases(client, url)
+    phases = {}                                          # in milestone order
+    for phase in PHASES:
+        (total_s, count), (total0, count0) = after.get(phase, (0.0, 0)), before.get(phase, (0.0, 0))
+        if count > count0:
+            phases[phase] = (total_s - total0) * 1000 / (count - count0)
     return Spoken(words, chunks, max_new_tokens, total / bytes_per_frame, total / 2 / rate,
-                  pieces[0][0] * 1000, wall * 1000, steady)
+                  pieces[0][0] * 1000, wall * 1000, steady, phases or None)
+
+
+PHASES = ("admitted", "first_frames", "first_pcm", "first_byte")
+
+
+def gateway_phases(client, url: str) -> dict[str, tuple[float, int]]:
+    """phase -> (sum s, count) of the gateway's drama_speech_phase_seconds (arrival -> each
+    milestone of a request); the difference around one request is that request's timeline."""
+    out: dict[str, list] = {}
+    try:
+        text = client.get(f"{url}/metrics").text
+    except Exception:                                    # a breakdown is a bonus, never a failure
+        return {}
+    for line in text.splitlines():
+        for part, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("drama_speech_phase_seconds" + part) and 'phase="' in line:
+                phase = line.split('phase="')[1].split('"')[0]
+                out.setdefault(phase, [0.0, 0])[index] = float(line.rsplit(" ", 1)[1])
+    return {phase: (total, int(count)) for phase, (total, count) in out.items()}
+
+
+def phase_line(phases: dict | None) -> str:
+    """'admitted 12 | first_frames 55 (+43) | ...' ms from arrival, each with its step from the last."""
+    if not phases:
+        return "-"
+    parts, last = [], 0.0
+    for phase in PHASES:
+        if phase in phases:
+            parts.append(f"{phase} {phases[phase]:.1f} (+{phases[phase] - last:.1f})")
+            last = phases[phase]
+    return " | ".join(parts)
 
 
 def plan_frames(frames: list[int], chunks: list[int], warmup: Spoken,
@@ -467,6 +506,7 @@ def build_table(r: dict) -> str:
         (f"TTFA, {words[1]} words ({long.get('chunks', '-')} text chunks)", ms(r["ttfa_ms_200w"], 0), ""),
         (f"TTFA of the first request after ready ({words[0]} words)", ms(r["ttfa_ms_first_request"], 0),
          "one-time costs"),
+        (f"TTFA phases, {words[0]} words (gateway, ms from arrival (+ step))", phase_line(short.get("phases_ms")), ""),
         (f"RTF, {words[0]} words ({audio(short)})", _fmt(short.get("rtf"), 3), ""),
         (f"RTF, {words[1]} words ({audio(long)}) = rtf_single", _fmt(r["rtf_single"], 3), TARGETS["rtf_single"]),
         (f"E2E ms per frame, {words[0]} words (steady decode)", ms(r["e2e_ms_per_frame"]), "46.4 ms = real time"),
@@ -496,7 +536,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
     """Every figure by its JSON key (None where it was not measured)."""
     requests = {name: {"words": q.words, "chunks": q.chunks, "max_new_tokens_per_chunk": q.max_new_tokens,
                        "frames": q.frames, "audio_s": q.audio_s, "ttfa_ms": q.ttfa_ms, "wall_ms": q.wall_ms,
-                       "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame}
+                       "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame, "phases_ms": q.phases_ms}
                 for name, q in stack.requests.items()}
     short, long = requests.get("short", {}), requests.get("long", {})
     backbone, tower, codec = (micro.get(k) for k in ("backbone_step_ms_b1", "tower_step_ms_b1", "codec_chunk_ms_4f"))
@@ -585,7 +625,7 @@ def measure_requests(args, url: str, out: StackRun) -> None:
         for name, words, n in (("short", args.words[0], frames[0]), ("long", args.words[1], frames[1])):
             r = out.requests[name] = speak(client, url, words, n, *audio)
             print(f"{words} words: TTFA {r.ttfa_ms:.0f} ms, {r.frames:.0f} frames, RTF {r.rtf:.3f}, "
-                  f"{_fmt(r.steady_ms_per_frame, 2)} ms per frame", flush=True)
+                  f"{_fmt(r.steady_ms_per_frame, 2)} ms per frame; phases {phase_line(r.phases_ms)}", flush=True)
 
 
 def run_attached(args) -> StackRun:
@@ -626,7 +666,7 @@ def stack_from_json(path: Path) -> StackRun:
     data = json.loads(path.read_text())
     requests = {name: Spoken(**{k: q[k] for k in ("words", "chunks", "frames", "audio_s", "ttfa_ms",
                                                    "wall_ms", "steady_ms_per_frame")},
-                             max_new_tokens=q["max_new_tokens_per_chunk"])
+                             max_new_tokens=q["max_new_tokens_per_chunk"], phases_ms=q.get("phases_ms"))
                 for name, q in data["requests"].items()}
     note = data["peak_gpu_source"].partition("; sampler error: ")[2] or None
     return StackRun(ready_s=data["start_to_ready_s"], requests=requests, peak_gpu_gb=data["peak_gpu_gb"],

@@ -11,6 +11,7 @@ import threading
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+_PHASE_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 10.0)
 _AUDIO_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -100,6 +101,11 @@ class GatewayMetrics:
         self.in_flight = Gauge("drama_speech_in_flight", "Speech requests in progress", ("route",))
         self.queue_wait = Histogram("drama_speech_queue_wait_seconds", "Backbone admission wait")
         self.ttfa = Histogram("drama_speech_ttfa_seconds", "Arrival to first audio byte written")
+        # where the time to first audio goes: arrival -> each milestone of a request, by phase
+        # (admitted: the backbone's Started; first_frames: the backbone's first frames message;
+        # first_pcm: the codec's first PCM; first_byte: written to the client, as ttfa)
+        self.phase = Histogram("drama_speech_phase_seconds", "Arrival to each milestone of a speech request",
+                               ("phase",), buckets=_PHASE_BUCKETS)
         self.e2e = Histogram("drama_speech_e2e_seconds", "Arrival to last byte written")
         self.rtf = Histogram("drama_speech_rtf", "Generation wall time / audio duration",
                              buckets=_RATIO_BUCKETS)
@@ -113,7 +119,7 @@ class GatewayMetrics:
         self.reference_encode = Histogram("drama_reference_encode_seconds", "Codec.Encode time per clip")
         self.reference_cache_hits = Counter("drama_reference_cache_hits_total",
                                             "Reference clips served from the codes cache")
-        self._all = [self.http_requests, self.in_flight, self.queue_wait, self.ttfa, self.e2e, self.rtf,
+        self._all = [self.http_requests, self.in_flight, self.queue_wait, self.ttfa, self.phase, self.e2e, self.rtf,
                      self.audio_seconds, self.chunk_interval, self.underrun, self.output_frames,
                      self.reference_encode, self.reference_cache_hits]
 

@@ -176,6 +176,7 @@ class SpeechSession:
                 raise err from None
             started = first.started
             self._t_started = time.monotonic()
+            self._milestone("admitted", self._t_started)
             self.job.timings["queue"] = float(started.queue_wait_ms)
             self.orch.metrics.queue_wait.observe(started.queue_wait_ms / 1000.0)
             self.span.add_event("admitted", {"drama.queue_wait_ms": started.queue_wait_ms})
@@ -228,6 +229,7 @@ class SpeechSession:
                     frames = message.frames
                     if self._t_first_frame is None:
                         self._t_first_frame = time.monotonic()
+                        self._milestone("first_frames", self._t_first_frame)
                         self.span.add_event("first_frame")
                     self._t_last_frame = time.monotonic()
                     block = np.frombuffer(frames.codes, dtype="<i2").reshape(frames.n_frames, n)
@@ -263,6 +265,7 @@ class SpeechSession:
                     if kind == "pcm":
                         if not received:
                             received, self._decode_sent = True, None    # no retry from here on
+                            self._milestone("first_pcm", time.monotonic())
                         samples = np.frombuffer(reply.pcm.samples, dtype="<i2")
                         self._out.put_nowait(("pcm", samples))
                         self._frames_decoded += len(samples) // self.info.frame_samples
@@ -327,6 +330,10 @@ class SpeechSession:
         job.timings["total"] = (time.monotonic() - job.arrival) * 1000.0
         self.orch.metrics.output_frames.inc(self._frames_total)
 
+    def _milestone(self, phase: str, at: float) -> None:
+        """Arrival -> `at` into drama_speech_phase_seconds{phase}: where the time to first audio goes."""
+        self.orch.metrics.phase.observe(at - self.job.arrival, phase=phase)
+
     def server_timing(self) -> str:
         return ", ".join(f"{name};dur={value:.1f}" for name, value in self.job.timings.items())
 
@@ -340,6 +347,7 @@ class SpeechSession:
             ttfa = now - self.job.arrival
             self.span.set_attribute("drama.ttfa_ms", round(ttfa * 1000.0, 1))
             metrics.ttfa.observe(ttfa)
+            self._milestone("first_byte", now)
         else:
             metrics.chunk_interval.observe(now - self._last_write_at)
             self._underrun_s = max(self._underrun_s, (now - self._first_byte_at) - self._audio_written_s)

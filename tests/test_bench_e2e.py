@@ -82,7 +82,7 @@ def test_e2e_tiny_cpu_table_and_json(tmp_path):
 
     table = done.stdout[done.stdout.index("| metric | value |"):]
     for row in ("TTFA, 20 words", "RTF, 60 words", "backbone step, batch 1", "codec 4-frame chunk",
-                "gRPC/IPC", "start to ready, backbone"):
+                "gRPC/IPC", "start to ready, backbone", "TTFA phases, 20 words"):
         assert row in table, row
     assert table.strip() in out_md.read_text()
 
@@ -96,3 +96,7 @@ def test_e2e_tiny_cpu_table_and_json(tmp_path):
     assert long["chunks"] > 1                                    # 60 words span several text chunks
     assert 0 < long["frames"] <= long["chunks"] * long["max_new_tokens_per_chunk"]
     assert result["micro_errors"] == {}
+    # the gateway's milestones of the 20-word request, in order, ending at the first byte
+    phases = result["requests"]["short"]["phases_ms"]
+    assert list(phases) == list(e2e.PHASES), phases
+    assert all(a <= b for a, b in zip(phases.values(), list(phases.values())[1:])), phases
