@@ -70,17 +70,17 @@ def main(argv=None) -> dict:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; building {args.layers} layers of experts ...", flush=True)
     layers = [layer_weights(i) for i in range(args.layers)]
     variants = [("fp8_moe decode", dict(fp8_moe.DECODE_CONFIG), fp8_moe.moe_fp8_pairs),
-                ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs)]
+                ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs),
+                ("moe_decode fp8 dot", dict(moe_decode.DECODE_CONFIG, FP8_DOT=True), moe_decode.moe_decode_pairs)]
     if args.prefill:
         if hasattr(moe_decode, "PREFILL_CONFIG"):
             variants.append(("moe_decode prefill", dict(moe_decode.PREFILL_CONFIG), moe_decode.moe_decode_pairs))
         for bm, split, bn1, bn2, warps, stages in [
-                (32, 1, 64, 64, 4, 3), (32, 2, 64, 64, 4, 3), (32, 4, 64, 64, 4, 3),
-                (64, 1, 64, 64, 4, 3), (64, 2, 64, 64, 4, 3), (64, 1, 128, 128, 8, 3),
-                (64, 2, 128, 64, 8, 3), (64, 1, 64, 64, 8, 4), (32, 1, 128, 128, 8, 3),
-                (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (128, 1, 64, 64, 8, 3)]:
-            variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split,
-                                                num_warps=warps, num_stages=stages), moe_decode.moe_decode_pairs))
+                (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (32, 1, 64, 64, 4, 3), (64, 1, 64, 64, 4, 3),
+                (64, 1, 128, 128, 8, 3), (64, 2, 64, 64, 4, 3)]:
+            for fp8 in (False, True):
+                variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split, num_warps=warps,
+                                                    num_stages=stages, FP8_DOT=fp8), moe_decode.moe_decode_pairs))
     elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG
@@ -130,6 +130,26 @@ def main(argv=None) -> dict:
             print(f"{t:>4} {name:<18} {short:<84} {ms:>12.3f} {ms / floor_ms:>8.2f} "
                   f"{expert_bytes(unique) / (ms * 1e-3) / 1e12:>6.2f}", flush=True)
         results["rows"][t] = dict(floor_ms=floor_ms, unique_per_layer=unique / len(layers), variants=rows)
+
+    # Does a row's result depend on the tile shape? Configs with the same K split (the summation
+    # order over H) and dot type are compared bit for bit on the big batch: if BM/BN/warps never
+    # change a row's bits, a padded prefill replay may pick its tiles by its total pair count
+    # without breaking batch invariance.
+    groups: dict[tuple, list] = {}
+    for name, cfg, fn in variants:
+        if fn is not moe_decode.moe_decode_pairs:
+            continue
+        kernel_cfg = {k: v for k, v in cfg.items() if k != "rel_err_vs_naive"}
+        key = (kernel_cfg.get("SPLIT"), bool(kernel_cfg.get("FP8_DOT", False)))
+        try:
+            groups.setdefault(key, []).append((kernel_cfg, fn(xb, idsb, wb, *layers[0], config=kernel_cfg)))
+        except Exception as exc:
+            print(f"tile check: {kernel_cfg} failed: {type(exc).__name__}: {exc}"[:200])
+    results["same_bits_across_tiles"] = {}
+    for (split, fp8), outs in sorted(groups.items(), key=str):
+        same = all(torch.equal(outs[0][1], o) for _, o in outs[1:])
+        results["same_bits_across_tiles"][f"SPLIT={split},FP8_DOT={fp8}"] = same
+        print(f"SPLIT={split} FP8_DOT={fp8}: {len(outs)} tile configs give the same bits at {big} rows: {same}")
 
     # batch invariance of moe_decode at its default config: each row alone == inside the big batch
     inside = moe_decode.moe_decode_pairs(xb, idsb, wb, *layers[0])

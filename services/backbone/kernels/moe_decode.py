@@ -84,7 +84,7 @@ if HAS_TRITON:
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert."""
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -113,11 +113,13 @@ if HAS_TRITON:
                 kk = kb * 128 + offs_k
                 k_ok = kk < H
                 xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
-                             mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
                 wm = n_ok[:, None] & k_ok[None, :]
-                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(DOT)
-                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(DOT)
+                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
+                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
+                if not FP8_DOT:
+                    xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
                 sg = tl.load(s_base + kb).to(tl.float32)
                 su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
                 acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
@@ -132,7 +134,7 @@ if HAS_TRITON:
                      num_active_ptr, T, H, I,
                      stride_we, stride_wn, stride_se, stride_sn,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group)."""
         slot, pid_n = tl.program_id(0), tl.program_id(1)
@@ -155,9 +157,11 @@ if HAS_TRITON:
                 kk = kb * 128 + offs_k
                 k_ok = kk < I
                 hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
-                             mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
-                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if not FP8_DOT:
+                    hq, w = hq.to(DOT), w.to(DOT)
                 s = tl.load(s_base + kb).to(tl.float32)
                 acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
             rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
@@ -194,6 +198,9 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     k = topk_ids.shape[1]
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
+    # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
+    # converting both to bf16 first; the interpreter has no FP8 dot, so it keeps the bf16 path
+    fp8_dot = bool(cfg.get("FP8_DOT", False)) and os.environ.get("TRITON_INTERPRET") != "1"
     if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
@@ -206,7 +213,8 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        BM=bm, BN=bn1, SPLIT=split, **_dot_args(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BM=bm, BN=bn1, SPLIT=split, **_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=x.device)
     fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
@@ -216,5 +224,5 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     _down_kernel[(slots, triton.cdiv(h, bn2))](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        BM=bm, BN=bn2, **_dot_args(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BM=bm, BN=bn2, **_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.view(t, k, h)
