@@ -27,15 +27,16 @@ measures and with the GEMM path everywhere, and the default layout with cuDNN ev
 before the shifted GEMM; channels_last with cuDNN everywhere is left out: ~0.5 s per 10 s); each
 other fast path flipped alone (narrow_conv=False is the last conv on cuDNN again,
 pointwise_gemm=False the residual 1x1 convs); and cudnn.benchmark on. Every FP16 prepare prints
-the wide convs that took the GEMM path (and, where it measured, the ms it measured).
+the wide convs that left cuDNN, by which method (and, where it measured, the ms it measured).
 
 --conv-table times every distinct decoder conv shape alone (batch 1; at 215 frames and at the
 pieces of the graphed 215-frame chunk unless given frame counts; FP16 on CUDA as CUDA graph
-replays, float32 wall clock on CPU): cuDNN in both layouts against the codec's GEMM paths and two
-candidates (CONV_LEGEND), with the kernels cuDNN runs for the wide and transposed convs, and per
-frame count the sum over the decoder's convs for each layout with shifted_gemm off, on for every
-wide conv, and "per-conv choice" (each wide conv cuDNN or GEMM by Codec.prepare's rule,
-decoder.choose_conv_method, applied to the table's two numbers: what prepare should pick).
+replays, float32 wall clock on CPU): cuDNN in both layouts against the codec's GEMM paths, its
+Triton implicit-GEMM kernel (wide convs, default layout, CUDA with Triton) and two candidates
+(CONV_LEGEND), with the kernels cuDNN runs for the wide and transposed convs, and per frame count
+the sum over the decoder's convs for each layout with shifted_gemm off, on for every wide conv,
+Triton for every wide conv, and "per-conv choice" (each wide conv by Codec.prepare's rule,
+decoder.choose_conv_method, applied to the table's numbers: what prepare should pick).
 
 Before/after switches (issue #3, 10 s in <= 15 ms FP16): `--long-lengths` alone drops the
 batch-1 long graphs (a long chunk runs as 8-frame replays, as before); `--options narrow_conv=0
@@ -45,7 +46,8 @@ as DRAMA_CODEC_LONG_LENGTHS=none and DRAMA_CODEC_OPTIONS=narrow_conv=0,pointwise
 `--options shifted_gemm=0` is the wide convs on cuDNN as before the shifted GEMM (and in F16
 torch's default layout, which follows shifted_gemm unless channels_last is given);
 `--conv-methods gemm --options channels_last=0` is the decoder before the per-conv choice
-(shifted GEMM everywhere, default layout).
+(shifted GEMM everywhere, default layout); `--conv-methods triton` every wide conv on the Triton
+kernel (conv_triton.implicit_conv1d; F16 stays in the default layout, the kernel's).
 
 Measured on one H200 (torch 2.11, 2026-11-29, `--ablate --profile`, cut off at 78 s before the
 ablation rows), with channels_last still on in FP16 (median ms):
@@ -90,8 +92,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, as_channels_last,  # noqa: E402
-                                 conv_taps, shifted_gemm_conv1d, stacked_taps, taps_conv1d)
+from services.codec import conv_triton  # noqa: E402
+from services.codec.conv import (CONV_METHODS, CausalConv1d, CausalConvTranspose1d,  # noqa: E402
+                                 as_channels_last, conv_taps, shifted_gemm_conv1d, stacked_taps,
+                                 taps_conv1d)
 from services.codec.decoder import choose_conv_method  # noqa: E402
 from services.codec.graphs import LONG_LENGTHS, STREAM_LENGTHS, GraphedDecoder, split_length  # noqa: E402
 from services.codec.model import Codec, decode_options_from_env  # noqa: E402
@@ -120,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--options", nargs="*", default=[], metavar="NAME=0|1",
                         help="decode fast-path switches for every fast prepare, e.g. narrow_conv=0 "
                         "channels_last=1 (sets DRAMA_CODEC_OPTIONS; Codec.FAST_OPTIONS has the names)")
-    parser.add_argument("--conv-methods", choices=["gemm", "cudnn"],
+    parser.add_argument("--conv-methods", choices=list(CONV_METHODS),
                         help="every wide decoder conv one way instead of the per-conv choice that "
                         "Codec.prepare measures (Codec.prepare's conv_methods)")
     parser.add_argument("--conv-table", type=int, nargs="*", metavar="FRAMES",
@@ -279,7 +283,8 @@ def server_chunk(pool: GraphedDecoder, codes: torch.Tensor) -> list[bytes]:
         pool.release(slot)
 
 
-# --ablate's layout rows: label -> Codec.prepare options (FP16; the other fast paths as default).
+# --ablate's layout rows: label -> Codec.prepare options (FP16; the other fast paths as default;
+# the Triton row only where Triton runs).
 LAYOUT_ROWS = {
     "channels_last=1, per-conv choice": dict(channels_last=True, shifted_gemm=True),   # the default
     "channels_last=0, per-conv choice": dict(channels_last=False, shifted_gemm=True),
@@ -287,18 +292,23 @@ LAYOUT_ROWS = {
     "channels_last=0, GEMM everywhere": dict(channels_last=False, shifted_gemm=True,
                                              conv_methods="gemm"),                        # before
     "channels_last=0, shifted_gemm=0": dict(channels_last=False, shifted_gemm=False),
+    "channels_last=0, Triton everywhere": dict(channels_last=False, shifted_gemm=True,
+                                               conv_methods="triton"),
 }
 
 
 def print_conv_methods(codec: Codec, label: str) -> None:
-    """One line: which wide decoder convs run the GEMM path (with prepare's ms where it measured)."""
+    """One line: how many wide decoder convs run each method, and which left cuDNN for which
+    (with prepare's ms where it measured: cuDNN's -> the taken method's)."""
     timings = codec.conv_timings
-    gemm = [name.removeprefix("model.") + (f" ({timings[name]['cudnn_ms']:.3f} -> "
-                                           f"{timings[name]['gemm_ms']:.3f} ms)" if name in timings else "")
-            for name, method in codec.conv_methods.items() if method == "gemm"]
+    off = [name.removeprefix("model.") + f" {method}"
+           + (f" ({timings[name]['cudnn_ms']:.3f} -> {timings[name][method + '_ms']:.3f} ms)"
+              if name in timings else "")
+           for name, method in codec.conv_methods.items() if method != "cudnn"]
+    methods = list(codec.conv_methods.values())
+    counts = ", ".join(f"{method} {methods.count(method)}" for method in CONV_METHODS)
     layout = "channels_last" if codec.decoder.channels_last else "default layout"
-    print(f"{label}: {layout}, wide convs on the GEMM path {len(gemm)}/{len(codec.conv_methods)}"
-          f"{': ' + ', '.join(gemm) if gemm else ''}", flush=True)
+    print(f"{label}: {layout}, wide convs {counts}{': ' + ', '.join(off) if off else ''}", flush=True)
 
 
 def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
@@ -327,6 +337,8 @@ def bench_ablations(codec: Codec, args, device: torch.device, add) -> None:
     defaults = dict(codec.decode_options)
     measure("reference ops", fast=False)
     for label, options in LAYOUT_ROWS.items():
+        if options.get("conv_methods") == "triton" and not conv_triton.available():
+            continue
         measure(label, **options)
     for name, on in defaults.items():
         if name not in ("channels_last", "shifted_gemm"):        # LAYOUT_ROWS has those
@@ -418,13 +430,15 @@ def profile_eager(codec: Codec, device: torch.device, args) -> None:
 # --conv-table: every distinct decoder conv shape alone, cuDNN against the GEMM paths
 # --------------------------------------------------------------------------------------------
 
-CONV_COLUMNS = ("cudnn", "cudnn_cl", "gemm", "gemm_u", "gemm_cl", "acc_cl", "im2col_cl")
+CONV_COLUMNS = ("cudnn", "cudnn_cl", "gemm", "gemm_u", "triton", "gemm_cl", "acc_cl", "im2col_cl")
 CONV_LEGEND = """columns: ms per call, batch 1, no bias; '-' where a column does not apply
   cudnn      F.conv1d / F.conv_transpose1d on the [1, C, W] window, as the default (F16) layout calls cuDNN
   cudnn_cl   F.conv2d / F.conv_transpose2d on the 4-D channels_last window, as the channels_last decoder
   gemm       the codec's GEMM path in the default layout: shifted_gemm (wide convs; tail rounded up to
              8), pointwise_gemm (1x1; here without its skip add), narrow_conv (the last conv)
   gemm_u     shifted_gemm with the tail left at (k-1)d: the GEMM's leading dimension unaligned
+  triton     the codec's Triton implicit-GEMM kernel (wide convs, default layout; tail (k-1)d),
+             autotuned on its first call per shape (CUDA with Triton only)
   gemm_cl    the same GEMM paths on channels_last windows
   acc_cl     candidate, not in the codec: k GEMMs on shifted row views accumulating into one output
   im2col_cl  candidate, not in the codec: an im2col copy [L, k·C_in] and one GEMM
@@ -518,6 +532,10 @@ def conv_variants(shape: dict, dtype: torch.dtype, device: torch.device, seed: i
         window8 = F.pad(x, (aligned, 0))
         weight_t = weight.permute(2, 1, 0).contiguous()                 # [k, C_in, C_out]
         weight_stack = weight_t.reshape(kernel * c_in, c_out)
+        if device.type == "cuda" and conv_triton.available():
+            packed = conv_triton.pack_weight(weight)
+            variants["triton"] = lambda: conv_triton.implicit_conv1d(window, packed, None, c_out,
+                                                                     kernel, dilation)
         variants.update(
             gemm=lambda: shifted_gemm_conv1d(window8, taps, None, c_out, kernel, dilation,
                                              start=aligned - span),
@@ -593,11 +611,12 @@ def cuda_kernels(fn, top: int = 3, width: int = 70) -> str:
     return " | ".join(f"{name[:width]} {us / 1000:.3f}" for name, us in kernels[:top]) or "(none)"
 
 
-# Per-conv choice sums: config -> (cuDNN column, GEMM column, the config the other kinds follow);
-# each wide conv takes the column Codec.prepare's rule (choose_conv_method) picks.
+# Per-conv choice sums: config -> (cuDNN column, GEMM column, Triton column or None, the config
+# the other kinds follow); each wide conv takes the column Codec.prepare's rule
+# (choose_conv_method) picks, with the Triton column where the table has it.
 PER_CONV_CHOICE = {
-    "default layout, per-conv choice": ("cudnn", "gemm", "default layout, shifted_gemm=1"),
-    "channels_last=1, per-conv choice": ("cudnn_cl", "gemm_cl", "channels_last=1, shifted_gemm=1"),
+    "default layout, per-conv choice": ("cudnn", "gemm", "triton", "default layout, shifted_gemm=1"),
+    "channels_last=1, per-conv choice": ("cudnn_cl", "gemm_cl", None, "channels_last=1, shifted_gemm=1"),
 }
 
 # What each decode configuration runs per kind of conv (CONV_COLUMNS).
@@ -606,6 +625,8 @@ CONV_CONFIGS = {
                                        "transposed": "cudnn"},
     "default layout, shifted_gemm=1": {"wide": "gemm", "pointwise": "gemm", "narrow": "gemm",
                                        "transposed": "cudnn"},
+    "default layout, triton": {"wide": "triton", "pointwise": "gemm", "narrow": "gemm",
+                               "transposed": "cudnn"},           # only where the table has Triton
     "channels_last=1, shifted_gemm=0": {"wide": "cudnn_cl", "pointwise": "gemm_cl", "narrow": "gemm_cl",
                                         "transposed": "cudnn_cl"},
     "channels_last=1, shifted_gemm=1": {"wide": "gemm_cl", "pointwise": "gemm_cl", "narrow": "gemm_cl",
@@ -616,7 +637,8 @@ CONV_CONFIGS = {
 def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
     """Time every distinct decoder conv shape at each --conv-table frame count (CONV_LEGEND): one
     row per shape (on CUDA, for the wide and transposed convs, the kernels cuDNN runs), then per
-    frame count the sum over the decoder's convs for each decode configuration (CONV_CONFIGS)."""
+    frame count the sum over the decoder's convs for each decode configuration (CONV_CONFIGS;
+    the Triton one only where Triton runs)."""
     frames_list = args.conv_table or sorted({215} | set(split_length(
         215, tuple(sorted(set(args.long_lengths) | set(STREAM_LENGTHS))))), reverse=True)
     dtype = DTYPES[args.dtype[0]] if device.type == "cuda" else torch.float32
@@ -626,9 +648,12 @@ def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
     print(f"{'frames':>6} {'conv':<24} {'kind':<10} {'C_in':>5} {'C_out':>5} {'k':>2} {'d':>2} {'s':>2} "
           f"{'L_out':>7} {'GFLOP':>6} " + " ".join(f"{c:>9}" for c in CONV_COLUMNS) + f" {'err':>8}",
           flush=True)
+    with_triton = device.type == "cuda" and conv_triton.available()
+    configs = {config: columns for config, columns in CONV_CONFIGS.items()
+               if with_triton or "triton" not in columns.values()}
     rows = []
     for frames in frames_list:
-        totals = dict.fromkeys([*CONV_CONFIGS, *PER_CONV_CHOICE], 0.0)
+        totals = dict.fromkeys([*configs, *PER_CONV_CHOICE], 0.0)
         for shape in decoder_conv_shapes(codec, frames):
             if shape["kind"] == "other":
                 continue
@@ -649,11 +674,12 @@ def conv_table(codec: Codec, args, device: torch.device) -> list[dict]:
                 for column in ("cudnn", "cudnn_cl"):
                     row[f"kernels_{column}"] = cuda_kernels(variants[column])
                     print(f"{'':>8}{column} kernels: {row[f'kernels_{column}']}", flush=True)
-            for config, choice in CONV_CONFIGS.items():
+            for config, choice in configs.items():
                 totals[config] += times[choice[shape["kind"]]]
-            for config, (cudnn, gemm, others) in PER_CONV_CHOICE.items():
+            for config, (cudnn, gemm, triton, others) in PER_CONV_CHOICE.items():
                 if shape["kind"] == "wide":
-                    column = cudnn if choose_conv_method(times[cudnn], times[gemm]) == "cudnn" else gemm
+                    column = {"cudnn": cudnn, "gemm": gemm, "triton": triton}[choose_conv_method(
+                        times[cudnn], times[gemm], triton_ms=times.get(triton))]
                     row.setdefault("choice", {})[config] = column
                 else:
                     column = CONV_CONFIGS[others][shape["kind"]]

@@ -405,8 +405,9 @@ def test_mixed_methods_stream_like_offline(reference, tiny_checkpoint, channels_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
-    """On CUDA a fast prepare times every wide conv (both methods, positive ms), takes the
-    rule's method for each and decodes in channels_last in float32, in the default layout in F16
+    """On CUDA a fast prepare times every wide conv (both methods, and the Triton kernel in the
+    default layout where Triton is installed; positive ms), takes the rule's method for each and
+    decodes in channels_last in float32, in the default layout in F16
     (model.py: cuDNN's F16 NHWC kernels). (The numbers: the F16 shifted-GEMM test
     below and test_codec_model's CUDA stream-vs-offline test, which runs this configuration; the
     tiny decoder as it is is too chaotic to compare against the reference ops here.)"""
@@ -414,7 +415,8 @@ def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
     assert set(codec.conv_timings) == set(codec.decoder.wide_convs())
     for name, timing in codec.conv_timings.items():
         assert timing["cudnn_ms"] > 0 and timing["gemm_ms"] > 0
-        assert codec.conv_methods[name] == choose_conv_method(timing["cudnn_ms"], timing["gemm_ms"])
+        assert codec.conv_methods[name] == choose_conv_method(timing["cudnn_ms"], timing["gemm_ms"],
+                                                              triton_ms=timing.get("triton_ms"))
     assert codec.decoder.channels_last == (dtype == torch.float32)
     audio = codec.decode(random_codes(codec, 6, seed=35))
     assert audio.shape == (1, 6 * codec.frame_samples) and bool(audio.isfinite().all())

@@ -12,8 +12,11 @@ The decoder's last conv (w_4 -> 1 channel) has no good cuDNN kernel in either la
 `set_narrow` it runs as one GEMM and a shifted sum instead (`taps_conv1d`). With
 `set_shifted_gemm` (or `set_method("gemm")`, per conv) the wide stride-1 convs (the first conv
 and the residual units' k 7 convs) run the same way (`shifted_gemm_conv1d`): in F16 cuDNN runs a
-few dilated shapes on a generic kernel 10-1000x slower than its tensor-core ones (the choice is
-measured per conv at Codec.prepare: Decoder.choose_conv_methods).
+few dilated shapes on a generic kernel 10-1000x slower than its tensor-core ones. With
+`set_method("triton")` (default layout only) a wide conv runs as one implicit-GEMM Triton kernel
+(conv_triton.implicit_conv1d): channels-first in and out, so none of cuDNN's NCHW <-> NHWC
+transposes and none of the shifted GEMM's partial sums. The method is measured per conv at
+Codec.prepare: Decoder.choose_conv_methods.
 
 Streaming identity: a stride-1 causal conv with effective kernel k_e sees inputs n-k_e+1 … n.
 Offline, the first k_e-1 of those are zeros (left padding); in a stream they are the previous
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from services.codec import conv_triton
 from services.codec.state import StreamState
 
 
@@ -181,8 +185,9 @@ def causal_conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None, stri
 # conv (1 x 7) is the one that needs it; every other decoder conv has hundreds of output channels.
 NARROW_MAX_TAPS = 16
 
-# How a wide conv may run (CausalConv1d.set_method): cuDNN, or one GEMM and a shifted sum.
-CONV_METHODS = ("cudnn", "gemm")
+# How a wide conv may run (CausalConv1d.set_method): cuDNN, one GEMM and a shifted sum, or the
+# implicit-GEMM Triton kernel (default layout, where Triton runs).
+CONV_METHODS = ("cudnn", "gemm", "triton")
 
 
 class Streaming(nn.Module):
@@ -256,6 +261,7 @@ class CausalConv1d(Streaming):
         self.weight_4d: Tensor | None = None     # channels_last [C_out, C_in, 1, k] (set_channels_last)
         self.taps: Tensor | None = None          # [C_out·k, C_in] for taps_conv1d (set_narrow)
         self.gemm_taps: Tensor | None = None     # [k·C_out, C_in] for shifted_gemm_conv1d (set_shifted_gemm)
+        self.triton_weight: Tensor | None = None  # [k, C_out, C_in] for conv_triton (set_method)
 
     @property
     def tail_length(self) -> int:
@@ -263,12 +269,17 @@ class CausalConv1d(Streaming):
         shifted GEMM in the default layout, whose GEMM reads the window [tail | t inputs] with
         the window's length as leading dimension: cuBLAS's fast F16 kernels want it 16-byte
         aligned (t is a multiple of 8 in every decoder block). The extra inputs are skipped
-        (`start`). channels_last windows are rows of C_in channels, aligned whatever the tail."""
+        (`start`). channels_last windows are rows of C_in channels, aligned whatever the tail.
+        The Triton kernel reads at any offset: its tail is the causal span."""
         if self.gemm_taps is not None and self.weight_4d is None:
             return -(-self.causal_span // 8) * 8
         return self.causal_span
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.triton_weight is not None:
+            return conv_triton.implicit_conv1d(F.pad(x, (self.causal_span, 0)), self.triton_weight,
+                                               self.conv.bias, self.conv.out_channels,
+                                               self.conv.kernel_size[0], self.dilation)
         if self.gemm_taps is not None:
             window = F.pad(x, (self.tail_length, 0))
             return shifted_gemm_conv1d(window, self.gemm_taps, self.conv.bias, self.conv.out_channels,
@@ -278,7 +289,10 @@ class CausalConv1d(Streaming):
                              self.groups)
 
     def set_channels_last(self, on: bool) -> None:
+        """Switch layout; channels_last drops the Triton method (default layout only) for cuDNN."""
         self.weight_4d = as_channels_last(self.conv.weight.unsqueeze(2)) if on else None
+        if on:
+            self.triton_weight = None
 
     @property
     def narrow(self) -> bool:
@@ -301,23 +315,41 @@ class CausalConv1d(Streaming):
     def set_shifted_gemm(self, on: bool) -> None:
         """Steps (and forward) through shifted_gemm_conv1d (only where `wide`; otherwise a
         no-op). In the default layout this lengthens the stream tail (`tail_length`): states made
-        before the switch no longer fit."""
+        before the switch no longer fit. Either way the Triton method is off."""
         self.gemm_taps = stacked_taps(self.conv.weight) if on and self.wide else None
+        self.triton_weight = None
 
     @property
     def method(self) -> str:
-        """How a wide conv runs: "gemm" (shifted_gemm_conv1d) or "cudnn" (F.conv1d / F.conv2d)."""
+        """How a wide conv runs: "triton" (conv_triton.implicit_conv1d), "gemm"
+        (shifted_gemm_conv1d) or "cudnn" (F.conv1d / F.conv2d)."""
+        if self.triton_weight is not None:
+            return "triton"
         return "gemm" if self.gemm_taps is not None else "cudnn"
 
     def set_method(self, method: str) -> None:
-        """set_shifted_gemm by name, for a wide conv only (Decoder.set_conv_methods: the choice
-        is per conv, measured at Codec.prepare on CUDA)."""
+        """One of CONV_METHODS, for a wide conv only (Decoder.set_conv_methods: the choice is per
+        conv, measured at Codec.prepare on CUDA). "triton" packs the weight as it is now (set the
+        method after any dtype or device move) and is refused, leaving the method as it was, in
+        channels_last (ValueError: the kernel is channels-first) and where Triton cannot run on
+        the weight's device (RuntimeError: no Triton, or the CPU without TRITON_INTERPRET=1), so
+        a conv never holds a method that fails at its first step."""
         if method not in CONV_METHODS:
             raise ValueError(f"conv method {method!r}: expected one of {CONV_METHODS}")
         if not self.wide:
             raise ValueError(f"only a wide conv has a choice of method (C_out {self.conv.out_channels}, "
                              f"k {self.conv.kernel_size[0]}, stride {self.stride}, groups {self.groups})")
-        self.set_shifted_gemm(method == "gemm")
+        if method != "triton":
+            self.set_shifted_gemm(method == "gemm")
+            return
+        if self.weight_4d is not None:
+            raise ValueError("the triton conv method runs in the default layout only, not channels_last")
+        device = self.conv.weight.device
+        if not conv_triton.can_run(device):
+            raise RuntimeError(f"the triton conv method cannot run on {device}: it needs Triton "
+                               f"and CUDA (or Triton's interpreter, TRITON_INTERPRET=1, on the CPU)")
+        self.gemm_taps = None
+        self.triton_weight = conv_triton.pack_weight(self.conv.weight)
 
     def initial_state(self, batch: int, device, dtype) -> Tensor:
         if self.weight_4d is not None:
@@ -349,8 +381,8 @@ class CausalConv1d(Streaming):
 
     def convolve_window(self, window: Tensor, bias_tensor: Tensor | None) -> Tensor:
         """The conv of a step's window [stream tail | t inputs] -> its t outputs, by whichever
-        path is set (narrow taps, shifted GEMM, cuDNN); no state (Decoder.choose_conv_methods
-        times this)."""
+        path is set (narrow taps, Triton, shifted GEMM, cuDNN); no state
+        (Decoder.choose_conv_methods times this)."""
         if self.weight_4d is not None:
             # as_channels_last: a no-op unless an op upstream (a gather) handed over another layout
             window = as_channels_last(window)
@@ -366,6 +398,11 @@ class CausalConv1d(Streaming):
         if self.taps is not None:
             return taps_conv1d(window, self.taps, bias_tensor, self.conv.out_channels,
                                self.conv.kernel_size[0], self.dilation)
+        if self.triton_weight is not None:
+            # the window is exactly what the conv reads (tail_length is the causal span)
+            return conv_triton.implicit_conv1d(window, self.triton_weight, bias_tensor,
+                                               self.conv.out_channels, self.conv.kernel_size[0],
+                                               self.dilation)
         if self.gemm_taps is not None:
             return shifted_gemm_conv1d(window, self.gemm_taps, bias_tensor, self.conv.out_channels,
                                        self.conv.kernel_size[0], self.dilation,

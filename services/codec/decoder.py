@@ -9,38 +9,47 @@ GPU paths (set by Codec.prepare): `set_channels_last(True)` gives every conv a 4
 weight, and `step` moves the latents to [B, C, 1, L] channels_last on entry and the audio back to
 [B, 1, L] at the end; `set_narrow` runs the last conv as one GEMM (conv.taps_conv1d);
 `set_conv_methods` runs each wide conv (the first conv and the residual units' k 7 convs) on
-cuDNN or as one GEMM and a shifted sum (conv.shifted_gemm_conv1d), as `choose_conv_methods`
-measured (`set_shifted_gemm`: all of them one way); `set_fused_windows` lets each Snake write the
+cuDNN, as one GEMM and a shifted sum (conv.shifted_gemm_conv1d) or, in the default layout, as one
+implicit-GEMM Triton kernel (conv_triton.implicit_conv1d), as `choose_conv_methods` measured
+(`set_shifted_gemm`: all of them cuDNN or GEMM); `set_fused_windows` lets each Snake write the
 next causal conv's input window (snake_triton.fused_snake_window).
 
 Why a per-conv choice: on the H200 in F16 (bench/codec.py --conv-table, 10 s) cuDNN is the
 fastest for most wide conv shapes, in channels_last most of all, but runs a few dilated ones on a
 generic kernel: 2 ms (default layout) or 118-232 ms (channels_last) per call for what the GEMM
-path does in 0.12-0.33 ms. Which shapes depends on the cuDNN version and the GPU, so it is
-measured, once per shape, instead of listed.
+path does in 0.12-0.33 ms; and in the default F16 layout cuDNN transposes NCHW <-> NHWC around
+every conv (~13% of the graphed 10 s decode), which the Triton kernel does not. Which shapes go
+which way depends on the cuDNN version, Triton and the GPU, so it is measured, once per shape,
+instead of listed.
 
 Only the streaming `step` is provided: offline decode is the stream over all frames (§7.5).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from services.codec import conv_triton
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
                                  as_channels_last)
 from services.codec.state import StreamState
 
+log = logging.getLogger(__name__)
+
 DILATIONS = (1, 3, 9)
 
-# choose_conv_methods: the GEMM path must beat cuDNN by this fraction to be taken (a shape where
-# the two are close stays on cuDNN: one kernel, no P buffer, and timing noise cannot flip it) ...
+# choose_conv_methods: another method (the GEMM path, the Triton kernel) must beat cuDNN by this
+# fraction to be taken (a shape where they are close stays on cuDNN: the library kernel, no P
+# buffer, and timing noise cannot flip it) ...
 GEMM_MARGIN = 0.10
 # ... and cuDNN's timing stops after its first timed call once that call is this many times the
-# GEMM path's (its slow kernels take 0.1-0.25 s a call: a median of three would add seconds).
+# fastest other method's (its slow kernels take 0.1-0.25 s a call: a median of three would add
+# seconds).
 CUDNN_GIVE_UP = 3.0
 
 # time_conv(conv, method, length, give_up_ms) -> ms per call of `conv` by `method` on a window of
@@ -48,9 +57,14 @@ CUDNN_GIVE_UP = 3.0
 ConvTimer = Callable[[CausalConv1d, str, int, "float | None"], float]
 
 
-def choose_conv_method(cudnn_ms: float, gemm_ms: float, margin: float = GEMM_MARGIN) -> str:
-    """cuDNN unless the GEMM path is faster by more than `margin` (a fraction of cuDNN's time)."""
-    return "gemm" if gemm_ms < (1.0 - margin) * cudnn_ms else "cudnn"
+def choose_conv_method(cudnn_ms: float, gemm_ms: float, margin: float = GEMM_MARGIN,
+                       triton_ms: float | None = None) -> str:
+    """cuDNN unless the fastest other method (the GEMM path, and the Triton kernel where it was
+    timed) is faster by more than `margin` (a fraction of cuDNN's time); between the GEMM path
+    and the Triton kernel the faster one (the GEMM on a tie: no autotuned kernel to trust)."""
+    others = {"gemm": gemm_ms} if triton_ms is None else {"gemm": gemm_ms, "triton": triton_ms}
+    best = min(others, key=others.get)
+    return best if others[best] < (1.0 - margin) * cudnn_ms else "cudnn"
 
 
 def cuda_conv_ms(conv: CausalConv1d, method: str, length: int, give_up_ms: float | None = None,
@@ -180,38 +194,75 @@ class Decoder(nn.Module):
         return convs
 
     def conv_methods(self) -> dict[str, str]:
-        """name -> "cudnn" or "gemm" for every wide conv."""
+        """name -> "cudnn", "gemm" or "triton" for every wide conv."""
         return {name: conv.method for name, (conv, _) in self.wide_convs().items()}
 
     def set_conv_methods(self, methods: dict[str, str]) -> None:
         """Each wide conv by its own method (names as `wide_convs`; a conv not named: cuDNN).
-        A name that is not a wide conv is a ValueError."""
+        A name that is not a wide conv is a ValueError; a method a conv refuses
+        (CausalConv1d.set_method) raises with every conv back on the methods it had."""
         convs = self.wide_convs()
         unknown = set(methods) - set(convs)
         if unknown:
             raise ValueError(f"not wide decoder convs: {sorted(unknown)} (wide: {list(convs)})")
-        for name, (conv, _) in convs.items():
-            conv.set_method(methods.get(name, "cudnn"))
+        previous = self.conv_methods()
+        try:
+            for name, (conv, _) in convs.items():
+                conv.set_method(methods.get(name, "cudnn"))
+        except (ValueError, RuntimeError):
+            for name, (conv, _) in convs.items():
+                conv.set_method(previous[name])
+            raise
 
     def choose_conv_methods(self, time_conv: ConvTimer, latent_length: int,
-                            margin: float = GEMM_MARGIN) -> dict[str, dict]:
+                            margin: float = GEMM_MARGIN, triton: bool | None = None) -> dict[str, dict]:
         """Time each distinct wide conv shape (C_in, C_out, k, dilation, step length, layout)
-        once at the step lengths of `latent_length` latents, the GEMM path first, then cuDNN
-        (allowed to give up past CUDNN_GIVE_UP x the GEMM's time), and pick per
-        choose_conv_method. Sets nothing; returns name -> {"method", "cudnn_ms", "gemm_ms",
-        "length"} for every wide conv (Decoder.set_conv_methods takes the methods)."""
+        once at the step lengths of `latent_length` latents: the GEMM path first, then the
+        Triton kernel (where `triton`, default conv_triton.available(): Triton and CUDA; and only
+        in the default layout), then cuDNN (allowed to give up past CUDNN_GIVE_UP x the fastest
+        other's time), and pick per choose_conv_method. Sets nothing; returns name -> {"method",
+        "cudnn_ms", "gemm_ms", "length"}, plus "triton_ms" where timed (or "triton_error" where
+        the kernel raised: logged, left out of the choice), for every wide conv
+        (Decoder.set_conv_methods takes the methods). Timing the Triton kernel first at these
+        lengths is also where it autotunes (conv_triton: once per shape, never per length)."""
+        if triton is None:
+            triton = conv_triton.available()
         measured: dict[tuple, dict] = {}
         choices: dict[str, dict] = {}
         for name, (conv, length) in self.wide_convs(latent_length).items():
             key = (conv.conv.in_channels, conv.conv.out_channels, conv.conv.kernel_size[0],
                    conv.dilation, length, conv.weight_4d is not None)
             if key not in measured:
-                gemm_ms = time_conv(conv, "gemm", length, None)
-                cudnn_ms = time_conv(conv, "cudnn", length, CUDNN_GIVE_UP * gemm_ms)
-                measured[key] = {"method": choose_conv_method(cudnn_ms, gemm_ms, margin),
-                                 "cudnn_ms": cudnn_ms, "gemm_ms": gemm_ms, "length": length}
+                timing = {"gemm_ms": time_conv(conv, "gemm", length, None)}
+                if triton and conv.weight_4d is None:
+                    try:
+                        timing["triton_ms"] = time_conv(conv, "triton", length, None)
+                    except Exception as error:  # noqa: BLE001 - an optional kernel; see below
+                        # A Triton that cannot compile or tune this shape must not stop the
+                        # codec from starting: the shape stays on cuDNN or the GEMM path, and
+                        # the error is logged (and kept: the CUDA tests check triton_ms).
+                        log.warning("codec: Triton conv kernel failed for %s (C_in %d, C_out %d, "
+                                    "dilation %d): %s", name, conv.conv.in_channels,
+                                    conv.conv.out_channels, conv.dilation, error)
+                        timing["triton_error"] = f"{type(error).__name__}: {error}"
+                fastest = min(ms for field, ms in timing.items() if field.endswith("_ms"))
+                cudnn_ms = time_conv(conv, "cudnn", length, CUDNN_GIVE_UP * fastest)
+                method = choose_conv_method(cudnn_ms, timing["gemm_ms"], margin, timing.get("triton_ms"))
+                measured[key] = {"method": method, "cudnn_ms": cudnn_ms, **timing, "length": length}
             choices[name] = dict(measured[key])
         return choices
+
+    def tune_triton(self, latent_length: int) -> None:
+        """One eager call of each wide conv on the Triton method at its step length for
+        `latent_length` latents (batch 1, random window): the kernel autotunes on the first call
+        of each shape (conv_triton), which should be at the lengths that matter, not a 1-frame
+        warm-up, and never inside a CUDA graph capture. After a measured choice it is a cache hit."""
+        for conv, length in self.wide_convs(latent_length).values():
+            if conv.method == "triton":
+                weight = conv.conv.weight
+                window = torch.randn(1, conv.conv.in_channels, conv.tail_length + length,
+                                     device=weight.device, dtype=weight.dtype)
+                conv.convolve_window(window, None)
 
     def set_fused_windows(self, on: bool) -> None:
         """Each Snake that feeds a causal conv writes that conv's input window itself, and a

@@ -81,7 +81,7 @@ class Codec(nn.Module):
         # CPU float32 is the bit-exact reference path; see the module docstring.
         self.frame_serial = True
         self.decode_options: dict[str, bool] = {}
-        self.conv_methods: dict[str, str] = {}       # wide decoder conv -> "cudnn" | "gemm" (prepare)
+        self.conv_methods: dict[str, str] = {}       # wide decoder conv -> CONV_METHODS (prepare)
         self.conv_timings: dict[str, dict] = {}      # what prepare measured for them (CUDA)
         self.load_report: LoadReport | None = None
 
@@ -135,19 +135,23 @@ class Codec(nn.Module):
         conv.pointwise_residual_) and fused_windows (each Snake before a causal conv writes the
         conv's [tail | input] window and adds the previous conv's bias: one kernel with
         fused_snake, the same numbers through torch.cat without; Decoder.set_fused_windows) and
-        shifted_gemm (the decoder's first conv and residual k 7 convs may run as one GEMM and a
-        shifted sum each, off cuDNN: conv.shifted_gemm_conv1d; see conv_methods).
+        shifted_gemm (the decoder's first conv and residual k 7 convs may run off cuDNN: as one
+        GEMM and a shifted sum each, conv.shifted_gemm_conv1d, or in the default layout as one
+        Triton kernel each, conv_triton.implicit_conv1d; see conv_methods).
         `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
         DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
         how a server or a benchmark is switched without code changes (fast=False, the reference
         ops, ignores it). Streams made before a prepare do not fit after it.
 
-        The wide convs' methods (`self.conv_methods`, name -> "cudnn" | "gemm"): shifted_gemm off
-        means cuDNN for all of them. On, conv_methods says: None (default) the GEMM path where it
-        measures faster: on CUDA each distinct shape is timed once (Decoder.choose_conv_methods at
-        the step lengths of a MEASURE_FRAMES-frame piece, about a second; logged, and kept in
-        `self.conv_timings`), elsewhere (CPU: no measurement, deterministic CI) the GEMM path for all;
-        "gemm" or "cudnn" all one way; a dict per conv name (those not named: cuDNN).
+        The wide convs' methods (`self.conv_methods`, name -> "cudnn" | "gemm" | "triton"):
+        shifted_gemm off means cuDNN for all of them. On, conv_methods says: None (default) the
+        GEMM path or the Triton kernel where one measures faster: on CUDA each distinct shape is
+        timed once (Decoder.choose_conv_methods at the step lengths of a MEASURE_FRAMES-frame
+        piece; the Triton kernel only with Triton installed and in the default layout, and its
+        first timing autotunes it: seconds per shape; logged, and kept in `self.conv_timings`),
+        elsewhere (CPU: no measurement, deterministic CI) the GEMM path for all; "gemm", "cudnn"
+        or "triton" all one way; a dict per conv name (those not named: cuDNN). "triton" is
+        refused where it cannot run (CausalConv1d.set_method: channels_last, or no Triton/CUDA).
 
         Layout: channels_last is on in a fast prepare, except in F16/BF16 unless asked for: cuDNN's
         F16 NHWC kernels for some dilated convs are catastrophic (H200: 118-232 ms per call at
@@ -211,6 +215,7 @@ class Codec(nn.Module):
         the timings are the layout's."""
         decoder = self.decoder
         names = decoder.wide_convs()
+        measure_latents = MEASURE_FRAMES * self.frame_samples // math.prod(self.cfg.decoder_rates)
         self.conv_timings = {}
         if isinstance(conv_methods, str):
             if conv_methods not in CONV_METHODS:
@@ -218,24 +223,30 @@ class Codec(nn.Module):
                                  f"a dict per conv, or None (measure)")
             conv_methods = dict.fromkeys(names, conv_methods)
         if not shifted_gemm:
-            if conv_methods is not None and "gemm" in conv_methods.values():
-                raise ValueError("conv_methods asks for the GEMM path with shifted_gemm off")
+            off_cudnn = set() if conv_methods is None else set(conv_methods.values()) - {"cudnn"}
+            if off_cudnn:
+                raise ValueError(f"conv_methods asks for {sorted(off_cudnn)} with shifted_gemm off "
+                                 f"(which keeps every wide conv on cuDNN)")
             conv_methods = {}
         elif conv_methods is None and not measure:
             conv_methods = dict.fromkeys(names, "gemm")
         elif conv_methods is None:
             with torch.no_grad():
-                self.conv_timings = decoder.choose_conv_methods(
-                    cuda_conv_ms, MEASURE_FRAMES * self.frame_samples // math.prod(self.cfg.decoder_rates))
+                self.conv_timings = decoder.choose_conv_methods(cuda_conv_ms, measure_latents)
             torch.cuda.empty_cache()          # the timing graphs' blocks (P: ~0.35 GB at 128 frames)
             conv_methods = {name: t["method"] for name, t in self.conv_timings.items()}
             log.info("codec: wide decoder convs (%s, %s), ms per call at %d frames: %s",
                      str(self.decode_dtype).removeprefix("torch."),
                      "channels_last" if decoder.channels_last else "default layout", MEASURE_FRAMES,
                      "; ".join(f"{name.removeprefix('model.')} {t['method']} (cudnn {t['cudnn_ms']:.3f}, "
-                               f"gemm {t['gemm_ms']:.3f})" for name, t in self.conv_timings.items()))
+                               f"gemm {t['gemm_ms']:.3f}"
+                               + (f", triton {t['triton_ms']:.3f}" if "triton_ms" in t else "") + ")"
+                               for name, t in self.conv_timings.items()))
         decoder.set_conv_methods(conv_methods)
         self.conv_methods = decoder.conv_methods()
+        if measure and "triton" in self.conv_methods.values():
+            with torch.no_grad():
+                decoder.tune_triton(measure_latents)   # autotune at a long piece, not a warm-up's
 
     # -- decode ---------------------------------------------------------------------------------
 
