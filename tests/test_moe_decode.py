@@ -60,7 +60,9 @@ def test_matches_naive(h, i, e, k, t):
     x, ids, w = routes(t, e, k)
     x = torch.randn(t, h).to(torch.bfloat16).to(DEVICE)
     ref = fp8_moe.naive_moe_fp8(x, ids, w, *weights)
-    for config in (moe_decode.DECODE_CONFIG, dict(moe_decode.DECODE_CONFIG, SPLIT=1, BN_GU=128, BN_DOWN=32)):
+    for config in (moe_decode.DECODE_CONFIG, dict(moe_decode.DECODE_CONFIG, SPLIT=1, BN_GU=128, BN_DOWN=32),
+                   dict(moe_decode.DECODE_CONFIG, FP8_DOT=False), moe_decode.SMALL_PIECE_CONFIG,
+                   moe_decode.LARGE_PIECE_CONFIG):
         got = moe_decode.moe_decode_pairs(x, ids, w, *weights, config=config)
         assert got.shape == (t, k, h)
         err = (got.sum(1) - ref).abs().max() / ref.abs().max()

@@ -166,6 +166,9 @@ class StepPlan:
     # one fla sequence per piece) and zero the GDN gates of padding rows so the recurrent state
     # passes them unchanged; the MoE takes the decode MoE.
     row_mask: torch.Tensor | None = None
+    # padded prefill pieces: the decode MoE's tile config for the piece bucket
+    # (kernels/moe_decode.piece_config); None: its DECODE_CONFIG
+    moe_config: dict | None = None
 
 
 @dataclass(frozen=True)

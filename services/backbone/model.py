@@ -48,7 +48,7 @@ from .attention import GatedAttention, KVCache
 from .gated_deltanet import GatedDeltaNet, GDNCache
 from .kernels import HAS_TRITON
 from .kernels import decode_graph as dg
-from .kernels import fp8_moe
+from .kernels import fp8_moe, moe_decode
 from .layers import Linear, RowBatch, Segment, StepPlan, Weight, per_row, rms_norm_plus
 from .moe import SparseMoE
 from .rope import RotaryTable
@@ -174,7 +174,8 @@ class DecoderLayer(nn.Module):
         h = mixer.forward_kernels(u, x, batch, cache)
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured)
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
-                                        decode=batch.plan.decode or batch.plan.row_mask is not None)
+                                        decode=batch.plan.decode or batch.plan.row_mask is not None,
+                                        config=batch.plan.moe_config)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:
@@ -367,7 +368,7 @@ class Backbone(nn.Module):
         return StepPlan(row_slots, positions, slot, None, decode=False, context=caches.max_context,
                         conv_base=(base + i).flatten(), conv_state_rows=(base + taps).flatten(),
                         conv_tail_rows=(base + rows[:, None] + taps).flatten(),
-                        row_mask=valid.flatten().to(torch.float32))
+                        row_mask=valid.flatten().to(torch.float32), moe_config=moe_decode.piece_config(bucket))
 
     def _prefill_graph(self, bucket: int, slots: int, caches: BackboneCaches):
         """(step with .replay(), static rows [slots·bucket, H], static index [3, slots]) of a group

@@ -195,14 +195,16 @@ class SparseMoE(nn.Module):
         self.shared_fused = torch.cat([fused, fused.new_zeros(rows - fused.shape[0], fused.shape[1])])
         self.shared_down = shared.down_proj.dense_weight()
 
-    def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
+                        config: dict | None = None) -> torch.Tensor:
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
 
         `decode` (a step whose every segment is one row: a decode step, graphed or not; and
         padded prefill pieces, which must not sync with the host) takes kernels/moe_decode.py's
         expert-major split-K kernels, every other (eager prefill) step fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
-        so a row's bits do not depend on the batch either way (issue #8)."""
+        so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
+        config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG)."""
         i_s = self.shared_down.shape[1]
         u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
         logits = linear_rows(u32.copy_(u), self.gate.weight)             # router in F32 (§4.6)
@@ -213,7 +215,8 @@ class SparseMoE(nn.Module):
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
             if use_triton(u, self.w_gate_up):                            # [R, k, H] F32, weighted
-                pairs = moe_decode.moe_decode_pairs(*args) if decode else fp8_moe.moe_fp8_pairs(*args)
+                pairs = (moe_decode.moe_decode_pairs(*args, config=config) if decode
+                         else fp8_moe.moe_fp8_pairs(*args))
             else:
                 pairs = fp8_moe.naive_moe_fp8(*args)[:, None]
         else:                 # BF16/F32 experts: the batched path's loop over routed experts

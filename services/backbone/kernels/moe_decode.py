@@ -28,6 +28,7 @@ program's results depend on which expert it holds, not on its slot.
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
 64: 15.2 vs 19.9; 128: 17.2 vs 31.2 (2.3x the byte floor of the selected experts, from 4.2x).
+With FP8_DOT (2026-11-30): T = 1: 1.03, 128: 10.5 (1.41x the floor).
 """
 
 from __future__ import annotations
@@ -46,9 +47,31 @@ if HAS_TRITON:
     import triton.language as tl
 
 # BM pairs per tl.dot (16 is tl.dot's smallest M), BN_GU / BN_DOWN output columns per program
-# (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H.
-# One config for every batch size: see the module docstring, item 3.
-DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3)
+# (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H,
+# FP8_DOT = tl.dot on the FP8 operands as stored (Hopper's FP8 MMA) rather than both converted to
+# bf16 first. One config for every batch size: see the module docstring, item 3.
+#
+# FP8_DOT, H200, 40 layers of distinct experts in one graph (bench/moe_decode.py --quick, 2026-11-30):
+# T = 1: 1.38 -> 1.03 ms; 8: 4.76 -> 3.08; 32: 11.5 -> 6.95; 128: 17.3 -> 10.5 (1.41x the byte
+# floor). The conversion of every weight tile to bf16 in registers, not the bytes, was the limit.
+# The products of two FP8 values are exact in F32 either way; the MMA sums each 128-wide K block
+# before the F32 block scales apply (the §4.7 recipe), within 1e-3 of naive_moe_fp8 (tests).
+DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True)
+
+# Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
+# on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
+# finds they differ), so the config is a function of the piece bucket alone, never of how many
+# pieces a replay packs: a prompt gives the same bits alone or packed with others (issue #8).
+# H200, ms per 40 layers at 128 / 256 / 1024 rows (--prefill): BM 16 SPLIT 1: 9.56 / 10.06 / 22.3;
+# BM 64 SPLIT 1: 10.7 / 11.1 / 12.5; the decode config: 10.5 / 11.0 / 21.2.
+SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
+LARGE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
+LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
+
+
+def piece_config(bucket: int) -> dict:
+    """The moe_decode config of a padded prefill piece of `bucket` rows (see above)."""
+    return LARGE_PIECE_CONFIG if bucket >= LARGE_PIECE_ROWS else SMALL_PIECE_CONFIG
 
 
 @functools.cache
