@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 import soundfile as sf
 
+from bench.e2e import PHASES, gateway_phases, phase_line
 from bench.stack import background
 
 TEXT = ("The morning train left the station while seven quiet travellers watched the river turn "
@@ -48,7 +49,10 @@ def reference_wav(seconds: float, rate: int = 44100) -> bytes:
     return buffer.getvalue()
 
 
-def ttfa_ms(client: httpx.Client, url: str, voice: str, frames: int, seed: int) -> float:
+def ttfa_ms(client: httpx.Client, url: str, voice: str, frames: int, seed: int,
+            phases: list | None = None) -> float:
+    """TTFA of one request; with `phases`, appends the gateway's milestones of it (ms from arrival)."""
+    before = gateway_phases(client, url) if phases is not None else {}
     body = {"model": "drama-3", "input": TEXT, "voice": voice, "response_format": "pcm", "stream": True,
             "seed": seed, "max_new_tokens": frames, "latency": "low"}
     started = time.perf_counter()
@@ -61,7 +65,18 @@ def ttfa_ms(client: httpx.Client, url: str, voice: str, frames: int, seed: int) 
                 first = time.perf_counter() - started
     if first is None:
         raise RuntimeError(f"voice {voice!r}: no audio")
+    if phases is not None:
+        after = gateway_phases(client, url)
+        phases.append({phase: (after[phase][0] - before.get(phase, (0.0, 0))[0]) * 1000
+                       for phase in PHASES if phase in after
+                       and after[phase][1] == before.get(phase, (0.0, 0))[1] + 1})
     return first * 1000
+
+
+def median_phases(samples: list[dict]) -> dict:
+    """phase -> median ms over the requests that reported it."""
+    return {phase: statistics.median(s[phase] for s in samples if phase in s)
+            for phase in PHASES if any(phase in s for s in samples)}
 
 
 def measure(url: str, *, reference_s: float, repeats: int, frames: int, seed: int = 7) -> dict:
@@ -76,16 +91,18 @@ def measure(url: str, *, reference_s: float, repeats: int, frames: int, seed: in
         voice = response.json()["id"]
         try:
             ttfa_ms(client, url, "alloy", frames, seed)                      # warm the path once
-            plain = [ttfa_ms(client, url, "alloy", frames, seed) for _ in range(repeats)]
+            plain_phases, hit_phases = [], []
+            plain = [ttfa_ms(client, url, "alloy", frames, seed, plain_phases) for _ in range(repeats)]
             first = ttfa_ms(client, url, voice, frames, seed)
-            hits = [ttfa_ms(client, url, voice, frames, seed) for _ in range(repeats)]
+            hits = [ttfa_ms(client, url, voice, frames, seed, hit_phases) for _ in range(repeats)]
         finally:
             client.delete(f"{url}/v1/audio/voices/{voice}")
     plain_ms, hit_ms = statistics.median(plain), statistics.median(hits)
     return {"reference_s": reference_s, "repeats": repeats, "frames": frames,
             "ttfa_ms_no_reference": plain_ms, "ttfa_ms_reference_first_use": first,
             "ttfa_ms_reference_cached": hit_ms, "voice_prefix_ttfa_ratio": hit_ms / plain_ms,
-            "samples_ms": {"no_reference": plain, "cached": hits}}
+            "samples_ms": {"no_reference": plain, "cached": hits},
+            "phases_ms": {"no_reference": median_phases(plain_phases), "cached": median_phases(hit_phases)}}
 
 
 def table(result: dict) -> str:
@@ -96,7 +113,9 @@ def table(result: dict) -> str:
         f"{result['ttfa_ms_reference_first_use']:.1f} |",
         f"| {result['reference_s']:g} s reference, cached prefix, {result['repeats']}x | "
         f"{result['ttfa_ms_reference_cached']:.1f} |",
-        f"| ratio cached / no reference (target <= 1.10) | {result['voice_prefix_ttfa_ratio']:.3f} |"])
+        f"| ratio cached / no reference (target <= 1.10) | {result['voice_prefix_ttfa_ratio']:.3f} |",
+        f"| phases, no reference (gateway, ms from arrival) | {phase_line(result['phases_ms']['no_reference'])} |",
+        f"| phases, cached prefix | {phase_line(result['phases_ms']['cached'])} |"])
 
 
 def main(argv=None) -> int:

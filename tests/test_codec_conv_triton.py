@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from services.codec import conv_triton
+from services.codec import decoder as decoder_module
 from services.codec.conv import CONV_METHODS, CausalConv1d, causal_conv1d
 from services.codec.decoder import CUDNN_GIVE_UP, choose_conv_method
 from services.codec.model import load_codec
@@ -194,8 +195,9 @@ def test_choose_conv_methods_survives_a_failing_triton_kernel(reference, caplog)
 
 
 def test_choose_conv_methods_leaves_triton_out_where_it_cannot_run(reference):
-    """channels_last convs are never timed on Triton; triton=None follows conv_triton.available()
-    (Triton and CUDA), which on CPU CI is off: the timings are the two-method ones."""
+    """channels_last convs are never timed on Triton; triton=None follows DRAMA_CODEC_TRITON_CONV=1
+    and conv_triton.available() (Triton and CUDA), which on CPU CI is off: the timings are the
+    two-method ones."""
     decoder = reference.decoder
     decoder.set_channels_last(True)
     try:
@@ -208,8 +210,22 @@ def test_choose_conv_methods_leaves_triton_out_where_it_cannot_run(reference):
     calls = []
     choices = decoder.choose_conv_methods(triton_timer(calls), latent_length=8)
     timed_triton = "triton" in {method for _, method, _, _ in calls}
-    assert timed_triton == conv_triton.available()
+    assert timed_triton == (conv_triton.available() and decoder_module.triton_in_choice())
     assert all(("triton_ms" in c) == timed_triton for c in choices.values())
+
+
+def test_triton_is_timed_only_when_asked_for(reference, monkeypatch):
+    """Even where Triton could run, prepare's default choice leaves it out (it never won on the
+    H200 and its autotuning costs seconds of start); DRAMA_CODEC_TRITON_CONV=1 puts it in."""
+    monkeypatch.setattr(conv_triton, "available", lambda: True)
+    for env, expected in ((None, False), ("0", False), ("1", True)):
+        if env is None:
+            monkeypatch.delenv("DRAMA_CODEC_TRITON_CONV", raising=False)
+        else:
+            monkeypatch.setenv("DRAMA_CODEC_TRITON_CONV", env)
+        calls = []
+        reference.decoder.choose_conv_methods(triton_timer(calls), latent_length=8)
+        assert ("triton" in {method for _, method, _, _ in calls}) == expected, env
 
 
 def test_prepare_applies_measured_triton_and_tunes_it(tiny_checkpoint, monkeypatch, caplog):
@@ -219,11 +235,11 @@ def test_prepare_applies_measured_triton_and_tunes_it(tiny_checkpoint, monkeypat
     Triton convs are tuned once at the measured piece's step lengths."""
     import logging
 
-    from services.codec import decoder as decoder_module
     from services.codec import model as model_module
 
     monkeypatch.setattr(conv_triton, "available", lambda: True)
     monkeypatch.setattr(conv_triton, "can_run", lambda device: True)
+    monkeypatch.setenv("DRAMA_CODEC_TRITON_CONV", "1")
     tuned = []
     monkeypatch.setattr(decoder_module.Decoder, "tune_triton", lambda self, latents: tuned.append(latents))
     codec = load_codec(tiny_checkpoint).prepare("cpu", torch.float32, fast=True, channels_last=False)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from services.codec import conv_triton
+from services.common.grpcutil import env_switch
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
                                  as_channels_last)
 from services.codec.state import StreamState
@@ -51,6 +52,15 @@ GEMM_MARGIN = 0.10
 # fastest other method's (its slow kernels take 0.1-0.25 s a call: a median of three would add
 # seconds).
 CUDNN_GIVE_UP = 3.0
+
+def triton_in_choice() -> bool:
+    """Whether Codec.prepare times the Triton conv kernel too: only with DRAMA_CODEC_TRITON_CONV=1.
+    Why off by default: on the H200 (2026-11-30, at 128 frames) it never beat cuDNN or the GEMM
+    path by the margin (96 channels: 0.213-0.389 ms against cuDNN's 0.218-0.396; 192: 0.41
+    against 0.30; 768: 0.15 against the GEMM's 0.09), while autotuning it at prepare added ~13 s
+    to the codec's start (39.0 s against 25.6)."""
+    return env_switch("DRAMA_CODEC_TRITON_CONV") is True
+
 
 # time_conv(conv, method, length, give_up_ms) -> ms per call of `conv` by `method` on a window of
 # `length` new inputs; give_up_ms (None for the first method timed) allows stopping early.
@@ -218,15 +228,15 @@ class Decoder(nn.Module):
                             margin: float = GEMM_MARGIN, triton: bool | None = None) -> dict[str, dict]:
         """Time each distinct wide conv shape (C_in, C_out, k, dilation, step length, layout)
         once at the step lengths of `latent_length` latents: the GEMM path first, then the
-        Triton kernel (where `triton`, default conv_triton.available(): Triton and CUDA; and only
-        in the default layout), then cuDNN (allowed to give up past CUDNN_GIVE_UP x the fastest
+        Triton kernel (where `triton`, default: DRAMA_CODEC_TRITON_CONV=1 and
+        conv_triton.available(), Triton and CUDA; and only in the default layout), then cuDNN (allowed to give up past CUDNN_GIVE_UP x the fastest
         other's time), and pick per choose_conv_method. Sets nothing; returns name -> {"method",
         "cudnn_ms", "gemm_ms", "length"}, plus "triton_ms" where timed (or "triton_error" where
         the kernel raised: logged, left out of the choice), for every wide conv
         (Decoder.set_conv_methods takes the methods). Timing the Triton kernel first at these
         lengths is also where it autotunes (conv_triton: once per shape, never per length)."""
         if triton is None:
-            triton = conv_triton.available()
+            triton = conv_triton.available() and triton_in_choice()
         measured: dict[tuple, dict] = {}
         choices: dict[str, dict] = {}
         for name, (conv, length) in self.wide_convs(latent_length).items():
