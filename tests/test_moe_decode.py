@@ -75,8 +75,9 @@ def test_matches_naive(h, i, e, k, t):
     # (the reason the recipe applies the scales per 128 block in F32), so an h value near an FP8
     # rounding boundary can land one FP8 step (1/16 relative) away: a few output rows then move
     # by ~1e-2 of the largest output, while the whole stays within a few 1e-3.
-    for name, (fp8, worst, overall) in errors.items():
-        assert (worst < 3e-2 and overall < 5e-3) if fp8 else worst < 1e-3, errors
+    failing = {name: (worst, overall) for name, (fp8, worst, overall) in errors.items()
+               if not ((worst < 3e-2 and overall < 5e-3) if fp8 else worst < 1e-3)}
+    assert not failing, failing
 
 
 def test_rows_do_not_depend_on_the_batch():
