@@ -24,6 +24,8 @@ Choices of ours, beyond the spec:
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +163,15 @@ def with_speaker(text: str, speaker: int) -> str:
     return text if starts_with_speaker_tag(text) else f"<|speaker:{speaker}|>{text}"
 
 
+@functools.lru_cache(maxsize=8)
+def _unshaped_special(extra_special: frozenset[str]) -> tuple[str, ...]:
+    """The tokens of `extra_special` that SPECIAL_TAG does not find (not shaped like `<|name|>`),
+    worked out once per token set: a real tokenizer has thousands of special tokens (4124 in the
+    full preset's, the semantic ones included), and matching each against SPECIAL_TAG on every
+    request took ~1-2.4 ms of the gateway's time before a request reached the backbone."""
+    return tuple(sorted(tag for tag in extra_special if not SPECIAL_TAG.fullmatch(tag)))
+
+
 def validate_text(text: str, param: str, *, allow_blank: bool = False,
                   extra_special: frozenset[str] = frozenset()) -> None:
     """Refuse caller text the prompt must not carry (API.md §2.1).
@@ -190,8 +201,8 @@ def validate_text(text: str, param: str, *, allow_blank: bool = False,
                               f"'{tag}' is not allowed (it would forge turns or audio rows); only "
                               f"speaker tags <|speaker:0|>..<|speaker:{MAX_SPEAKERS - 1}|> may appear.")
     # Special tokens of a real tokenizer that are not shaped like `<|name|>` (rare).
-    for tag in extra_special:
-        if not SPECIAL_TAG.fullmatch(tag) and tag in text:
+    for tag in _unshaped_special(extra_special):
+        if tag in text:
             raise PromptError("invalid_value", param, f"Invalid '{param}': the special token "
                               f"'{tag}' is not allowed.")
 

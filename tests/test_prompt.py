@@ -242,6 +242,20 @@ def test_tokenizer_special_tokens_outside_the_spec_list_are_refused(builder):
     assert "<|phoneme_start|>" in builder_specials and "<|speaker:3|>" not in builder_specials
 
 
+def test_extra_special_tokens_of_any_shape_are_refused():
+    """A tokenizer's special tokens are refused whether shaped like <|name|> (found by the tag
+    pattern) or not (found by substring: the set of those is worked out once per token set)."""
+    extra = frozenset({"<|custom|>", "[EOS]", "<pad>"})
+    for text in ("Hi <|custom|>", "Hi [EOS] there", "a<pad>b"):
+        with pytest.raises(PromptError) as info:
+            validate_text(text, "text", extra_special=extra)
+        assert info.value.code == "invalid_value"
+    validate_text("Hi [EOS there <pa d> <|custom", "text", extra_special=extra)
+    validate_text("Hi [EOS] there", "text")                       # not special without the set
+    with pytest.raises(PromptError):                              # a second set is its own entry
+        validate_text("Hi [BOS]", "text", extra_special=frozenset({"[BOS]"}))
+
+
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])
 def test_blank_text_is_empty_string(builder, text):
     with pytest.raises(PromptError) as info:
