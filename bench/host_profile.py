@@ -11,7 +11,8 @@ profiler's question, asked of every process of a running stack at once.
 What it does: attaches `py-spy record --threads --gil -f raw` (sampling --rate per second, only
 the thread holding the GIL: time in epoll, in a GIL-free wait or in native code that released
 the GIL, such as a CUDA synchronise, is not counted) to the gateway and the three stages of a stack started by `bench.stack --info-file`,
-sends --requests sequential streamed requests (20 words, latency `low`, --frames frames each)
+sends --requests sequential streamed requests (bench.voice_prefix's 19-word sentence, voice
+alloy, latency `low`, --frames frames each)
 while it samples, and prints per process and thread the CPU milliseconds per request, then the
 functions with the most inclusive time per request (a function counted once per sample however
 deep it recurs). The raw sample files are kept in --out for a flame graph. py-spy needs ptrace
@@ -34,8 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.e2e import make_text
 from bench.stack import background
+from bench.voice_prefix import ttfa_ms
 
 PROCESSES = ("gateway", "backbone", "tower", "codec")
 # frames every sample of a thread passes through (thread, runpy, asyncio, executor and nn.Module
@@ -84,21 +85,9 @@ def summarise(raw: Path, rate: float, requests: int, top: int) -> dict:
 
 
 def run_requests(url: str, requests: int, frames: int) -> list[float]:
-    body = {"model": "drama-3", "input": make_text(20), "voice": "alloy", "response_format": "pcm",
-            "stream": True, "seed": 7, "max_new_tokens": frames, "latency": "low"}
-    ttfa = []
+    """TTFA ms of `requests` sequential requests (bench.voice_prefix's sentence, voice alloy)."""
     with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-        for _ in range(requests):
-            started = time.perf_counter()
-            first = None
-            with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
-                if response.status_code != 200:
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
-                for piece in response.iter_bytes():
-                    if piece and first is None:
-                        first = time.perf_counter() - started
-            ttfa.append((first or float("nan")) * 1000)
-    return ttfa
+        return [ttfa_ms(client, url, "alloy", frames, seed=7) for _ in range(requests)]
 
 
 def profile(url: str, pids: dict[str, int], args) -> dict:

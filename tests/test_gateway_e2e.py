@@ -378,24 +378,14 @@ def test_metrics_count_speech(stack):
     assert 'drama_http_requests_total{route="/v1/audio/speech",status="200"}' in text
 
 
-def _phase_sums(text: str) -> dict[str, tuple[float, int]]:
-    """phase -> (sum, count) of drama_speech_phase_seconds in a /metrics page."""
-    out: dict[str, list] = {}
-    for line in text.splitlines():
-        for part, index in (("_sum{", 0), ("_count{", 1)):
-            if line.startswith("drama_speech_phase_seconds" + part):
-                phase = line.split('phase="')[1].split('"')[0]
-                out.setdefault(phase, [0.0, 0])[index] = float(line.rsplit(" ", 1)[1])
-    return {phase: (total, int(count)) for phase, (total, count) in out.items()}
-
-
 def test_metrics_phases_of_one_request_are_ordered(stack):
     """One streamed request adds one observation per phase, and its milestones come in order:
     admitted <= first frames <= first PCM <= first byte (all from the request's arrival)."""
-    before = _phase_sums(stack.http.get("/metrics").text)
+    from bench.e2e import PHASES as phases, gateway_phases
+
+    before = gateway_phases(stack.http, "")
     speech(stack, response_format="pcm", stream=True)
-    after = _phase_sums(stack.http.get("/metrics").text)
-    phases = ("admitted", "first_frames", "first_pcm", "first_byte")
+    after = gateway_phases(stack.http, "")
     delta = {}
     for phase in phases:
         total, count = after[phase]
