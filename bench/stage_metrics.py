@@ -50,8 +50,14 @@ class Series:
         return before[-1] if before else None
 
 
-def read_logs(log_dir: Path) -> dict[str, Series]:
-    """series name -> cumulative snapshots (summed over data points), from every *.log."""
+# The backbone's first-audio milestones (services/backbone/scheduler.py FIRST_AUDIO_PHASES): one
+# series per `phase` attribute, read apart (read_logs sums a metric's data points).
+PHASE_SERIES = "drama_backbone_first_audio_seconds"
+
+
+def read_logs(log_dir: Path, split_by: str | None = None) -> dict[str, Series]:
+    """series name -> cumulative snapshots (summed over data points), from every *.log. With
+    split_by=NAME only that metric is read, one series per value of its `phase` attribute."""
     found: dict[str, Series] = {}
     for path in sorted(log_dir.glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
@@ -67,6 +73,14 @@ def read_logs(log_dir: Path) -> dict[str, Series]:
                         points = metric["data"].get("data_points") or []
                         if not points or "bucket_counts" not in points[0]:
                             continue          # gauges and counters: not used here
+                        if split_by is not None:
+                            if metric["name"] == split_by:
+                                for point in points:
+                                    phase = (point.get("attributes") or {}).get("phase", "?")
+                                    found.setdefault(phase, Series()).snapshots.append(Snapshot(
+                                        point["time_unix_nano"] / 1e9, point["count"], point["sum"],
+                                        list(point["bucket_counts"]), list(point["explicit_bounds"])))
+                            continue
                         buckets = [sum(p["bucket_counts"][i] for p in points)
                                    for i in range(len(points[0]["bucket_counts"]))]
                         found.setdefault(metric["name"], Series()).snapshots.append(Snapshot(
@@ -138,6 +152,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_rows(phases: dict[str, Series], windows: list[tuple[str, float, float]]) -> list[dict]:
+    """Per window: mean ms from a session's submission to each first-audio milestone (and how
+    many sessions reached it), in the order FIRST_AUDIO_PHASES lists them."""
+    from services.backbone.scheduler import FIRST_AUDIO_PHASES
+
+    order = [p for p in FIRST_AUDIO_PHASES if p in phases] + sorted(set(phases) - set(FIRST_AUDIO_PHASES))
+    rows = []
+    for name, start, end in windows:
+        row = {"window": name}
+        for phase in order:
+            w = window(phases[phase], start, end)
+            row[phase] = None if not w or not w["count"] else {"sessions": w["count"], "mean_ms": w["mean"] * 1000}
+        rows.append(row)
+    return rows
+
+
+def phase_table(rows: list[dict]) -> str:
+    """The milestones as a table: mean ms from submission (+ step from the milestone before)."""
+    phases = [k for k in rows[0] if k != "window"] if rows else []
+    lines = ["| window | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for row in rows:
+        cells, last = [], 0.0
+        for phase in phases:
+            value = row[phase]
+            if value is None:
+                cells.append("-")
+                continue
+            cells.append(f"{value['mean_ms']:.1f} (+{value['mean_ms'] - last:.1f})")
+            last = value["mean_ms"]
+        lines.append(f"| {row['window']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stage_metrics", description=__doc__.splitlines()[0])
     parser.add_argument("log_dir", type=Path, help="the stages' logs (bench.stack --log-dir)")
@@ -159,8 +206,15 @@ def main(argv=None) -> int:
         windows = [("whole run", 0.0, max(times))]
     rows = summarise(series, windows)
     print(table(rows))
+    phases = read_logs(args.log_dir, split_by=PHASE_SERIES)
+    milestones = phase_rows(phases, windows) if phases else []
+    if milestones:
+        print("\nbackbone, submission to each first-audio milestone of a session's first chunk, mean ms "
+              "(+ step from the one before):")
+        print(phase_table(milestones))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps(rows + [{"first_audio_milestones": milestones}] if milestones else rows,
+                                        indent=2) + "\n")
     return 0
 
 

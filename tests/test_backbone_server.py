@@ -527,6 +527,26 @@ async def test_step_metrics_and_gauges_are_recorded(stage):
     assert points["drama_backbone_kv_usage_ratio"][0].value == 0.0     # all released
 
 
+async def test_first_audio_milestones_are_recorded_once_each_in_order(stage):
+    """drama_backbone_first_audio_seconds{phase}: one observation per milestone of the first
+    chunk (a second chunk adds none), each no earlier than the one before."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.backbone.scheduler import FIRST_AUDIO_PHASES
+
+    reader = InMemoryMetricReader()
+    scheduler, _ = await stage(meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
+    await _run(scheduler, scheduler.submit(_job("milestones", turns=("x", "y"), max_new=3, first=2)))
+    points = {p.attributes["phase"]: p
+              for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics if m.name == "drama_backbone_first_audio_seconds" for p in m.data.data_points}
+    assert set(points) == set(FIRST_AUDIO_PHASES)
+    assert all(points[phase].count == 1 for phase in FIRST_AUDIO_PHASES)
+    times = [points[phase].sum for phase in FIRST_AUDIO_PHASES]
+    assert times == sorted(times) and times[0] >= 0, dict(zip(FIRST_AUDIO_PHASES, times))
+
+
 async def test_a_long_prompt_is_prefilled_in_pieces_back_to_back(stage):
     """The next prefill piece is computed while the tower works on the previous one; the frames
     equal those of a one-piece prefill."""

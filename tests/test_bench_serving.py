@@ -69,6 +69,8 @@ def test_voice_prefix_benchmark_reports_the_ratio(stack_url):
     assert result["voice_prefix_ttfa_ratio"] == pytest.approx(
         result["ttfa_ms_reference_cached"] / result["ttfa_ms_no_reference"])
     assert "ratio cached / no reference" in voice_prefix.table(result)
+    for case in ("no_reference", "cached"):        # the gateway's milestones of those requests
+        assert list(result["phases_ms"][case]) == ["admitted", "first_frames", "first_pcm", "first_byte"]
 
 
 def test_stage_metrics_show_each_stage_busy_during_a_load(stack_url, stack_logs):
@@ -84,6 +86,12 @@ def test_stage_metrics_show_each_stage_busy_during_a_load(stack_url, stack_logs)
         assert figures["mean_ms"] > 0 and 0 < figures["busy"] <= 1.5, (stage, figures)
     assert row["backbone"]["mean_batch"] >= 1 and row["codec"]["mean_batch"] >= 1
     assert "busy" in stage_metrics.table(rows)
+    # the backbone's first-audio milestones, read apart by phase, in order
+    phases = stage_metrics.read_logs(stack_logs, split_by=stage_metrics.PHASE_SERIES)
+    milestones = stage_metrics.phase_rows(phases, [("load", 0.0, result.ended_unix + 0.9)])[0]
+    means = [milestones[p]["mean_ms"] for p in ("admitted", "prompt_sent", "first_frame", "first_message")]
+    assert all(m is not None for m in means) and means == sorted(means), milestones
+    assert "first_frame" in stage_metrics.phase_table([milestones])
 
 
 @pytest.mark.parametrize("value, endpoint, expected", [

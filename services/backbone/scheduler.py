@@ -66,7 +66,10 @@ Metrics (API.md §1.7, OpenTelemetry): `drama_backbone_batch_rows` and `drama_ba
 and one series would count more busy time than there was wall time),
 `drama_backbone_queue_depth` and `drama_backbone_kv_usage_ratio` (rows held over the pool's rows)
 as gauges, `drama_backbone_prefix_rows_skipped` (prompt rows restored from the voice-prefix cache)
-and `drama_backbone_prefix_fallbacks` (restores the tower could not serve) as counters.
+and `drama_backbone_prefix_fallbacks` (restores the tower could not serve) as counters;
+`drama_backbone_first_audio_seconds{phase}`: for each session's first chunk, the time from its
+submission to each milestone on the way to its first frames message (FIRST_AUDIO_PHASES), so the
+time to first audio can be taken apart stage by stage (bench/stage_metrics.py prints the means).
 
 Tracing (API.md §3.6): a fraction `step_span_sample` of steps get a `backbone.step` span linked to
 the Generate spans of their sessions (at most 32 links), and its context rides in the TowerStep
@@ -94,6 +97,13 @@ from torch import Tensor
 from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 from .prefix_cache import PrefixCache, prefix_key
+
+# The milestones of drama_backbone_first_audio_seconds, in the order a session meets them:
+# admitted (Started queued), the step holding its last prompt row computed and handed to the
+# tower, the first frame back, the row of that frame computed and sent, the second frame back,
+# the first frames message queued for the Generate stream.
+FIRST_AUDIO_PHASES = ("admitted", "prompt_computed", "prompt_sent", "first_frame", "first_decode_computed",
+                      "first_decode_sent", "second_frame", "first_message")
 from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_chunk,  # noqa: F401
                    row_targets, text_rows)
 
@@ -252,6 +262,7 @@ class Session:
     text_tokens: int = 0
     audio_tokens: int = 0
     output_tokens: int = 0
+    milestones: set = field(default_factory=set)   # FIRST_AUDIO_PHASES recorded so far
 
     @property
     def id(self) -> str:
@@ -334,6 +345,10 @@ class _StageMetrics:
         self.fallbacks = meter.create_counter(
             "drama_backbone_prefix_fallbacks", unit="{restore}",
             description="voice-prefix restores the tower could not serve (full prefill instead)")
+        self.first_audio_seconds = meter.create_histogram(
+            "drama_backbone_first_audio_seconds", unit="s",
+            description="submission to each milestone of a session's first chunk (attribute phase)",
+            explicit_bucket_boundaries_advisory=STEP_SECONDS_BUCKETS)
 
     def add(self, scheduler: "Scheduler") -> None:
         self.schedulers = [r for r in self.schedulers if r() is not None] + [weakref.ref(scheduler)]
@@ -435,6 +450,7 @@ class Scheduler:
         self._lane_batch_rows = self._metrics.lane_batch_rows
         self._lane_step_seconds = self._metrics.lane_step_seconds
         self._rows_skipped, self._fallbacks = self._metrics.rows_skipped, self._metrics.fallbacks
+        self._first_audio_seconds = self._metrics.first_audio_seconds
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -631,6 +647,7 @@ class Scheduler:
             session.outbox.put_nowait(Started(
                 queue_wait_ms=int((now - session.submitted) * 1000),
                 prompt_text_tokens=session.rows.n_text, prompt_audio_frames=session.rows.n_audio))
+            self._milestone(session, "admitted")
             self._lane_wake.set()                  # a prompt to prefill
 
     def _start_chunk(self, session: Session, previous_frames: Tensor | None) -> None:
@@ -915,6 +932,10 @@ class Scheduler:
             return None
         self._computing -= slots
         self._free_held()
+        for e in entries:
+            if e.draw:
+                self._milestone(e.session, "prompt_computed" if not e.session.chunk_frames
+                                else "first_decode_computed" if len(e.session.chunk_frames) == 1 else "")
         for e, snapshot in zip(store, snapshots):
             self.prefix_cache.put(e.session.prefix[0], snapshot)
             e.session.store_prefix = False
@@ -949,6 +970,9 @@ class Scheduler:
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
+            if e.draw:
+                self._milestone(s, "prompt_sent" if not s.chunk_frames
+                                else "first_decode_sent" if len(s.chunk_frames) == 1 else "")
             if e.restore:
                 s.awaiting_restore = True
         targets = (torch.cat([e.targets for e in entries]) if entries
@@ -1033,6 +1057,8 @@ class Scheduler:
                 continue
             frame = result.codes[index].to(torch.int64)
             session.chunk_frames.append(frame)
+            self._milestone(session, "first_frame" if len(session.chunk_frames) == 1
+                            else "second_frame" if len(session.chunk_frames) == 2 else "")
             session.output_tokens += 1
             self._buffer(session, frame)
             if len(session.chunk_frames) >= session.job.sampling.max_new_tokens:
@@ -1041,6 +1067,13 @@ class Scheduler:
                 session.next_row = frame
 
     # ---- output -----------------------------------------------------------------------------
+
+    def _milestone(self, session: Session, phase: str) -> None:
+        """Submission -> now into drama_backbone_first_audio_seconds{phase}, once per phase, for
+        the first chunk only (later chunks start from a running session, not a request)."""
+        if phase and session.chunk_index == 0 and phase not in session.milestones:
+            session.milestones.add(phase)
+            self._first_audio_seconds.record(time.monotonic() - session.submitted, {"phase": phase})
 
     def _buffer(self, session: Session, frame: Tensor) -> None:
         session.pending.append(frame)
@@ -1056,6 +1089,8 @@ class Scheduler:
             return
         codes = torch.stack(session.pending)
         session.outbox.put_nowait(FramesOut(session.chunk_index, session.emitted_in_chunk, codes))
+        if session.messages_sent == 0:
+            self._milestone(session, "first_message")
         session.emitted_in_chunk += len(session.pending)
         session.buffered_frames += len(session.pending)
         session.messages_sent += 1
