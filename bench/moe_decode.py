@@ -2,14 +2,17 @@
 moe_decode's expert-major split-K path, config by config, one table (issue #7 / #8).
 
     python3 bench/moe_decode.py                        full geometry (H 2048, I 512, E 256, k 8) on cuda
-    python3 bench/moe_decode.py --rows 1 128 --quick   the default configs only
+    python3 bench/moe_decode.py --rows 1 128 --quick   the default configs only (bf16 and FP8 MMA)
+    python3 bench/moe_decode.py --prefill --rows 128 256 1024   tile configs for padded prefill pieces
 
 Each layer has its own random FP8 experts (32 GB for 40 layers, so L2 holds nothing between
 layers) and its own random router logits; the 40 `moe_*_pairs` calls are captured as one CUDA graph
 and replayed (median of triton.testing.do_bench). Floor = FP8 bytes + scales of the distinct
 experts the routes select / the measured copy bandwidth. Before timing, each config's output is
 checked against `naive_moe_fp8` on 3 rows of layer 0, and moe_decode's rows are checked to be
-bit-identical alone and inside the largest batch (batch invariance).
+bit-identical alone and inside the largest batch (batch invariance); configs that share a K split
+are compared bit for bit on that batch (does the tile shape change a row's bits? It does: a
+prefill piece's config must follow its bucket, not its replay's size).
 """
 
 from __future__ import annotations
