@@ -25,7 +25,6 @@ Choices of ours, beyond the spec:
 from __future__ import annotations
 
 import functools
-
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

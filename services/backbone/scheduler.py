@@ -97,6 +97,8 @@ from torch import Tensor
 from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 from .prefix_cache import PrefixCache, prefix_key
+from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_chunk,  # noqa: F401
+                   row_targets, text_rows)
 
 # The milestones of drama_backbone_first_audio_seconds, in the order a session meets them:
 # admitted (Started queued), the step holding its last prompt row computed and handed to the
@@ -104,8 +106,6 @@ from .prefix_cache import PrefixCache, prefix_key
 # the first frames message queued for the Generate stream.
 FIRST_AUDIO_PHASES = ("admitted", "prompt_computed", "prompt_sent", "first_frame", "first_decode_computed",
                       "first_decode_sent", "second_frame", "first_message")
-from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_chunk,  # noqa: F401
-                   row_targets, text_rows)
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("services.backbone")
@@ -934,8 +934,7 @@ class Scheduler:
         self._free_held()
         for e in entries:
             if e.draw:
-                self._milestone(e.session, "prompt_computed" if not e.session.chunk_frames
-                                else "first_decode_computed" if len(e.session.chunk_frames) == 1 else "")
+                self._draw_row_milestone(e.session, "computed")
         for e, snapshot in zip(store, snapshots):
             self.prefix_cache.put(e.session.prefix[0], snapshot)
             e.session.store_prefix = False
@@ -971,8 +970,7 @@ class Scheduler:
             s.next_row = None
             s.tower_open = True
             if e.draw:
-                self._milestone(s, "prompt_sent" if not s.chunk_frames
-                                else "first_decode_sent" if len(s.chunk_frames) == 1 else "")
+                self._draw_row_milestone(s, "sent")
             if e.restore:
                 s.awaiting_restore = True
         targets = (torch.cat([e.targets for e in entries]) if entries
@@ -1057,8 +1055,8 @@ class Scheduler:
                 continue
             frame = result.codes[index].to(torch.int64)
             session.chunk_frames.append(frame)
-            self._milestone(session, "first_frame" if len(session.chunk_frames) == 1
-                            else "second_frame" if len(session.chunk_frames) == 2 else "")
+            if len(session.chunk_frames) <= 2:
+                self._milestone(session, ("first_frame", "second_frame")[len(session.chunk_frames) - 1])
             session.output_tokens += 1
             self._buffer(session, frame)
             if len(session.chunk_frames) >= session.job.sampling.max_new_tokens:
@@ -1071,9 +1069,16 @@ class Scheduler:
     def _milestone(self, session: Session, phase: str) -> None:
         """Submission -> now into drama_backbone_first_audio_seconds{phase}, once per phase, for
         the first chunk only (later chunks start from a running session, not a request)."""
-        if phase and session.chunk_index == 0 and phase not in session.milestones:
+        if session.chunk_index == 0 and phase not in session.milestones:
             session.milestones.add(phase)
             self._first_audio_seconds.record(time.monotonic() - session.submitted, {"phase": phase})
+
+    def _draw_row_milestone(self, session: Session, event: str) -> None:
+        """`event` ("computed" or "sent") of a row that draws a frame: the prompt's last row
+        before any frame, the first frame's row after it; later rows are no milestone."""
+        frames = len(session.chunk_frames)
+        if frames < 2:
+            self._milestone(session, ("prompt_", "first_decode_")[frames] + event)
 
     def _buffer(self, session: Session, frame: Tensor) -> None:
         session.pending.append(frame)

@@ -18,7 +18,8 @@ Why a per-conv choice: on the H200 in F16 (bench/codec.py --conv-table, 10 s) cu
 fastest for most wide conv shapes, in channels_last most of all, but runs a few dilated ones on a
 generic kernel: 2 ms (default layout) or 118-232 ms (channels_last) per call for what the GEMM
 path does in 0.12-0.33 ms; and in the default F16 layout cuDNN transposes NCHW <-> NHWC around
-every conv (~13% of the graphed 10 s decode), which the Triton kernel does not. Which shapes go
+every conv (~13% of the graphed 10 s decode), which the Triton kernel does not (it is timed only
+with DRAMA_CODEC_TRITON_CONV=1: on the H200 it never won, see triton_in_choice). Which shapes go
 which way depends on the cuDNN version, Triton and the GPU, so it is measured, once per shape,
 instead of listed.
 
@@ -35,10 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from services.codec import conv_triton
-from services.common.grpcutil import env_switch
 from services.codec.conv import (CausalConv1d, CausalConvTranspose1d, ResidualUnit, Snake,
                                  as_channels_last)
 from services.codec.state import StreamState
+from services.common.grpcutil import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ GEMM_MARGIN = 0.10
 # fastest other method's (its slow kernels take 0.1-0.25 s a call: a median of three would add
 # seconds).
 CUDNN_GIVE_UP = 3.0
+
 
 def triton_in_choice() -> bool:
     """Whether Codec.prepare times the Triton conv kernel too: only with DRAMA_CODEC_TRITON_CONV=1.
@@ -228,9 +230,9 @@ class Decoder(nn.Module):
                             margin: float = GEMM_MARGIN, triton: bool | None = None) -> dict[str, dict]:
         """Time each distinct wide conv shape (C_in, C_out, k, dilation, step length, layout)
         once at the step lengths of `latent_length` latents: the GEMM path first, then the
-        Triton kernel (where `triton`, default: DRAMA_CODEC_TRITON_CONV=1 and
-        conv_triton.available(), Triton and CUDA; and only in the default layout), then cuDNN (allowed to give up past CUDNN_GIVE_UP x the fastest
-        other's time), and pick per choose_conv_method. Sets nothing; returns name -> {"method",
+        Triton kernel (where `triton`, default: triton_in_choice() and conv_triton.available(),
+        Triton and CUDA; and only in the default layout), then cuDNN (allowed to give up past
+        CUDNN_GIVE_UP x the fastest other's time), and pick per choose_conv_method. Sets nothing; returns name -> {"method",
         "cudnn_ms", "gemm_ms", "length"}, plus "triton_ms" where timed (or "triton_error" where
         the kernel raised: logged, left out of the choice), for every wide conv
         (Decoder.set_conv_methods takes the methods). Timing the Triton kernel first at these

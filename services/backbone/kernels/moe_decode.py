@@ -225,8 +225,9 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
     # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
-    # converting both to bf16 first; the interpreter has no FP8 dot, so it keeps the bf16 path
-    fp8_dot = bool(cfg.get("FP8_DOT", False)) and os.environ.get("TRITON_INTERPRET") != "1"
+    # converting both to bf16 first; the interpreter (float32 operands in _dot_args) has no FP8
+    # dot, so it keeps the converting path
+    fp8_dot = bool(cfg.get("FP8_DOT", False)) and _dot_args()["DOT"] == tl.bfloat16
     if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
