@@ -34,8 +34,9 @@ def test_prefill_cuts():
         assert all(n == b == PREFILL_BUCKETS[-1] for n, b in cuts[:-1])        # full pieces first
         n, b = cuts[-1]
         assert b == min(x for x in PREFILL_BUCKETS if x >= n)                   # the rest padded
-    assert prefill_cuts(70) == [(70, 128)]
-    assert prefill_cuts(600) == [(512, 512), (88, 128)]
+    assert prefill_cuts(70) == [(70, 96)]
+    assert prefill_cuts(134) == [(134, 192)]           # a 20-word prompt: 58 padding rows, not 122
+    assert prefill_cuts(600) == [(512, 512), (88, 96)]
     assert prefill_cuts(5, (8, 32)) == [(5, 8)]
 
 
@@ -53,9 +54,11 @@ def test_prefill_groups():
     for i, n in enumerate(lengths):       # every segment's pieces in order, as its own cut says
         assert [rows for _, rows in seen[i]] == [rows for rows, _ in prefill_cuts(n)]
         assert [first for first, _ in seen[i]] == [sum(r for _, r in seen[i][:j]) for j in range(len(seen[i]))]
-    # 21 sessions' 70-row prompts: 8 pieces of 128 rows per graph, the rest in the next count up
+    # 21 sessions' 70-row prompts: 8 pieces of 96 rows per graph, the rest in the next count up
     assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([70] * 21)] == \
-        [(128, 8, 8), (128, 8, 8), (128, 6, 5)]
+        [(96, 8, 8), (96, 8, 8), (96, 6, 5)]
+    assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([100] * 10)] == \
+        [(128, 8, 8), (128, 2, 2)]
     assert graph_pieces(512) == (1, 2) and graph_pieces(16)[-1] == 16
     assert prefill_groups([]) == []
 
