@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per length after the first")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on cpu, where the exact "
                         "per-row path is many tiny ops that threads only slow down)")
+    parser.add_argument("--max-context", type=int, default=0, metavar="ROWS",
+                        help="size the cache pool's context like a server's (DRAMA_MAX_CONTEXT_TOKENS, e.g. 4096)")
+    parser.add_argument("--max-sessions", type=int, default=1, metavar="SLOTS",
+                        help="cache slots at least (DRAMA_MAX_ROWS of a server, e.g. 128)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -258,7 +262,10 @@ def main(argv=None) -> dict:
                             decode_graphs=args.decode_graphs)
     build_s = time.perf_counter() - started
     max_context = max(max(args.prefill), args.context + args.warmup + args.steps) + 8
-    engine = BackboneEngine(model, max_sessions=max(args.batch + args.prefill_sessions), max_context=max_context)
+    if args.max_context:        # the serving pool's context (prefill and decode graphs attend over it)
+        max_context = max(max_context, args.max_context)
+    engine = BackboneEngine(model, max_sessions=max(args.batch + args.prefill_sessions + [args.max_sessions]),
+                            max_context=max_context)
     mem = engine.memory_bytes()
     gen = torch.Generator().manual_seed(0)
     print(f"backbone {args.preset} on {device} ({dtype}, exact rows: {model.exact}, kernels: {model.kernels}, "
