@@ -266,6 +266,7 @@ class SpeechSession:
                         if not received:
                             received, self._decode_sent = True, None    # no retry from here on
                             self._milestone("first_pcm", time.monotonic())
+                            self.span.add_event("first_pcm")
                         samples = np.frombuffer(reply.pcm.samples, dtype="<i2")
                         self._out.put_nowait(("pcm", samples))
                         self._frames_decoded += len(samples) // self.info.frame_samples

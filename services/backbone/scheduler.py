@@ -142,6 +142,7 @@ class Job:
     queue_timeout_s: float | None = None     # None: wait as long as the deadline allows
     deadline: float | None = None            # time.monotonic() value, None: no deadline
     span_context: trace.SpanContext | None = None   # the Generate span, for step-span links
+    span: trace.Span | None = None           # the Generate span itself: first-audio milestones as events
 
 
 @dataclass(frozen=True)
@@ -1067,11 +1068,16 @@ class Scheduler:
     # ---- output -----------------------------------------------------------------------------
 
     def _milestone(self, session: Session, phase: str) -> None:
-        """Submission -> now into drama_backbone_first_audio_seconds{phase}, once per phase, for
-        the first chunk only (later chunks start from a running session, not a request)."""
+        """Submission -> now into drama_backbone_first_audio_seconds{phase} and a `first_audio.<phase>`
+        event on the Generate span, once per phase, for the first chunk only (later chunks start
+        from a running session, not a request)."""
         if session.chunk_index == 0 and phase not in session.milestones:
             session.milestones.add(phase)
             self._first_audio_seconds.record(time.monotonic() - session.submitted, {"phase": phase})
+            # also on the request's trace, so one request's hops line up across the stages
+            # (bench/timeline.py reads them back from exported spans)
+            if session.job.span is not None:
+                session.job.span.add_event(f"first_audio.{phase}")
 
     def _draw_row_milestone(self, session: Session, event: str) -> None:
         """`event` ("computed" or "sent") of a row that draws a frame: the prompt's last row

@@ -122,7 +122,7 @@ def parse_sampling(request: backbone_pb2.GenerateRequest, config: DramaConfig,
 
 
 def parse_job(request: backbone_pb2.GenerateRequest, config: DramaConfig, *, max_context: int,
-              deadline: float | None, span_context: trace.SpanContext | None = None) -> Job:
+              deadline: float | None, span: trace.Span | None = None) -> Job:
     """Validate a GenerateRequest and turn it into rows; raises INVALID_ARGUMENT GenerateErrors."""
     if not request.session_id:
         raise _invalid("Missing required parameter: 'session_id'.", "session_id",
@@ -148,7 +148,8 @@ def parse_job(request: backbone_pb2.GenerateRequest, config: DramaConfig, *, max
                first_message_frames=emit.first_message_frames or message_frames,
                message_frames=message_frames,
                queue_timeout_s=request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None,
-               deadline=deadline, span_context=span_context)
+               deadline=deadline, span=span,
+               span_context=None if span is None else span.get_span_context())
 
 
 def response_message(event) -> backbone_pb2.GenerateResponse:
@@ -250,7 +251,7 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServicer):
         try:
             job = parse_job(request, self.config, max_context=self.scheduler.engine.max_context,
                             deadline=None if remaining is None else time.monotonic() + remaining,
-                            span_context=span.get_span_context())
+                            span=span)
             session = self.scheduler.submit(job)
         except GenerateError as error:
             await abort_with(context, error)

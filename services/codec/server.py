@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import soundfile
 import torch
+from opentelemetry import trace
 
 from drama.codec.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.batcher import DecodeBatcher
@@ -220,6 +221,7 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
         await self._require_ready(context)
         session: DecodeSession | None = None
         key = id(context)
+        span = trace.get_current_span()      # the interceptor's SERVER span, if tracing is on
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("msg")
@@ -233,6 +235,8 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                     await grpcutil.abort(context, INVALID, f"'{kind}' before 'start'",
                                          drama_code="invalid_value", param=kind or "msg")
                 elif kind == "frames":
+                    if session.next_frame == 0:      # where the first frames meet the codec (bench/timeline.py)
+                        span.add_event("first_frames")
                     codes = await self._frames_codes(request.frames, session, context)
                     await self._check_deadline(context)
                     try:
@@ -242,6 +246,8 @@ class CodecServicer(codec_pb2_grpc.CodecServicer):
                                              drama_code="internal_error")
                     session.next_frame += codes.shape[-1]
                     chunk = codec_pb2.PcmChunk(first_sample_index=session.samples_sent, samples=pcm)
+                    if session.samples_sent == 0:
+                        span.add_event("first_pcm")
                     session.samples_sent += len(pcm) // 2
                     yield codec_pb2.DecodeResponse(pcm=chunk)
                 elif kind == "end":
