@@ -1,0 +1,310 @@
+"""Batch-invariant dense GEMM for decode steps (issue #8), without padding to 128 rows.
+
+    decode_linear(x [M, K], weight [N, K], residual [M, N] | None) -> x·Wᵀ (+ residual) [M, N]
+    naive_decode_linear(...)       the same product one row at a time in float64 (tests)
+    dense_linear(decode, x)        the GEMM a step's dense projections call: decode_linear for
+                                   decode steps on CUDA when DRAMA_DECODE_GEMM=triton, else
+                                   invariant.linear_rows (the switch is read once at import)
+    config_for(n, k, dtype)        the kernel's one config for a weight shape (never M)
+
+Dtypes as invariant.linear_rows: bf16 x and weight -> bf16, F32 accumulation, the residual added
+in F32 and the sum rounded once. An F32 weight (the router, MODEL.md §4.6) gives F32 out with
+IEEE F32 products and sums (never TF32: it changes the routing); x may then be F32 or bf16 (bf16
+is widened exactly in registers, which saves the router its F32 copy of u).
+
+Why: invariant.linear_rows buys invariance by padding every GEMM to M = 128 rows and calling
+cuBLAS with that one shape. At batch 1 that runs 128-row tensor-core tiles over weights that a
+decode step reads once: the H200 decode step spent ~1.9 ms per step in dense GEMMs that move
+~2.9 GB (a 0.68 ms floor). Here the kernel is written so that a row's bits cannot depend on M.
+
+Invariance by construction. The config (BN output columns, BK reduction step, SPLIT K ranges,
+num_warps, num_stages) is a function of the weight's shape and dtype only (`config_for`), never of
+M. Every tl.dot is [16, BK] x [BK, BN] with an F32 accumulator: BLOCK_M = 16 keeps Triton on the
+per-warp MMA (mma.sync; BLOCK_M >= 64 would switch Hopper to the warpgroup MMA, another
+instruction), and the F32 router's IEEE dot is an FMA chain over k. Each output element is then
+Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
+instruction sequence; nothing in that sequence looks at the other rows (rows past M are masked to
+zero and never stored; storage past M is never read). With SPLIT > 1 the range partials go to an
+F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in range order 0, 1, .., then the
+residual: a fixed order, no atomics. With SPLIT = 1 the GEMM kernel adds the residual itself (the
+same arithmetic: partial + residual, one rounding).
+
+Weights are read once per step for M <= 128. A program owns BN columns x one K range and walks the
+M rows in chunks of up to 128 (MT = ⌈M/16⌉ tiles of 16 rows, capped at 8): inside its K loop it
+loads each [BK, BN] weight tile once and feeds it to the MT dots, one F32 accumulator per tile
+(MT is a launch constant: it sets how many tiles run, not how any of them sums). At M = 1 that is
+one 16-row dot per weight tile (tensor-core work wasted on 15 zero rows, which the weight stream
+hides); at M = 128 it is 8 dots per weight tile, like cuBLAS's 128-row tile, and the activations
+are re-read from L2 once per column block. Past 128 rows (eager decode of a larger batch; the
+graphs stop at 128) the program walks further 128-row chunks and reads its weight slice again.
+The grid is (⌈N/BN⌉, SPLIT); `config_for` splits K when the column blocks alone would leave most
+of the 132 SMs idle (out_proj/o_proj N 2048, the shared expert, the router N 256), so that enough
+weight bytes are in flight at M = 1.
+
+Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
+[SPLIT, M, N]); no sync, no data-dependent allocation.
+
+Switch: DRAMA_DECODE_GEMM = cublas (default: every dense GEMM through invariant.linear_rows) or
+triton (decode steps on CUDA through decode_linear). A decode row and a prefill row may then
+differ in their last bits (different kernels); each stays invariant on its own: a decode row does
+not depend on the batch, a prefill row does not depend on packing (linear_rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from services.common import invariant
+
+from . import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
+MAX_TILES = 8               # 16-row tiles a program keeps accumulators for: 128 rows per weight read
+_CHOICES = ("cublas", "triton")
+
+
+def _read_switch() -> str:
+    value = os.environ.get("DRAMA_DECODE_GEMM", "cublas").strip().lower()
+    if value not in _CHOICES:
+        raise ValueError(f"DRAMA_DECODE_GEMM must be one of {_CHOICES}, got {value!r}")
+    return value
+
+
+BACKEND = _read_switch()
+
+
+def dense_linear(decode: bool, x: torch.Tensor):
+    """The dense GEMM for a step's projections of x: decode_linear on a decode step (every segment
+    one row; not padded prefill pieces) with x on CUDA and DRAMA_DECODE_GEMM=triton, else
+    invariant.linear_rows. Both take (x, weight, residual=None)."""
+    if decode and BACKEND == "triton" and HAS_TRITON and x.is_cuda:
+        return decode_linear
+    return invariant.linear_rows
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
+    """The one launch config for a [n, k] weight of `dtype`, whatever the row count (issue #8).
+
+    BN = 64 columns per program when that gives at least 128 column blocks (GDN in_proj N 12352,
+    attention qkv N 9216), else 32. Then K is split in 2, 4, .. ranges while the grid has fewer
+    than 128 programs and each range keeps at least 2 BK steps: out_proj/o_proj (2048 x 4096)
+    64 x 2, shared gate|up|gate (1088 x 2048) 34 x 4, shared down (2048 x 512) 64 x 2, the F32
+    router (256 x 2048, BK 64) 8 x 16. Tuned by bench/decode_gemm.py --sweep, not on a GPU yet.
+    """
+    f32 = dtype == torch.float32
+    bk = 64 if f32 else 128           # F32: an FMA dot keeps [16, BK] and [BK, BN] in registers
+    bn = 64 if _cdiv(n, 64) >= 128 else 32
+    split = 1
+    while _cdiv(n, bn) * split < 128 and k // (2 * split) >= 2 * bk:
+        split *= 2
+    return dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None = None) -> dict:
+    """What decode_linear launches for M = m: the config plus `tiles` (16-row tiles per chunk, the
+    only M-dependent constant, which sets how many tiles run but not how one sums), `k_range`
+    (reduction length per split) and `splits` (K ranges that are not empty; a function of K)."""
+    cfg = dict(config or config_for(n, k, dtype))
+    steps = _cdiv(k, cfg["BK"])
+    k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
+    return dict(cfg, tiles=min(MAX_TILES, max(1, _cdiv(m, ROWS))), k_range=k_range,
+                splits=_cdiv(k, k_range))
+
+
+@functools.cache
+def _bf16_dot_args() -> tuple:
+    """(read once per process) tl.dot operand type and precision for bf16 inputs. Triton's CPU
+    interpreter (TRITON_INTERPRET=1) multiplies bf16 as raw bits, so there the operands are F32
+    with IEEE products: the same values (as kernels/moe_decode._dot_args)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return tl.float32, "ieee"
+    return tl.bfloat16, None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """Validate the arguments; return the output dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"decode_linear wants x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype == torch.float32:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"an F32 weight takes F32 or bf16 x, got {x.dtype}")
+        out_dtype = torch.float32
+    elif weight.dtype == torch.bfloat16:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"a bf16 weight takes bf16 x, got {x.dtype}")
+        out_dtype = torch.bfloat16
+    else:
+        raise ValueError(f"decode_linear supports bf16 and F32 weights, got {weight.dtype}")
+    if residual is not None and tuple(residual.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"residual {tuple(residual.shape)}: expected {(x.shape[0], weight.shape[0])}")
+    return out_dtype
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
+                  config: dict | None = None) -> torch.Tensor:
+    """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
+
+    Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
+    elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
+    config_for (benchmarks and tests; serving never passes one). The output is allocated with
+    invariant.empty_rows, so a following linear_rows reads it in place."""
+    out_dtype = _check(x, weight, residual)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (HAS_TRITON and (x.is_cuda or interpret)):
+        return invariant.linear_rows(x.to(weight.dtype), weight, residual)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = invariant.empty_rows(m, n, dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    x, weight = _rows_contiguous(x), _rows_contiguous(weight)
+    residual = None if residual is None else _rows_contiguous(residual)
+    plan = launch_plan(m, n, k, weight.dtype, config)
+    dot, prec = (tl.float32, "ieee") if weight.dtype == torch.float32 else _bf16_dot_args()
+    splits = plan["splits"]
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    res = residual if residual is not None else out          # never read without HAS_RESIDUAL
+    grid = (triton.cdiv(n, plan["BN"]), splits)
+    _decode_gemm_kernel[grid](
+        x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
+        plan["k_range"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
+        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if splits > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def naive_decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The product one row at a time in float64 (what decode_linear approximates), on x's device."""
+    w = weight.double()
+    rows = [w @ row for row in x.double()]
+    out = torch.stack(rows) if rows else torch.zeros(0, w.shape[0], dtype=torch.float64, device=x.device)
+    return out if residual is None else out + residual.double()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_dot(acc, x_ptr, rows, M, stride_xm, kk, k_ok, w, DOT: tl.constexpr, PREC: tl.constexpr):
+        """acc [16, BN] + x[rows, kk] · w [BK, BN]: one 16-row MMA step, rows past M as zeros."""
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+        return tl.dot(x.to(DOT), w, acc, input_precision=PREC, out_dtype=tl.float32)
+
+    @triton.jit
+    def _tile_store(acc, rows, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm,
+                    FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """FINAL: acc (+ residual, in F32) rounded once into out; else the F32 partial into the
+        workspace slice at out_ptr."""
+        mask = (rows < M)[:, None] & n_ok[None, :]
+        r64 = rows[:, None].to(tl.int64)
+        if FINAL:
+            if HAS_RESIDUAL:
+                acc = acc + tl.load(r_ptr + r64 * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+                            stride_om, K_RANGE,
+                            BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr, FINAL: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """Program (column block, K range): out[:, block] over rows 0..M-1 in chunks of 16·TILES.
+        FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BK)
+        rows0 = tl.arange(0, 16)
+        k_lo = pid_k * K_RANGE
+        k_hi = tl.minimum(K, k_lo + K_RANGE)
+        w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
+        out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
+        for m0 in range(0, M, 16 * TILES):
+            # one accumulator per 16-row tile; tiles >= TILES are pruned at compile time
+            acc0 = tl.zeros([16, BN], dtype=tl.float32)
+            acc1 = tl.zeros([16, BN], dtype=tl.float32)
+            acc2 = tl.zeros([16, BN], dtype=tl.float32)
+            acc3 = tl.zeros([16, BN], dtype=tl.float32)
+            acc4 = tl.zeros([16, BN], dtype=tl.float32)
+            acc5 = tl.zeros([16, BN], dtype=tl.float32)
+            acc6 = tl.zeros([16, BN], dtype=tl.float32)
+            acc7 = tl.zeros([16, BN], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
+                kk = k0 + offs_k
+                k_ok = kk < k_hi
+                w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+                w = w.to(DOT)
+                acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 1:
+                    acc1 = _tile_dot(acc1, x_ptr, m0 + 16 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 2:
+                    acc2 = _tile_dot(acc2, x_ptr, m0 + 32 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 3:
+                    acc3 = _tile_dot(acc3, x_ptr, m0 + 48 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 4:
+                    acc4 = _tile_dot(acc4, x_ptr, m0 + 64 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 5:
+                    acc5 = _tile_dot(acc5, x_ptr, m0 + 80 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 6:
+                    acc6 = _tile_dot(acc6, x_ptr, m0 + 96 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                if TILES > 7:
+                    acc7 = _tile_dot(acc7, x_ptr, m0 + 112 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
+            if TILES > 1:
+                _tile_store(acc1, m0 + 16 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 2:
+                _tile_store(acc2, m0 + 32 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 3:
+                _tile_store(acc3, m0 + 48 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 4:
+                _tile_store(acc4, m0 + 64 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 5:
+                _tile_store(acc5, m0 + 80 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 6:
+                _tile_store(acc6, m0 + 96 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+            if TILES > 7:
+                _tile_store(acc7, m0 + 112 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                            HAS_RESIDUAL)
+
+    @triton.jit
+    def _split_reduce_kernel(part_ptr, r_ptr, out_ptr, MN, N, stride_rm, stride_om, SPLIT: tl.constexpr,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """out = ((p0 + p1) + ..) + residual, rounded once: the K ranges in order, for every element."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < MN
+        row, col = offs // N, offs % N
+        acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc = acc + tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            acc = acc + tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,233 @@
+"""kernels/decode_gemm.py (the decode step's batch-invariant dense GEMM) against its float64
+reference, and the property it exists for: a row's bits never depend on the batch (issue #8).
+
+The kernel runs on a CUDA GPU, or in Triton's CPU interpreter:
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_decode_gemm.py
+(there bf16 operands are multiplied as F32 with IEEE products: the same values, see
+decode_gemm._bf16_dot_args). Without either, the kernel tests skip; the config, dispatch and
+reference tests run everywhere. The interpreter tests use small K and N (and the real shapes only
+where the grid is small); the GPU runs every real decode-step shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.backbone.kernels import HAS_TRITON, decode_gemm
+from services.common import invariant
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+CUDA = torch.cuda.is_available() and HAS_TRITON
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+kernel = pytest.mark.skipif(not (CUDA or INTERPRET),
+                            reason="needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 with Triton)")
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with Triton")
+
+# (name, N, K, weight dtype, residual): the decode step's dense GEMMs at the full preset
+REAL = [("gdn_in_proj", 12352, 2048, torch.bfloat16, False),
+        ("out_proj", 2048, 4096, torch.bfloat16, True),          # GDN out_proj and attention o_proj
+        ("shared_fused", 1088, 2048, torch.bfloat16, False),
+        ("shared_down", 2048, 512, torch.bfloat16, False),
+        ("router", 256, 2048, torch.float32, False),
+        ("attn_qkv", 9216, 2048, torch.bfloat16, False)]
+CHEAP_IN_INTERPRETER = {"shared_down", "router"}      # grids of a few hundred dots
+
+
+def operands(m, n, k, dtype, residual, seed=0):
+    """x [m, k], weight [n, k] (scaled so outputs are O(1)) and an optional residual, on DEVICE.
+    An F32 weight takes bf16 x, as the router does on the decode path."""
+    gen = torch.Generator().manual_seed(seed)
+    x_dtype = torch.bfloat16
+    x = torch.randn(m, k, generator=gen).to(x_dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    r = torch.randn(m, n, generator=gen).to(dtype) if residual else None
+    return [None if t is None else t.to(DEVICE) for t in (x, w, r)]
+
+
+def assert_matches_reference(got, x, w, r):
+    ref = decode_gemm.naive_decode_linear(x, w, r)
+    assert got.shape == ref.shape and not torch.isnan(got).any()
+    diff = (got.double() - ref).abs()
+    worst, rel = float(diff.max() / ref.abs().max()), float(diff.norm() / ref.norm())
+    # bf16 output: one rounding (2^-9 relative) of an exact-in-F32 sum; F32: summation error only
+    limit = 1e-5 if got.dtype == torch.float32 else 8e-3
+    assert worst < limit, f"max |diff| {float(diff.max()):.3g} ({worst:.3g} of the largest output), rel RMS {rel:.3g}"
+
+
+# --- runs everywhere ---------------------------------------------------------------------------
+
+def test_config_never_depends_on_the_row_count():
+    """Everything that sets a row's summation order (BN, BK, the K ranges, warps, stages) is the
+    same for M = 1..300; only the number of 16-row tiles a program carries changes."""
+    for _, n, k, dtype, _ in REAL + [("odd", 80, 256, torch.bfloat16, False)]:
+        plans = [decode_gemm.launch_plan(m, n, k, dtype) for m in (1, 2, 3, 16, 17, 64, 127, 128, 300)]
+        fixed = [{key: v for key, v in p.items() if key != "tiles"} for p in plans]
+        assert all(f == fixed[0] for f in fixed), fixed
+        assert [p["tiles"] for p in plans] == [1, 1, 1, 1, 2, 4, 8, 8, 8]
+
+
+def test_real_shapes_fill_the_gpu():
+    """At M = 1 every real shape launches at least 128 programs (column blocks x K ranges), so
+    enough weight bytes are in flight; split K only where the column blocks alone are too few."""
+    for name, n, k, dtype, _ in REAL:
+        plan = decode_gemm.launch_plan(1, n, k, dtype)
+        programs = -(-n // plan["BN"]) * plan["splits"]
+        assert programs >= 128, (name, plan)
+        assert plan["splits"] == 1 or -(-n // plan["BN"]) < 128, (name, plan)
+        assert plan["k_range"] * plan["splits"] >= k > plan["k_range"] * (plan["splits"] - 1), (name, plan)
+
+
+def test_reference_is_row_by_row_float64():
+    x, w, r = (t.cpu() for t in operands(5, 24, 40, torch.bfloat16, True))
+    ref = decode_gemm.naive_decode_linear(x, w, r)
+    assert ref.dtype == torch.float64
+    torch.testing.assert_close(ref, x.double() @ w.double().T + r.double())
+    torch.testing.assert_close(ref, invariant.linear_rows_reference(x, w, r))
+
+
+def test_rejects_bad_arguments():
+    x, w, _ = (t.cpu() if t is not None else None for t in operands(2, 32, 64, torch.bfloat16, False))
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        decode_gemm.decode_linear(x, w[:, :32])
+    with pytest.raises(ValueError, match="residual"):
+        decode_gemm.decode_linear(x, w, torch.zeros(3, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 weight takes bf16"):
+        decode_gemm.decode_linear(x.float(), w)
+    with pytest.raises(ValueError, match="bf16 and F32 weights"):
+        decode_gemm.decode_linear(x.half(), w.half())
+
+
+def test_switch(monkeypatch):
+    """cublas (the default) always gives invariant.linear_rows; triton only on a decode step with
+    x on CUDA; a bad value is an error."""
+    x = torch.zeros(1, 8)
+    monkeypatch.delenv("DRAMA_DECODE_GEMM", raising=False)
+    assert decode_gemm._read_switch() == "cublas"
+    monkeypatch.setenv("DRAMA_DECODE_GEMM", "Triton ")
+    assert decode_gemm._read_switch() == "triton"
+    monkeypatch.setenv("DRAMA_DECODE_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="DRAMA_DECODE_GEMM"):
+        decode_gemm._read_switch()
+    monkeypatch.setattr(decode_gemm, "BACKEND", "cublas")
+    assert decode_gemm.dense_linear(True, x) is invariant.linear_rows
+    monkeypatch.setattr(decode_gemm, "BACKEND", "triton")
+    assert decode_gemm.dense_linear(True, x) is invariant.linear_rows           # CPU tensor
+    assert decode_gemm.dense_linear(False, x) is invariant.linear_rows
+    if CUDA:
+        assert decode_gemm.dense_linear(True, x.cuda()) is decode_gemm.decode_linear
+        assert decode_gemm.dense_linear(False, x.cuda()) is invariant.linear_rows
+
+
+# --- the kernel (GPU or interpreter) -----------------------------------------------------------
+
+@kernel
+@pytest.mark.parametrize("m", [1, 3, 17, 128])
+@pytest.mark.parametrize("n,k,dtype,residual", [(80, 256, torch.bfloat16, False),     # N % BN != 0
+                                                (80, 256, torch.bfloat16, True),
+                                                (72, 1024, torch.bfloat16, True),     # split K (4 ranges)
+                                                (40, 320, torch.float32, False)],     # F32, K % BK != 0
+                         ids=["bf16", "bf16-residual", "bf16-split-residual", "f32"])
+def test_matches_reference(m, n, k, dtype, residual):
+    x, w, r = operands(m, n, k, dtype, residual)
+    got = decode_gemm.decode_linear(x, w, r)
+    assert got.dtype == dtype
+    assert_matches_reference(got, x, w, r)
+
+
+@kernel
+@pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
+def test_real_shapes_match_reference(name, n, k, dtype, residual):
+    if not CUDA and name not in CHEAP_IN_INTERPRETER:
+        pytest.skip("a large grid: minutes in the interpreter (the GPU runs it)")
+    for m in ((1, 8, 32, 128) if CUDA else (2,)):
+        x, w, r = operands(m, n, k, dtype, residual)
+        assert_matches_reference(decode_gemm.decode_linear(x, w, r), x, w, r)
+
+
+def _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config=None):
+    """Row p computed alone (M = 1), inside a batch of 17 and inside the batch of 128: same bits."""
+    x, w, r = operands(128, n, k, dtype, residual, seed=3)
+    full = decode_gemm.decode_linear(x, w, r, config=config)
+    part = decode_gemm.decode_linear(x[:17], w, None if r is None else r[:17], config=config)
+    assert torch.equal(part, full[:17])
+    for p in positions:
+        alone = decode_gemm.decode_linear(x[p:p + 1], w, None if r is None else r[p:p + 1], config=config)
+        assert torch.equal(alone[0], full[p]), f"row {p}: max |diff| {float((alone[0] - full[p]).abs().max())}"
+
+
+SOME_POSITIONS = (0, 1, 7, 15, 16, 31, 47, 64, 100, 127)     # first/inner/last of several tiles
+
+
+@kernel
+@pytest.mark.parametrize("n,k,dtype,residual,config,positions", [
+    (32, 256, torch.bfloat16, True, None, range(128)),
+    (32, 256, torch.bfloat16, True, dict(BN=32, BK=128, SPLIT=2, num_warps=4, num_stages=3), SOME_POSITIONS),
+    (24, 128, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3), SOME_POSITIONS)],
+    ids=["bf16-residual", "bf16-split-residual", "f32-split"])
+def test_row_alone_equals_row_in_batch_of_128(n, k, dtype, residual, config, positions):
+    """Issue #8, bit for bit: a row alone (M = 1) equals the same row inside the 128-row batch,
+    at every position (every 16-row tile, every place inside a tile) for the plain kernel, and
+    at positions in several tiles for the split-K and F32 variants (interpreter time)."""
+    _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config)
+
+
+@kernel
+def test_rows_past_m_are_never_read():
+    """x and the residual as the leading rows of bigger buffers whose other rows hold NaN and Inf
+    (as invariant.empty_rows' padding may): the result equals that of clean copies."""
+    x, w, r = operands(128, 48, 256, torch.bfloat16, True, seed=5)
+    dirty_x = torch.full((128, 256), float("nan"), dtype=x.dtype, device=x.device)
+    dirty_r = torch.full((128, 48), float("inf"), dtype=r.dtype, device=r.device)
+    dirty_x[:5], dirty_r[:5] = x[:5], r[:5]
+    got = decode_gemm.decode_linear(dirty_x[:5], w, dirty_r[:5])
+    assert torch.equal(got, decode_gemm.decode_linear(x[:5].clone(), w, r[:5].clone()))
+
+
+@kernel
+def test_strided_operands():
+    """A column slice of a wider tensor as x (row stride != K) gives the same bits as a copy."""
+    x, w, _ = operands(9, 48, 512, torch.bfloat16, False, seed=6)
+    wide = torch.cat([x, x], dim=1)[:, :256]
+    assert torch.equal(decode_gemm.decode_linear(wide, w[:, :256]),
+                       decode_gemm.decode_linear(wide.contiguous(), w[:, :256].contiguous()))
+
+
+# --- GPU only ----------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
+def test_real_shapes_rows_do_not_depend_on_the_batch(name, n, k, dtype, residual):
+    _row_alone_equals_row_in_batch(n, k, dtype, residual, (0, 1, 15, 16, 31, 64, 100, 127))
+
+
+@gpu
+def test_close_to_padded_cublas():
+    """Same math as invariant.linear_rows up to summation order (different bits allowed)."""
+    for name, n, k, dtype, residual in REAL:
+        x, w, r = operands(8, n, k, dtype, residual)
+        x_in = x.float() if dtype == torch.float32 else x
+        got, ref = decode_gemm.decode_linear(x, w, r), invariant.linear_rows(x_in, w, r)
+        assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2, name
+
+
+@gpu
+def test_graph_capture():
+    """Captured in a CUDA graph (split-K workspace included), a replay on new inputs equals an
+    eager call on them."""
+    x, w, r = operands(32, 2048, 4096, torch.bfloat16, True)
+    out = decode_gemm.decode_linear(x, w, r)                 # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_gemm.decode_linear(x, w, r)
+    x2, _, r2 = operands(32, 2048, 4096, torch.bfloat16, True, seed=9)
+    x.copy_(x2)
+    r.copy_(r2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode_gemm.decode_linear(x2, w, r2))
