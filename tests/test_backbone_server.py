@@ -547,6 +547,26 @@ async def test_first_audio_milestones_are_recorded_once_each_in_order(stage):
     assert times == sorted(times) and times[0] >= 0, dict(zip(FIRST_AUDIO_PHASES, times))
 
 
+async def test_first_audio_hold_sits_the_session_out_once_and_changes_no_frame(stage):
+    """first_audio_hold_s: after its first frames message a session sits out the decode steps
+    that long (the codec's first chunk has the GPU), once per request; the frames are the same."""
+    codes, hold = {}, 0.25
+    for hold_s in (0.0, hold):
+        scheduler, rec = await stage(first_audio_hold_s=hold_s)
+        session = scheduler.submit(_job("held", turns=("x", "y"), max_new=5, first=2))
+        arrivals = []
+        async for event in scheduler.events(session):
+            if isinstance(event, FramesOut):
+                arrivals.append((time.monotonic(), event))
+        codes[hold_s] = torch.cat([e.codes for _, e in arrivals])
+        if hold_s:
+            # the next message of the first chunk waits out the hold; the second chunk's first
+            # message sets no new one (the hold still ends where the first message set it)
+            assert arrivals[1][0] - arrivals[0][0] >= hold
+            assert session.held_until <= arrivals[0][0] + hold
+    assert torch.equal(codes[0.0], codes[hold])
+
+
 async def test_a_long_prompt_is_prefilled_in_pieces_back_to_back(stage):
     """The next prefill piece is computed while the tower works on the previous one; the frames
     equal those of a one-piece prefill."""

@@ -14,7 +14,9 @@ cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the 
 step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off),
 DRAMA_PREFILL_GRAPHS (the prefill pieces of a step as padded pieces replayed from CUDA graphs,
 several sessions' pieces packed in one replay: on with the decode graphs, 0 turns them off; read
-by Backbone) and DRAMA_GRACE_S (30).
+by Backbone), DRAMA_FIRST_AUDIO_HOLD_MS (a session sits out the decode steps this long after its
+first frames message, so the codec's first chunk has the GPU: 5 on CUDA, 0 on the CPU) and
+DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
@@ -69,6 +71,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
         decode_graphs=env_switch("DRAMA_DECODE_GRAPHS"),
         prefill_lane=env_switch("DRAMA_PREFILL_LANE"),
+        first_audio_hold_ms=env_default("DRAMA_FIRST_AUDIO_HOLD_MS", None, float),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 

@@ -253,6 +253,7 @@ class Session:
     messages_sent: int = 0
     buffered_frames: int = 0               # emitted frames the caller has not taken yet
     paused: bool = False
+    held_until: float = 0.0                # time.monotonic() before which it sits out (first-audio hold)
     prefill_start_ns: int = 0
     timeline: int = 0                      # counts the timelines opened (chunks, prefix fallbacks)
     prefix: tuple[str, int] | None = None  # (key, rows) of the cacheable prefix, once computed
@@ -379,7 +380,8 @@ class Scheduler:
                  step_span_sample: float = 0.01, max_inflight_steps: int = 2,
                  idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
                  prefix_cache: PrefixCache | None = None, model_identity: str = "",
-                 prefill_interval_s: float = 0.0, prefill_lane: bool = False):
+                 prefill_interval_s: float = 0.0, prefill_lane: bool = False,
+                 first_audio_hold_s: float = 0.0):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
         goes into its keys, so snapshots of different weights or numerics never mix.
 
@@ -393,7 +395,14 @@ class Scheduler:
         With the prefill lane it spaces the lane's steps.
 
         prefill_lane: compute prefill pieces on a lane of their own, beside the decode groups
-        (see the module docstring). Needs pieces of two rows or more."""
+        (see the module docstring). Needs pieces of two rows or more.
+
+        first_audio_hold_s: a session whose first frames message has just gone out sits out the
+        decode steps for this long (once per request). Why: the stages are processes sharing one
+        GPU, which time-slices between them, so the codec's first chunk, the last thing before
+        the first audio byte, ran beside this session's next backbone and tower steps and took
+        ~7.5 ms instead of ~3 (bench/timeline.py on the H200). The session's later frames come
+        that much later, far ahead of playback; other sessions' steps go on. 0: no hold."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -404,6 +413,7 @@ class Scheduler:
         # cadence of the running streams.
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
         self.prefill_interval_s = prefill_interval_s
+        self.first_audio_hold_s = first_audio_hold_s
         self._last_prefill_step = float("-inf")    # time.monotonic() of the last step with prefill
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
@@ -711,9 +721,12 @@ class Scheduler:
         prefill lane: decode rows, at most a group's share of them, and one-row pieces only."""
         entries: list[_Entry] = []
         runnable = []
+        now = time.monotonic()
         for session in self._active:
             if session.paused and session.buffered_frames <= self.session_buffer_frames // 2:
                 session.paused = False
+            if session.held_until > now:   # first-audio hold (a timer wakes the loop at its end)
+                continue
             # A decoding session's frame has come back; one waiting for its frame is neither.
             # Prefill pieces need not wait for the previous piece's response: the stream keeps
             # their order, and only the last piece draws.
@@ -742,7 +755,6 @@ class Scheduler:
                     entries.append(self._piece(session, 1))
             return entries
         budget = self.step_prefill_rows
-        now = time.monotonic()
         # Not due while streams are past their prompt: decoding now, or waiting at the tower for
         # their frame (with two groups in flight, a prefill step in the other group delays them
         # just the same). Checked only inside the interval, so the default (0) costs nothing.
@@ -1102,6 +1114,9 @@ class Scheduler:
         session.outbox.put_nowait(FramesOut(session.chunk_index, session.emitted_in_chunk, codes))
         if session.messages_sent == 0:
             self._milestone(session, "first_message")
+            if session.chunk_index == 0 and self.first_audio_hold_s > 0:
+                session.held_until = time.monotonic() + self.first_audio_hold_s
+                asyncio.get_running_loop().call_later(self.first_audio_hold_s, self._nudge)
         session.emitted_in_chunk += len(session.pending)
         session.buffered_frames += len(session.pending)
         session.messages_sent += 1

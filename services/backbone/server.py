@@ -298,6 +298,10 @@ class Settings:
     # before SERVING; kernel path only). None: on for a CUDA device (DRAMA_DECODE_GRAPHS=0 turns
     # them off), see decode_graphs_for.
     decode_graphs: bool | None = None
+    # a session sits out the decode steps this long after its first frames message, so the
+    # codec's first chunk has the GPU (Scheduler). None: 5 ms on a CUDA device, 0 on the CPU;
+    # see first_audio_hold_ms_for.
+    first_audio_hold_ms: float | None = None
     grace_s: float = 30.0
 
 
@@ -336,6 +340,16 @@ def decode_graphs_for(settings: Settings) -> bool:
     if settings.decode_graphs is not None:
         return settings.decode_graphs
     return settings.device.startswith("cuda")
+
+
+def first_audio_hold_ms_for(settings: Settings) -> float:
+    """settings.first_audio_hold_ms, or by default 5 ms on a CUDA device: about what the codec's
+    first 2-frame chunk takes from the backbone's message to its PCM when it has the GPU alone
+    (hop to the gateway and the codec, the graph replay, the copy back; bench/timeline.py). On
+    the CPU the stages share cores, not a time-sliced device, and the tests keep the plain cadence."""
+    if settings.first_audio_hold_ms is not None:
+        return max(0.0, settings.first_audio_hold_ms)
+    return 5.0 if settings.device.startswith("cuda") else 0.0
 
 
 def prefill_lane_for(settings: Settings) -> bool:
@@ -469,7 +483,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
                           prefill_interval_s=settings.prefill_interval_ms / 1000,
-                          prefill_lane=lane,
+                          prefill_lane=lane, first_audio_hold_s=first_audio_hold_ms_for(settings) / 1000,
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
