@@ -231,3 +231,48 @@ def test_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, decode_gemm.decode_linear(x2, w, r2))
+
+
+# --- wiring: the backbone's kernel path (CPU through the interpreter, or CUDA) -----------------
+
+@kernel
+def test_backbone_decode_steps_take_decode_linear(monkeypatch):
+    """With the switch on (forced here: on CPU dense_linear would keep linear_rows), a decode
+    step's dense projections (GDN in/out, attention qkv/o, router, shared expert) go through
+    decode_linear and prefill steps never do; the decode rows stay within BF16 rounding of the
+    linear_rows path."""
+    from services.backbone.engine import BackboneEngine
+    from services.backbone.weights import random_backbone
+    from test_backbone_gpu import MID, copy_to
+
+    calls = []
+
+    def forced(decode, x):
+        if not decode:
+            return invariant.linear_rows
+        def linear(x, weight, residual=None):
+            calls.append((x.shape[0], weight.dtype))
+            return decode_gemm.decode_linear(x, weight, residual)
+        return linear
+
+    ref = random_backbone(MID, device="cpu", seed=4)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, MID.vocab_size, (n,), generator=gen) for n in (9, 6)]
+    tokens = torch.randint(0, MID.vocab_size, (1, 2), generator=gen)      # one decode step
+    out = {}
+    for name in ("linear_rows", "decode_linear"):
+        if name == "decode_linear":
+            monkeypatch.setattr(decode_gemm, "dense_linear", forced)
+        engine = BackboneEngine(copy_to(ref, DEVICE, kernels=True), max_sessions=3, max_context=64)
+        a, b = engine.open(), engine.open()
+        engine.step([(a, prompts[0], None), (b, prompts[1], None)])
+        assert not calls, "a prefill step took decode_linear"
+        out[name] = torch.stack([torch.stack(engine.step([(a, t[0:1], None), (b, t[1:2], None)])) for t in tokens])
+    layers = MID.num_hidden_layers
+    # per layer: the mixer's in and out projections, the router, shared gate|up|gate, shared down
+    assert len(calls) == 5 * layers, calls
+    assert {rows for rows, _ in calls} == {2}
+    assert sum(dtype == torch.float32 for _, dtype in calls) == layers, "the router GEMM is F32"
+    cos = torch.nn.functional.cosine_similarity(out["decode_linear"].double().flatten(0, -2),
+                                                out["linear_rows"].double().flatten(0, -2), dim=-1)
+    assert cos.min() > 0.999, f"min cosine {float(cos.min()):.6f}"

@@ -21,7 +21,8 @@ fuses q|k|v into one GEMM, does q/k norm + RoPE + the KV write in one Triton lau
 (kernels/decode_graph.attention_prologue); a decode step attends in one Triton call over the slot
 pool (`attend_slots`), other steps per segment through SDPA (`attend_segment`). Neither lets torch
 pick cuDNN, whose SDPA re-plans for every new key length.
-Batch invariance (issue #8): both GEMMs go through services/common/invariant.linear_rows; the
+Batch invariance (issue #8): both GEMMs go through services/common/invariant.linear_rows (on
+decode steps with DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the
 prologue works per row; decode attention's split size comes from the pool length (not from the
 step's longest row); a prefill segment's SDPA call sees only that session's rows and keys.
 """
@@ -40,6 +41,7 @@ from services.common import invariant
 from services.common.config import TextConfig
 
 from .kernels import attention as kattn
+from .kernels import decode_gemm
 from .kernels import decode_graph as dg
 from .layers import Linear, RowBatch, Weight, fuse_linears, per_row, rms_norm_plus
 from .rope import apply_rope
@@ -218,7 +220,8 @@ class GatedAttention(nn.Module):
         """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
-        qkv = invariant.linear_rows(u, self.qkv_fused)                   # [R, 2·n_q·d + 2·n_kv·d]
+        linear = decode_gemm.dense_linear(plan.decode, u)                # linear_rows unless DRAMA_DECODE_GEMM=triton
+        qkv = linear(u, self.qkv_fused)                                  # [R, 2·n_q·d + 2·n_kv·d]
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
@@ -234,4 +237,4 @@ class GatedAttention(nn.Module):
         gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
         y = invariant.empty_rows(rows, n_q * d, dtype=o.dtype, device=o.device)   # o_proj reads it in place
         torch.mul(o, torch.sigmoid(gate), out=y.view(rows, n_q, d))
-        return invariant.linear_rows(y, self.o_weight, x)                # x + y·W_oᵀ, one rounding
+        return linear(y, self.o_weight, x)                               # x + y·W_oᵀ, one rounding

@@ -36,7 +36,8 @@ session) runs the conv update and the in-place recurrence on the slot pool direc
 [S, c, K_c−1] BF16, state [S, H, K, V] F32); any other step packs all sessions' rows into one
 varlen conv (`varlen_causal_conv`) and one fla chunk call, with cu_seqlens eagerly, or one fla
 sequence per piece for the padded pieces of the prefill graphs (StepPlan.row_mask).
-Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows; the
+Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows (on
+decode steps with DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the
 conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
 launch configs; fla's varlen chunk kernels give each sequence its own chunks (chunk_indices from
 cu_seqlens), and their autotuning keys hold head counts and sizes, not T or the number of
@@ -57,6 +58,7 @@ from torch import nn
 from services.common import invariant
 from services.common.config import TextConfig
 
+from .kernels import decode_gemm
 from .kernels import gdn as kgdn
 from .layers import Linear, RowBatch, Segment, StepPlan, Weight, fuse_linears, per_row, rms_norm
 
@@ -426,7 +428,8 @@ class GatedDeltaNet(nn.Module):
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
-        proj = invariant.linear_rows(u, self.in_proj_fused)              # [R, c + n_v·d_v + 2·n_v]
+        linear = decode_gemm.dense_linear(plan.decode, u)                # linear_rows unless DRAMA_DECODE_GEMM=triton
+        proj = linear(u, self.in_proj_fused)                             # [R, c + n_v·d_v + 2·n_v]
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
@@ -455,7 +458,7 @@ class GatedDeltaNet(nn.Module):
             cache.state[plan.seg_slots] = state
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
-        return invariant.linear_rows(y.view(rows, hv * dv), self.out_weight, x)   # x + y·W_outᵀ
+        return linear(y.view(rows, hv * dv), self.out_weight, x)        # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):
         """Conv output [R, c] -> q, k [R, n_k, d_k], v [R, n_v, d_v] (views; l2 norm and scale in the kernels)."""

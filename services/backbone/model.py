@@ -175,10 +175,11 @@ class DecoderLayer(nn.Module):
         u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache)
-        # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured)
+        # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
+        # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
                                         decode=batch.plan.decode or batch.plan.row_mask is not None,
-                                        config=batch.plan.moe_config)
+                                        config=batch.plan.moe_config, dense_decode=batch.plan.decode)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:

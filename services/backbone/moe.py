@@ -17,7 +17,8 @@ the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert k
 block table for T·k <= 1024 pairs, grouped prefill above); the shared expert's gate, up and its
 scalar gate are one BF16 GEMM, and one combine kernel adds everything to the residual.
 Batch invariance (issue #8): the router, shared-expert and BF16-expert GEMMs of the kernel path go
-through services/common/invariant.linear_rows; the routed FP8 experts use one kernel config for
+through services/common/invariant.linear_rows (router and shared expert on decode steps with
+DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the routed FP8 experts use one kernel config for
 every pair count (fp8_moe.kernel_config); top-k and combine work one row per program.
 """
 
@@ -31,6 +32,7 @@ from services.common.config import TextConfig
 from services.common.invariant import empty_rows, linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
+from .kernels import decode_gemm
 from .kernels import decode_graph as dg
 from .kernels import moe_decode
 from .kernels import fp8_moe
@@ -196,7 +198,7 @@ class SparseMoE(nn.Module):
         self.shared_down = shared.down_proj.dense_weight()
 
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
-                        config: dict | None = None) -> torch.Tensor:
+                        config: dict | None = None, dense_decode: bool = False) -> torch.Tensor:
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
 
@@ -204,12 +206,18 @@ class SparseMoE(nn.Module):
         padded prefill pieces, which must not sync with the host) takes kernels/moe_decode.py's
         expert-major split-K kernels, every other (eager prefill) step fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
         so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
-        config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG)."""
+        config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
+        `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
+        (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton)."""
         i_s = self.shared_down.shape[1]
-        u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
-        logits = linear_rows(u32.copy_(u), self.gate.weight)             # router in F32 (§4.6)
-        fused = linear_rows(u, self.shared_fused)                        # [R, 2·I_s + 1 (+ zero pad)]
-        shared = linear_rows(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
+        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        if linear is linear_rows:
+            u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
+            logits = linear_rows(u32.copy_(u), self.gate.weight)         # router in F32 (§4.6)
+        else:       # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
+            logits = linear(u, self.gate.weight)
+        fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
+        shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         gate_logit = fused[:, 2 * i_s]
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
