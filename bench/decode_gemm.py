@@ -1,0 +1,231 @@
+"""The decode step's dense GEMMs: kernels/decode_gemm.decode_linear (Triton, batch-invariant by
+construction) against invariant.linear_rows (cuBLAS padded to 128 rows), one table (issue #8).
+
+    python3 bench/decode_gemm.py                       every real shape at M = 1, 8, 32, 128
+    python3 bench/decode_gemm.py --sweep --shapes out_proj   also other configs (M = 1 and 128; a few
+                                                       minutes per shape: compiles every config)
+    python3 bench/decode_gemm.py --backbone            the graphed decode step, cublas vs triton
+                                                       (bench/backbone.py twice, DRAMA_DECODE_GEMM)
+
+Per shape and M: `calls` GEMMs on distinct weights (the layers of one decode step, so L2 holds
+no weight between calls) captured as one CUDA graph, replayed (median of
+triton.testing.do_bench); µs per call and GB/s of weight bytes read. The router's cuBLAS column
+includes its F32 copy of u, as serving does it (decode_linear reads bf16 u). Before timing:
+`err` is decode_linear's max |diff| / max |ref| against the float64 reference on 4 rows, and
+`inv` says whether rows alone (M = 1) and inside M = 8 and 32 equal their bits inside M = 128 at
+positions 0, 1, 15, 16, 31, 63, 64, 127 ("yes" or the first failing position).
+What to look for: inv = yes everywhere; at M = 1 most shapes near 3 TB/s+; at M = 128 the
+Triton time at most ~1.3x cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# (name, N, K, weight dtype, residual, calls per decode step at the full preset)
+SHAPES = [("gdn_in_proj", 12352, 2048, torch.bfloat16, False, 30),
+          ("out_proj", 2048, 4096, torch.bfloat16, True, 40),
+          ("shared_fused", 1088, 2048, torch.bfloat16, False, 40),
+          ("shared_down", 2048, 512, torch.bfloat16, False, 40),
+          ("router", 256, 2048, torch.float32, False, 40),
+          ("attn_qkv", 9216, 2048, torch.bfloat16, False, 10)]
+POSITIONS = (0, 1, 15, 16, 31, 63, 64, 127)
+
+
+def do_bench(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def graphed(fn, calls: int):
+    """fn(i) for i < calls, captured once; returns the replay."""
+    fn(0)                                     # compile / pick kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return graph.replay
+
+
+def invariance(decode_linear, w, dtype, residual: bool, config=None) -> str:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(128, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
+    r = torch.randn(128, w.shape[0], device="cuda", generator=gen).to(dtype) if residual else None
+    cut = (lambda t, a, b: None if t is None else t[a:b])
+    full = decode_linear(x, w, r, config=config)
+    for m in (8, 32):
+        if not torch.equal(decode_linear(x[:m], w, cut(r, 0, m), config=config), full[:m]):
+            return f"NO (M={m})"
+    for p in POSITIONS:
+        if not torch.equal(decode_linear(x[p:p + 1], w, cut(r, p, p + 1), config=config)[0], full[p]):
+            return f"NO (row {p})"
+    return "yes"
+
+
+def bench_shape(shape, rows, configs, args) -> list[dict]:
+    """Time decode_linear under each config (None: config_for's) and, for the default, linear_rows."""
+    name, n, k, dtype, residual, calls = shape
+    calls = min(calls, args.calls)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(calls)]
+    out = []
+    for config in configs:
+        try:
+            out += bench_config(name, config, rows, weights, residual, gen)
+        except Exception as e:        # a sweep config may not fit (registers, shared memory)
+            if config is None:
+                raise
+            print(f"{name:<13} {_label(config)}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})",
+                  flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def _label(config: dict | None) -> str:
+    return "default" if config is None else ",".join(f"{key}{v}" for key, v in config.items())
+
+
+def bench_config(name, config, rows, weights, residual, gen) -> list[dict]:
+    from services.backbone.kernels import decode_gemm
+    from services.common import invariant
+
+    n, k = weights[0].shape
+    dtype, calls = weights[0].dtype, len(weights)
+    nbytes = n * k * weights[0].element_size()
+    inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config)
+    out = []
+    for m in rows:
+        # inputs as serving has them: padded storage (empty_rows), so linear_rows reads in place
+        x = invariant.empty_rows(m, k, dtype=torch.bfloat16, device="cuda")
+        x.copy_(torch.randn(m, k, device="cuda", generator=gen))
+        r = None
+        if residual:
+            r = invariant.empty_rows(m, n, dtype=dtype, device="cuda")
+            r.copy_(torch.randn(m, n, device="cuda", generator=gen))
+        few = min(m, 4)
+        ref = decode_gemm.naive_decode_linear(x[:few], weights[0], None if r is None else r[:few])
+        got = decode_gemm.decode_linear(x[:few], weights[0], None if r is None else r[:few], config=config)
+        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        triton_ms = do_bench(graphed(lambda i: decode_gemm.decode_linear(x, weights[i], r, config=config), calls))
+        row = dict(shape=name, n=n, k=k, m=m, config=_label(config),
+                   plan=decode_gemm.launch_plan(m, n, k, dtype, config), triton_us=triton_ms * 1e3 / calls,
+                   triton_gbs=nbytes * calls / (triton_ms * 1e-3) / 1e9, err=err, inv=inv)
+        if config is None:
+            if dtype == torch.float32:         # serving's cuBLAS router: F32 copy of u, then the GEMM
+                x32 = invariant.empty_rows(m, k, dtype=torch.float32, device="cuda")
+                fn = lambda i: invariant.linear_rows(x32.copy_(x), weights[i])  # noqa: E731
+            else:
+                fn = lambda i: invariant.linear_rows(x, weights[i], r)  # noqa: E731
+            cublas_ms = do_bench(graphed(fn, calls))
+            row.update(cublas_us=cublas_ms * 1e3 / calls, cublas_gbs=nbytes * calls / (cublas_ms * 1e-3) / 1e9)
+        out.append(row)
+        print(_line(row), flush=True)
+    return out
+
+
+def _line(r: dict) -> str:
+    cublas = (f"{r['cublas_us']:>9.1f} {r['cublas_gbs']:>8.0f} {r['triton_us'] / r['cublas_us']:>6.2f}"
+              if "cublas_us" in r else f"{'':>9} {'':>8} {'':>6}")
+    return (f"{r['shape']:<13} {r['m']:>4} {r['triton_us']:>9.1f} {r['triton_gbs']:>8.0f} {cublas} "
+            f"{r['err']:>8.1e} {r['inv']:<10} {r['config']}")
+
+
+HEADER = (f"{'shape':<13} {'M':>4} {'triton us':>9} {'GB/s':>8} {'cublas us':>9} {'GB/s':>8} {'ratio':>6} "
+          f"{'err':>8} {'inv':<10} config")
+
+
+def sweep_configs(n: int, k: int, dtype) -> list[dict]:
+    """Candidate configs for one weight shape: each one fixed for every M (issue #8)."""
+    f32 = dtype == torch.float32
+    out = []
+    for bn in (32, 64, 128):
+        for bk in ((32, 64) if f32 else (64, 128)):
+            for split in (1, 2, 4, 8, 16):
+                programs = -(-n // bn) * split
+                if k // split < bk or programs < 64 or programs > 1024:
+                    continue
+                out.append(dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3))
+    return out
+
+
+def backbone(args) -> dict:
+    """bench/backbone.py's graphed decode step with DRAMA_DECODE_GEMM=cublas, then =triton."""
+    results = {}
+    for backend in ("cublas", "triton"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "r.json"
+            cmd = [sys.executable, str(ROOT / "bench" / "backbone.py"), "--preset", "full", "--device", "cuda",
+                   "--prefill", "256", "--batch", *map(str, args.rows), "--context", "64", "--steps", "5",
+                   "--warmup", "2", "--decode-graphs", "--served-warm-up", "--out", str(out)]
+            print(f"DRAMA_DECODE_GEMM={backend} {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True, env=dict(os.environ, DRAMA_DECODE_GEMM=backend))
+            results[backend] = json.loads(out.read_text())
+    print(f"\n{'batch':>5} {'cublas ms':>10} {'triton ms':>10} {'saved ms':>9}   (graphed decode step, median)")
+    for batch in args.rows:
+        t = {b: next(r["median_ms"] for r in results[b]["decode"] if r["batch"] == batch and r["graphs"])
+             for b in results}
+        print(f"{batch:>5} {t['cublas']:>10.2f} {t['triton']:>10.2f} {t['cublas'] - t['triton']:>9.2f}")
+    return results
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], help="default: all")
+    parser.add_argument("--calls", type=int, default=40, help="GEMMs per graph, on distinct weights (at most "
+                        "the shape's count per decode step)")
+    parser.add_argument("--sweep", action="store_true", help="also time other configs (M = 1 and 128)")
+    parser.add_argument("--backbone", action="store_true", help="time the whole graphed decode step instead")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/decode_gemm.py needs a CUDA GPU")
+    if args.backbone:
+        results = backbone(args)
+    else:
+        print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second")
+        print(HEADER)
+        results = {"default": [], "sweep": []}
+        shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+        for shape in shapes:
+            results["default"] += bench_shape(shape, args.rows, [None], args)
+        if args.sweep:
+            print("\nsweep (M = 1 and 128; ratio column empty: compare with the default rows above)")
+            print(HEADER)
+            for shape in shapes:
+                rows = bench_shape(shape, [1, 128], sweep_configs(shape[1], shape[2], shape[3]), args)
+                results["sweep"] += rows
+                cublas128 = next(r["cublas_us"] for r in results["default"] if r["shape"] == shape[0]
+                                 and r["m"] == max(args.rows))
+                best = _best(rows, cublas128)
+                if best:
+                    print(f"best for {shape[0]}: {best}   (least M = 1 time with M = 128 <= 1.3x cuBLAS)")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return results
+
+
+def _best(rows: list[dict], cublas128: float) -> str | None:
+    by_config = {}
+    for r in rows:
+        by_config.setdefault(r["config"], {})[r["m"]] = r
+    ok = [(c[1]["triton_us"], name) for name, c in by_config.items()
+          if 1 in c and 128 in c and c[128]["triton_us"] <= 1.3 * cublas128 and c[1]["inv"] == "yes"]
+    return min(ok)[1] if ok else None
+
+
+if __name__ == "__main__":
+    main()
