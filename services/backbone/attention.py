@@ -155,8 +155,9 @@ class KVCache:
         shape = (slots, cfg.num_key_value_heads, max_context, cfg.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
-    def reset(self, slot: int) -> None:
-        pass
+    def reset_views(self, slot: int) -> list[torch.Tensor]:
+        """Nothing to zero: a slot's keys past its length are never read."""
+        return []
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]

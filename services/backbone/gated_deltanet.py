@@ -301,10 +301,9 @@ class GDNCache:
             g=torch.zeros(rows, CHUNK, hv, **f32),
             solved=torch.zeros(rows, CHUNK, hv, vd + kd, **f32))
 
-    def reset(self, slot: int) -> None:
-        for t in self.tensors():
-            if t.shape[0]:
-                t[slot].zero_()
+    def reset_views(self, slot: int) -> list[torch.Tensor]:
+        """The slot's state in each per-slot tensor: what a fresh session starts from zeroed."""
+        return [t[slot] for t in self.tensors() if t.shape[0]]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.conv, self.state, self.k, self.g, self.solved]

@@ -34,7 +34,7 @@ state to the spare slot the decode graphs pad with.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -134,10 +134,17 @@ class BackboneCaches:
     layers: list
     slots: int
     max_context: int
+    _reset_views: dict = field(default_factory=dict, repr=False)   # slot -> its state views, made once
 
     def reset(self, slot: int) -> None:
-        for cache in self.layers:
-            cache.reset(slot)
+        """Zero one slot's state in every layer, as one foreach launch over the slot's views: it
+        runs on the scheduler's event loop at each admission, where one zero_ per layer tensor
+        (~60 launches at full size) held up the session's Started and its prefill."""
+        views = self._reset_views.get(slot)
+        if views is None:
+            views = self._reset_views[slot] = [view for cache in self.layers for view in cache.reset_views(slot)]
+        if views:
+            torch._foreach_zero_(views)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.layers for t in c.tensors())
