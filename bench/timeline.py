@@ -166,6 +166,7 @@ def main(argv=None) -> int:
                         help="the stage logs of that stack (bench.stack --log-dir); with its own stack, "
                              "where to keep them (default: a temporary directory)")
     parser.add_argument("--random-weights", choices=["full", "tiny"], default=None)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="for its own stack (default: the tiny one)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--skip", type=int, default=1, help="first requests left out of the means")
@@ -189,6 +190,8 @@ def main(argv=None) -> int:
         stack_args = ["--device", args.device, "--max-sessions", "4", "--log-dir", str(log_dir)]
         if args.random_weights:
             stack_args += ["--random-weights", args.random_weights]
+        elif args.checkpoint:
+            stack_args += ["--checkpoint", str(args.checkpoint)]
         with background(stack_args, env=stack_environment(), timeout_s=900) as url:
             result = measure(url, log_dir, args.requests, args.words, args.frames, args.skip)
     print(f"one request through the stages ({result['requests']} requests of {args.words} words, "

@@ -1,0 +1,30 @@
+"""bench/timeline.py against a real tiny CPU stack of its own: one request's points, read back from
+the spans every stage exported, must come out in the order causality gives them across the four
+processes (a message is received after it is sent), with the client's first byte last."""
+
+from __future__ import annotations
+
+import json
+
+from bench import timeline
+
+
+def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "timeline.json"
+    assert timeline.main(["--checkpoint", str(tiny_checkpoint), "--requests", "3", "--skip", "1",
+                          "--frames", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 2 and len(result["client_ttfa_ms"]) == 2
+    at = {p["point"]: p["mean_ms"] for p in result["points"]}
+    assert at["gateway: speech received"] == 0.0
+    order = ["gateway: Generate sent", "backbone: Generate received", "backbone: first_audio.admitted",
+             "backbone: first_audio.prompt_computed", "backbone: first_audio.prompt_sent",
+             "tower: step 1 starts", "tower: step 1 ends", "backbone: first_audio.first_frame",
+             "backbone: first_audio.first_message", "gateway: first_frame", "codec: first_frames",
+             "codec: first_pcm", "gateway: first_pcm", "gateway: first_audio_byte"]
+    missing = [name for name in order if name not in at]
+    assert not missing, (missing, sorted(at))
+    times = [at[name] for name in order]
+    assert times == sorted(times), dict(zip(order, times))
+    assert all(p["requests"] == 2 for p in result["points"] if p["point"] in order)
+    assert "| ms from arrival (mean) |" in capsys.readouterr().out
