@@ -63,23 +63,44 @@ def assert_matches_reference(got, x, w, r):
 
 def test_config_never_depends_on_the_row_count():
     """Everything that sets a row's summation order (BN, BK, the K ranges, warps, stages) is the
-    same for M = 1..300; only the number of 16-row tiles a program carries changes."""
+    same for M = 1..300; only the row partition (tiles per program, row groups) changes, and its
+    groups cover every row."""
     for _, n, k, dtype, _ in REAL + [("odd", 80, 256, torch.bfloat16, False)]:
-        plans = [decode_gemm.launch_plan(m, n, k, dtype) for m in (1, 2, 3, 16, 17, 64, 127, 128, 300)]
-        fixed = [{key: v for key, v in p.items() if key != "tiles"} for p in plans]
+        rows = (1, 2, 3, 16, 17, 64, 127, 128, 300)
+        plans = [decode_gemm.launch_plan(m, n, k, dtype) for m in rows]
+        fixed = [{key: v for key, v in p.items() if key not in ("tiles", "groups")} for p in plans]
         assert all(f == fixed[0] for f in fixed), fixed
-        assert [p["tiles"] for p in plans] == [1, 1, 1, 1, 2, 4, 8, 8, 8]
+        for m, p in zip(rows, plans):
+            assert 1 <= p["tiles"] <= decode_gemm.MAX_TILES_PER_PROGRAM, (m, p)
+            assert p["groups"] * p["tiles"] * 16 >= m > (p["groups"] - 1) * p["tiles"] * 16, (m, p)
+        assert plans[0]["tiles"] == plans[3]["tiles"] == 1
+
+
+def test_forced_row_partition():
+    """decode_linear(tiles=..) (benchmarks, tests) takes 1, 2, 4 or 8 tiles per program, capped at
+    the tiles M needs; anything else is an error."""
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=8)
+    assert (plan["tiles"], plan["groups"]) == (8, 1)
+    plan = decode_gemm.launch_plan(40, 2048, 4096, torch.bfloat16, tiles=8)
+    assert (plan["tiles"], plan["groups"]) == (3, 1)
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=1)
+    assert (plan["tiles"], plan["groups"]) == (1, 8)
+    with pytest.raises(ValueError, match="tiles per program"):
+        decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=3)
 
 
 def test_real_shapes_fill_the_gpu():
-    """At M = 1 every real shape launches at least 128 programs (column blocks x K ranges), so
-    enough weight bytes are in flight; split K only where the column blocks alone are too few."""
+    """At M = 1 every real shape launches at least 128 programs (column blocks x K ranges), and a
+    shape whose K is split at least 256 (2 per SM), so enough weight bytes are in flight; K is split
+    only where the column blocks alone are too few. At M = 128 every shape has >= 2 programs per SM."""
     for name, n, k, dtype, _ in REAL:
         plan = decode_gemm.launch_plan(1, n, k, dtype)
         programs = -(-n // plan["BN"]) * plan["splits"]
-        assert programs >= 128, (name, plan)
-        assert plan["splits"] == 1 or -(-n // plan["BN"]) < 128, (name, plan)
+        assert programs >= (128 if plan["splits"] == 1 else 256), (name, plan)
+        assert plan["splits"] == 1 or -(-n // 64) < 128, (name, plan)
         assert plan["k_range"] * plan["splits"] >= k > plan["k_range"] * (plan["splits"] - 1), (name, plan)
+        plan = decode_gemm.launch_plan(128, n, k, dtype)
+        assert programs * plan["groups"] >= 2 * decode_gemm.SMS, (name, plan)
 
 
 def test_reference_is_row_by_row_float64():
@@ -125,18 +146,41 @@ def test_switch(monkeypatch):
 
 # --- the kernel (GPU or interpreter) -----------------------------------------------------------
 
+WHOLE_K = dict(BN=32, BK=128, SPLIT=1, num_warps=4, num_stages=3)      # the GEMM kernel rounds
+
+
 @kernel
 @pytest.mark.parametrize("m", [1, 3, 17, 128])
-@pytest.mark.parametrize("n,k,dtype,residual", [(80, 256, torch.bfloat16, False),     # N % BN != 0
-                                                (80, 256, torch.bfloat16, True),
-                                                (72, 1024, torch.bfloat16, True),     # split K (4 ranges)
-                                                (40, 320, torch.float32, False)],     # F32, K % BK != 0
-                         ids=["bf16", "bf16-residual", "bf16-split-residual", "f32"])
-def test_matches_reference(m, n, k, dtype, residual):
+@pytest.mark.parametrize("n,k,dtype,residual,config", [
+    (80, 256, torch.bfloat16, False, WHOLE_K),       # N % BN != 0
+    (80, 256, torch.bfloat16, True, WHOLE_K),
+    (72, 1024, torch.bfloat16, True, None),          # split K (8 ranges), N % BN != 0
+    (40, 320, torch.float32, False, None)],          # F32, split K, K % BK != 0
+    ids=["bf16", "bf16-residual", "bf16-split-residual", "f32-split"])
+def test_matches_reference(m, n, k, dtype, residual, config):
     x, w, r = operands(m, n, k, dtype, residual)
-    got = decode_gemm.decode_linear(x, w, r)
+    got = decode_gemm.decode_linear(x, w, r, config=config)
     assert got.dtype == dtype
     assert_matches_reference(got, x, w, r)
+
+
+@kernel
+@pytest.mark.parametrize("m", [37, 128])
+@pytest.mark.parametrize("n,k,dtype,residual,config", [
+    (80, 256, torch.bfloat16, True, WHOLE_K),
+    (72, 1024, torch.bfloat16, True, dict(BN=32, BK=128, SPLIT=4, num_warps=4, num_stages=3)),
+    (40, 320, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3))],
+    ids=["bf16-residual", "bf16-split-residual", "f32-split"])
+def test_row_partition_keeps_bits(m, n, k, dtype, residual, config):
+    """The rows dealt out as 1, 2 or 4 tiles per program (several row groups) give the same bits as
+    the original single program carrying all 8 tiles (tiles=8, one group up to 128 rows)."""
+    x, w, r = operands(m, n, k, dtype, residual, seed=11)
+    single = decode_gemm.decode_linear(x, w, r, config=config, tiles=8)
+    assert decode_gemm.launch_plan(m, n, k, dtype, config, tiles=8)["groups"] == 1
+    for tiles in (1, 2, 4):
+        got = decode_gemm.decode_linear(x, w, r, config=config, tiles=tiles)
+        assert torch.equal(got, single), f"tiles {tiles}: max |diff| {float((got - single).abs().max())}"
+    assert_matches_reference(single, x, w, r)
 
 
 @kernel
@@ -149,12 +193,14 @@ def test_real_shapes_match_reference(name, n, k, dtype, residual):
         assert_matches_reference(decode_gemm.decode_linear(x, w, r), x, w, r)
 
 
-def _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config=None):
-    """Row p computed alone (M = 1), inside a batch of 17 and inside the batch of 128: same bits."""
+def _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config=None, prefixes=(17,)):
+    """Row p computed alone (M = 1), inside the first `prefixes` rows (M = 17, or 8 and 32) and
+    inside the batch of 128: same bits."""
     x, w, r = operands(128, n, k, dtype, residual, seed=3)
     full = decode_gemm.decode_linear(x, w, r, config=config)
-    part = decode_gemm.decode_linear(x[:17], w, None if r is None else r[:17], config=config)
-    assert torch.equal(part, full[:17])
+    for m in prefixes:
+        part = decode_gemm.decode_linear(x[:m], w, None if r is None else r[:m], config=config)
+        assert torch.equal(part, full[:m]), f"M = {m}: max |diff| {float((part - full[:m]).abs().max())}"
     for p in positions:
         alone = decode_gemm.decode_linear(x[p:p + 1], w, None if r is None else r[p:p + 1], config=config)
         assert torch.equal(alone[0], full[p]), f"row {p}: max |diff| {float((alone[0] - full[p]).abs().max())}"
@@ -202,7 +248,22 @@ def test_strided_operands():
 @gpu
 @pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
 def test_real_shapes_rows_do_not_depend_on_the_batch(name, n, k, dtype, residual):
-    _row_alone_equals_row_in_batch(n, k, dtype, residual, (0, 1, 15, 16, 31, 64, 100, 127))
+    """Every real shape, the default launch: each of the 128 rows alone equals itself inside
+    M = 128, and the first 8 and 32 rows as a batch equal theirs (each M with its own row
+    partition: 1, 1 or 2 tiles per program at 8 and 32, 2 or 4 at 128)."""
+    _row_alone_equals_row_in_batch(n, k, dtype, residual, range(128), prefixes=(8, 32))
+
+
+@gpu
+@pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
+def test_real_shapes_row_partition_keeps_bits(name, n, k, dtype, residual):
+    """Every real shape at M = 128 and M = 37: 1, 2 or 4 tiles per program give the bits of the
+    original single program with all 8 tiles."""
+    for m in (37, 128):
+        x, w, r = operands(m, n, k, dtype, residual, seed=12)
+        single = decode_gemm.decode_linear(x, w, r, tiles=8)
+        for tiles in (1, 2, 4):
+            assert torch.equal(decode_gemm.decode_linear(x, w, r, tiles=tiles), single), (m, tiles)
 
 
 @gpu

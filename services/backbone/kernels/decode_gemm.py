@@ -6,6 +6,7 @@
                                    decode steps on CUDA when DRAMA_DECODE_GEMM=triton, else
                                    invariant.linear_rows (the switch is read once at import)
     config_for(n, k, dtype)        the kernel's one config for a weight shape (never M)
+    tiles_for(m, programs, bytes)  how M rows are dealt out to programs (bit-neutral, see below)
 
 Dtypes as invariant.linear_rows: bf16 x and weight -> bf16, F32 accumulation, the residual added
 in F32 and the sum rounded once. An F32 weight (the router, MODEL.md §4.6) gives F32 out with
@@ -29,17 +30,28 @@ F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in range order 
 residual: a fixed order, no atomics. With SPLIT = 1 the GEMM kernel adds the residual itself (the
 same arithmetic: partial + residual, one rounding).
 
-Weights are read once per step for M <= 128. A program owns BN columns x one K range and walks the
-M rows in chunks of up to 128 (MT = ⌈M/16⌉ tiles of 16 rows, capped at 8): inside its K loop it
-loads each [BK, BN] weight tile once and feeds it to the MT dots, one F32 accumulator per tile
-(MT is a launch constant: it sets how many tiles run, not how any of them sums). At M = 1 that is
-one 16-row dot per weight tile (tensor-core work wasted on 15 zero rows, which the weight stream
-hides); at M = 128 it is 8 dots per weight tile, like cuBLAS's 128-row tile, and the activations
-are re-read from L2 once per column block. Past 128 rows (eager decode of a larger batch; the
-graphs stop at 128) the program walks further 128-row chunks and reads its weight slice again.
-The grid is (⌈N/BN⌉, SPLIT); `config_for` splits K when the column blocks alone would leave most
-of the 132 SMs idle (out_proj/o_proj N 2048, the shared expert, the router N 256), so that enough
-weight bytes are in flight at M = 1.
+Rows are dealt out to programs in groups. A program owns one row group (16·TILES rows, TILES <= 8
+tiles of 16), BN columns and one K range: inside its K loop it loads each [BK, BN] weight tile
+once and feeds it to its TILES dots, one F32 accumulator per tile. The grid is (row groups,
+⌈N/BN⌉ column blocks, SPLIT), row groups fastest, so the programs that share a weight tile start
+together and the later ones should find it in L2. TILES (`tiles_for`) is the one launch choice that
+depends on M: at M <= 16 one tile (tensor-core work wasted on 15 zero rows, which the weight
+stream hides); at 128 rows up to 4 tiles per program in 2 groups (8 tiles in one program, as
+first written, need by our estimate ~144 KB of shared memory at 3 stages: one program per SM, so
+GDN in_proj's 193 programs ran in 2 waves, at 2x cuBLAS); small weights (router, shared expert, out_proj) go
+finer, down to 1 tile per program, since re-reading a 2-17 MB weight from L2 costs less than
+leaving SMs idle. The activations are re-read from L2 once per column block.
+
+Why the row partition cannot change a row's bits: a row's output element is produced by one
+program's accumulator for the tile holding that row, and that accumulator sees exactly the same
+instructions whichever group the tile is in and however many sibling tiles the program carries:
+the same [16, BK] x [BK, BN] dot shapes and layouts (BN, BK, num_warps are the config's), the same
+K range and ascending BK steps, the same weight tile values. Tiles never exchange data (each has
+its own accumulator, rows past M are masked to zero). Changing TILES only adds or removes whole
+sibling dots, which is the same freedom the kernel always had (M = 1 ran 1 tile, M = 128 ran 8,
+and the GPU checks found the bits equal). BN, BK, SPLIT and the warps are kept fixed per shape
+on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
+too, but that is codegen detail; the row partition needs no such argument.
 
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
@@ -66,7 +78,8 @@ if HAS_TRITON:
     import triton.language as tl
 
 ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
-MAX_TILES = 8               # 16-row tiles a program keeps accumulators for: 128 rows per weight read
+MAX_TILES_PER_PROGRAM = 4   # default cap on 16-row tiles per program (the kernel takes up to 8)
+SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 _CHOICES = ("cublas", "triton")
 
 
@@ -92,34 +105,67 @@ def dense_linear(decode: bool, x: torch.Tensor):
 def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
     """The one launch config for a [n, k] weight of `dtype`, whatever the row count (issue #8).
 
-    BN = 64 columns per program when that gives at least 128 column blocks (GDN in_proj N 12352,
-    attention qkv N 9216), else 32. Then K is split in 2, 4, .. ranges while the grid has fewer
-    than 128 programs and each range keeps at least 2 BK steps: out_proj/o_proj (2048 x 4096)
-    64 x 2, shared gate|up|gate (1088 x 2048) 34 x 4, shared down (2048 x 512) 64 x 2, the F32
-    router (256 x 2048, BK 64) 8 x 16. Tuned by bench/decode_gemm.py --sweep, not on a GPU yet.
+    BN = 64 columns per program. Shapes with at least 128 column blocks (GDN in_proj N 12352 193,
+    attention qkv N 9216 144) keep K whole: a split would add the reduce launch and an F32
+    workspace that costs most at 128 rows. The others are latency-bound at M = 1 (too few weight
+    bytes in flight), so K is split in 2, 4, .. ranges (each at least one BK step) until the grid
+    has >= 256 programs (about 2 per SM); if the ranges run out first, BN = 32 doubles the column
+    blocks. Result: out_proj/o_proj (2048 x 4096) 32 x 8 ranges of 512, shared gate|up|gate
+    (1088 x 2048) 17 x 16 of 128, shared down (2048 x 512) BN 32: 64 x 4 of 128, the F32 router
+    (256 x 2048, BK 64) BN 32: 8 x 32 of 64. bench/decode_gemm.py --sweep times the alternatives.
     """
     f32 = dtype == torch.float32
     bk = 64 if f32 else 128           # F32: an FMA dot keeps [16, BK] and [BK, BN] in registers
-    bn = 64 if _cdiv(n, 64) >= 128 else 32
-    split = 1
-    while _cdiv(n, bn) * split < 128 and k // (2 * split) >= 2 * bk:
-        split *= 2
+    steps = _cdiv(k, bk)
+    bn, split = 64, 1
+    if _cdiv(n, bn) < 128:
+        while _cdiv(n, bn) * split < 256 and steps >= 2 * split:
+            split *= 2
+        if _cdiv(n, bn) * split < 256:
+            bn = 32
     return dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
+
+
+def tiles_for(m: int, programs: int, weight_bytes: int) -> int:
+    """16-row tiles per program for M = m rows: how the rows are dealt out to programs, the one
+    launch choice that may depend on M (it never changes a row's bits, see the module docstring).
+
+    `programs` is the grid of one row group (column blocks x K ranges). At most MAX_TILES_PER_PROGRAM
+    (64 rows: with 3 stages a program's shared memory then leaves room for 2 per SM; 8 tiles took
+    ~144 KB, one program per SM, and 193 programs ran as 2 waves). Fewer (more row groups, each
+    re-reading its weight tiles from L2) while the grid has fewer than 4 programs per SM and the
+    extra weight reads stay small (<= 64 MB through L2: the shared expert, router, out_proj at
+    32 rows; never GDN in_proj or attention qkv, whose weights alone are 38-51 MB)."""
+    tiles = min(MAX_TILES_PER_PROGRAM, max(1, _cdiv(m, ROWS)))
+    while tiles > 1:
+        finer = _cdiv(_cdiv(m, ROWS), tiles // 2)
+        if programs * _cdiv(_cdiv(m, ROWS), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
+            break
+        tiles //= 2
+    return tiles
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None = None) -> dict:
-    """What decode_linear launches for M = m: the config plus `tiles` (16-row tiles per chunk, the
-    only M-dependent constant, which sets how many tiles run but not how one sums), `k_range`
-    (reduction length per split) and `splits` (K ranges that are not empty; a function of K)."""
+def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None = None,
+                tiles: int | None = None) -> dict:
+    """What decode_linear launches for M = m: the config plus `k_range` (reduction length per
+    split) and `splits` (K ranges that are not empty), both functions of K only, and the row
+    partition, the only M-dependent part: `tiles` (16-row tiles per program, tiles_for unless
+    given) and `groups` (row groups of 16·tiles rows, one grid axis)."""
     cfg = dict(config or config_for(n, k, dtype))
     steps = _cdiv(k, cfg["BK"])
     k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
-    return dict(cfg, tiles=min(MAX_TILES, max(1, _cdiv(m, ROWS))), k_range=k_range,
-                splits=_cdiv(k, k_range))
+    splits = _cdiv(k, k_range)
+    if tiles is None:
+        itemsize = 4 if dtype == torch.float32 else 2
+        tiles = tiles_for(m, _cdiv(n, cfg["BN"]) * splits, n * k * itemsize)
+    if tiles not in (1, 2, 4, 8):
+        raise ValueError(f"tiles per program must be 1, 2, 4 or 8, got {tiles}")
+    tiles = min(tiles, max(1, _cdiv(m, ROWS)))
+    return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, groups=max(1, _cdiv(m, ROWS * tiles)))
 
 
 @functools.cache
@@ -157,12 +203,12 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, tiles: int | None = None) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
 
     Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
     elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
-    config_for (benchmarks and tests; serving never passes one). The output is allocated with
+    config_for and `tiles` tiles_for (benchmarks and tests; serving passes neither). The output is allocated with
     invariant.empty_rows, so a following linear_rows reads it in place."""
     out_dtype = _check(x, weight, residual)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -175,12 +221,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
         return out
     x, weight = _rows_contiguous(x), _rows_contiguous(weight)
     residual = None if residual is None else _rows_contiguous(residual)
-    plan = launch_plan(m, n, k, weight.dtype, config)
+    plan = launch_plan(m, n, k, weight.dtype, config, tiles)
     dot, prec = (tl.float32, "ieee") if weight.dtype == torch.float32 else _bf16_dot_args()
     splits = plan["splits"]
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out          # never read without HAS_RESIDUAL
-    grid = (triton.cdiv(n, plan["BN"]), splits)
+    # row groups on the fastest grid axis: the programs that share a weight tile start together,
+    # so one reads it from HBM and the others find it in L2
+    grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     _decode_gemm_kernel[grid](
         x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
         plan["k_range"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
@@ -231,9 +279,9 @@ if HAS_TRITON:
                             stride_om, K_RANGE,
                             BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr, FINAL: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """Program (column block, K range): out[:, block] over rows 0..M-1 in chunks of 16·TILES.
-        FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        """Program (row group, column block, K range): out[rows, block] for the group's 16·TILES
+        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BK)
@@ -242,58 +290,58 @@ if HAS_TRITON:
         k_hi = tl.minimum(K, k_lo + K_RANGE)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
         out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
-        for m0 in range(0, M, 16 * TILES):
-            # one accumulator per 16-row tile; tiles >= TILES are pruned at compile time
-            acc0 = tl.zeros([16, BN], dtype=tl.float32)
-            acc1 = tl.zeros([16, BN], dtype=tl.float32)
-            acc2 = tl.zeros([16, BN], dtype=tl.float32)
-            acc3 = tl.zeros([16, BN], dtype=tl.float32)
-            acc4 = tl.zeros([16, BN], dtype=tl.float32)
-            acc5 = tl.zeros([16, BN], dtype=tl.float32)
-            acc6 = tl.zeros([16, BN], dtype=tl.float32)
-            acc7 = tl.zeros([16, BN], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
-                kk = k0 + offs_k
-                k_ok = kk < k_hi
-                w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
-                w = w.to(DOT)
-                acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 1:
-                    acc1 = _tile_dot(acc1, x_ptr, m0 + 16 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 2:
-                    acc2 = _tile_dot(acc2, x_ptr, m0 + 32 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 3:
-                    acc3 = _tile_dot(acc3, x_ptr, m0 + 48 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 4:
-                    acc4 = _tile_dot(acc4, x_ptr, m0 + 64 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 5:
-                    acc5 = _tile_dot(acc5, x_ptr, m0 + 80 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 6:
-                    acc6 = _tile_dot(acc6, x_ptr, m0 + 96 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-                if TILES > 7:
-                    acc7 = _tile_dot(acc7, x_ptr, m0 + 112 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-            _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
+        m0 = pid_m * (16 * TILES)                          # this program's first row
+        # one accumulator per 16-row tile; tiles >= TILES are pruned at compile time
+        acc0 = tl.zeros([16, BN], dtype=tl.float32)
+        acc1 = tl.zeros([16, BN], dtype=tl.float32)
+        acc2 = tl.zeros([16, BN], dtype=tl.float32)
+        acc3 = tl.zeros([16, BN], dtype=tl.float32)
+        acc4 = tl.zeros([16, BN], dtype=tl.float32)
+        acc5 = tl.zeros([16, BN], dtype=tl.float32)
+        acc6 = tl.zeros([16, BN], dtype=tl.float32)
+        acc7 = tl.zeros([16, BN], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
+            kk = k0 + offs_k
+            k_ok = kk < k_hi
+            w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+            w = w.to(DOT)
+            acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 1:
-                _tile_store(acc1, m0 + 16 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc1 = _tile_dot(acc1, x_ptr, m0 + 16 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 2:
-                _tile_store(acc2, m0 + 32 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc2 = _tile_dot(acc2, x_ptr, m0 + 32 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 3:
-                _tile_store(acc3, m0 + 48 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc3 = _tile_dot(acc3, x_ptr, m0 + 48 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 4:
-                _tile_store(acc4, m0 + 64 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc4 = _tile_dot(acc4, x_ptr, m0 + 64 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 5:
-                _tile_store(acc5, m0 + 80 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc5 = _tile_dot(acc5, x_ptr, m0 + 80 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 6:
-                _tile_store(acc6, m0 + 96 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc6 = _tile_dot(acc6, x_ptr, m0 + 96 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 7:
-                _tile_store(acc7, m0 + 112 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                            HAS_RESIDUAL)
+                acc7 = _tile_dot(acc7, x_ptr, m0 + 112 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+        _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
+        if TILES > 1:
+            _tile_store(acc1, m0 + 16 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 2:
+            _tile_store(acc2, m0 + 32 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 3:
+            _tile_store(acc3, m0 + 48 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 4:
+            _tile_store(acc4, m0 + 64 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 5:
+            _tile_store(acc5, m0 + 80 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 6:
+            _tile_store(acc6, m0 + 96 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
+        if TILES > 7:
+            _tile_store(acc7, m0 + 112 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+                        HAS_RESIDUAL)
 
     @triton.jit
     def _split_reduce_kernel(part_ptr, r_ptr, out_ptr, MN, N, stride_rm, stride_om, SPLIT: tl.constexpr,
