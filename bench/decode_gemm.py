@@ -3,7 +3,9 @@ construction) against invariant.linear_rows (cuBLAS padded to 128 rows), one tab
 
     python3 bench/decode_gemm.py                       every real shape at M = 1, 8, 32, 128
     python3 bench/decode_gemm.py --sweep --shapes out_proj   also other configs (M = 1 and 128; a few
-                                                       minutes per shape: compiles every config)
+                                                       minutes per shape: compiles every config) and
+                                                       other row partitions (1, 2, 4, 8 tiles per
+                                                       program at M = 32 and 128)
     python3 bench/decode_gemm.py --backbone            the graphed decode step, cublas vs triton
                                                        (bench/backbone.py twice, DRAMA_DECODE_GEMM)
 
@@ -13,9 +15,11 @@ triton.testing.do_bench); µs per call and GB/s of weight bytes read. The router
 includes its F32 copy of u, as serving does it (decode_linear reads bf16 u). Before timing:
 `err` is decode_linear's max |diff| / max |ref| against the float64 reference on 4 rows, and
 `inv` says whether rows alone (M = 1) and inside M = 8 and 32 equal their bits inside M = 128 at
-positions 0, 1, 15, 16, 31, 63, 64, 127 ("yes" or the first failing position).
-What to look for: inv = yes everywhere; at M = 1 most shapes near 3 TB/s+; at M = 128 the
-Triton time at most ~1.3x cuBLAS's.
+positions 0, 1, 15, 16, 31, 63, 64, 127, and M = 128 equals the single-program partition (all 8
+tiles in one program, tiles=8) ("yes" or the first failure). The last column is the config and
+the row partition (t tiles per program x g row groups).
+What to look for: inv = yes everywhere; at M = 1 most shapes near 3 TB/s+; at M = 32 and 128
+the Triton time at most cuBLAS's (the decode step needs both to take triton as its default).
 """
 
 from __future__ import annotations
@@ -59,14 +63,16 @@ def graphed(fn, calls: int):
     return graph.replay
 
 
-def invariance(decode_linear, w, dtype, residual: bool, config=None) -> str:
+def invariance(decode_linear, w, dtype, residual: bool, config=None, tiles=None) -> str:
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(128, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
     r = torch.randn(128, w.shape[0], device="cuda", generator=gen).to(dtype) if residual else None
     cut = (lambda t, a, b: None if t is None else t[a:b])
-    full = decode_linear(x, w, r, config=config)
+    full = decode_linear(x, w, r, config=config, tiles=tiles)
+    if not torch.equal(decode_linear(x, w, r, config=config, tiles=8), full):
+        return "NO (tiles=8)"
     for m in (8, 32):
-        if not torch.equal(decode_linear(x[:m], w, cut(r, 0, m), config=config), full[:m]):
+        if not torch.equal(decode_linear(x[:m], w, cut(r, 0, m), config=config, tiles=tiles), full[:m]):
             return f"NO (M={m})"
     for p in POSITIONS:
         if not torch.equal(decode_linear(x[p:p + 1], w, cut(r, p, p + 1), config=config)[0], full[p]):
@@ -74,21 +80,23 @@ def invariance(decode_linear, w, dtype, residual: bool, config=None) -> str:
     return "yes"
 
 
-def bench_shape(shape, rows, configs, args) -> list[dict]:
-    """Time decode_linear under each config (None: config_for's) and, for the default, linear_rows."""
+def bench_shape(shape, rows, configs, args, tiles=(None,)) -> list[dict]:
+    """Time decode_linear under each config (None: config_for's) and row partition (None:
+    tiles_for's) and, for the defaults, linear_rows."""
     name, n, k, dtype, residual, calls = shape
     calls = min(calls, args.calls)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(calls)]
     out = []
     for config in configs:
-        try:
-            out += bench_config(name, config, rows, weights, residual, gen)
-        except Exception as e:        # a sweep config may not fit (registers, shared memory)
-            if config is None:
-                raise
-            print(f"{name:<13} {_label(config)}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})",
-                  flush=True)
+        for t in tiles:
+            try:
+                out += bench_config(name, config, rows, weights, residual, gen, t)
+            except Exception as e:        # a sweep config may not fit (registers, shared memory)
+                if config is None and t is None:
+                    raise
+                print(f"{name:<13} {_label(config)} tiles {t}: failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:80]})", flush=True)
     del weights
     torch.cuda.empty_cache()
     return out
@@ -98,14 +106,14 @@ def _label(config: dict | None) -> str:
     return "default" if config is None else ",".join(f"{key}{v}" for key, v in config.items())
 
 
-def bench_config(name, config, rows, weights, residual, gen) -> list[dict]:
+def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list[dict]:
     from services.backbone.kernels import decode_gemm
     from services.common import invariant
 
     n, k = weights[0].shape
     dtype, calls = weights[0].dtype, len(weights)
     nbytes = n * k * weights[0].element_size()
-    inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config)
+    inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles)
     out = []
     for m in rows:
         # inputs as serving has them: padded storage (empty_rows), so linear_rows reads in place
@@ -117,13 +125,16 @@ def bench_config(name, config, rows, weights, residual, gen) -> list[dict]:
             r.copy_(torch.randn(m, n, device="cuda", generator=gen))
         few = min(m, 4)
         ref = decode_gemm.naive_decode_linear(x[:few], weights[0], None if r is None else r[:few])
-        got = decode_gemm.decode_linear(x[:few], weights[0], None if r is None else r[:few], config=config)
+        got = decode_gemm.decode_linear(x[:few], weights[0], None if r is None else r[:few], config=config,
+                                        tiles=tiles)
         err = float((got.double() - ref).abs().max() / ref.abs().max())
-        triton_ms = do_bench(graphed(lambda i: decode_gemm.decode_linear(x, weights[i], r, config=config), calls))
-        row = dict(shape=name, n=n, k=k, m=m, config=_label(config),
-                   plan=decode_gemm.launch_plan(m, n, k, dtype, config), triton_us=triton_ms * 1e3 / calls,
+        triton_ms = do_bench(graphed(lambda i: decode_gemm.decode_linear(x, weights[i], r, config=config,
+                                                                         tiles=tiles), calls))
+        plan = decode_gemm.launch_plan(m, n, k, dtype, config, tiles)
+        label = _label(config) + ("" if tiles is None else f" tiles{tiles}")
+        row = dict(shape=name, n=n, k=k, m=m, config=label, plan=plan, triton_us=triton_ms * 1e3 / calls,
                    triton_gbs=nbytes * calls / (triton_ms * 1e-3) / 1e9, err=err, inv=inv)
-        if config is None:
+        if config is None and tiles is None:
             if dtype == torch.float32:         # serving's cuBLAS router: F32 copy of u, then the GEMM
                 x32 = invariant.empty_rows(m, k, dtype=torch.float32, device="cuda")
                 fn = lambda i: invariant.linear_rows(x32.copy_(x), weights[i])  # noqa: E731
@@ -140,11 +151,11 @@ def _line(r: dict) -> str:
     cublas = (f"{r['cublas_us']:>9.1f} {r['cublas_gbs']:>8.0f} {r['triton_us'] / r['cublas_us']:>6.2f}"
               if "cublas_us" in r else f"{'':>9} {'':>8} {'':>6}")
     return (f"{r['shape']:<13} {r['m']:>4} {r['triton_us']:>9.1f} {r['triton_gbs']:>8.0f} {cublas} "
-            f"{r['err']:>8.1e} {r['inv']:<10} {r['config']}")
+            f"{r['err']:>8.1e} {r['inv']:<14} {r['config']} (t{r['plan']['tiles']}xg{r['plan']['groups']})")
 
 
 HEADER = (f"{'shape':<13} {'M':>4} {'triton us':>9} {'GB/s':>8} {'cublas us':>9} {'GB/s':>8} {'ratio':>6} "
-          f"{'err':>8} {'inv':<10} config")
+          f"{'err':>8} {'inv':<14} config (tiles per program x row groups)")
 
 
 def sweep_configs(n: int, k: int, dtype) -> list[dict]:
@@ -153,7 +164,7 @@ def sweep_configs(n: int, k: int, dtype) -> list[dict]:
     out = []
     for bn in (32, 64, 128):
         for bk in ((32, 64) if f32 else (64, 128)):
-            for split in (1, 2, 4, 8, 16):
+            for split in (1, 2, 4, 8, 16, 32):
                 programs = -(-n // bn) * split
                 if k // split < bk or programs < 64 or programs > 1024:
                     continue
@@ -213,9 +224,24 @@ def main(argv=None) -> dict:
                 best = _best(rows, cublas128)
                 if best:
                     print(f"best for {shape[0]}: {best}   (least M = 1 time with M = 128 <= 1.3x cuBLAS)")
+            print("\nrow partitions (default config; tiles per program forced; bits equal by design, inv checks)")
+            print(HEADER)
+            for shape in shapes:
+                rows = bench_shape(shape, [32, 128], [None], args, tiles=(1, 2, 4, 8))
+                results["sweep"] += rows
+                for m in (32, 128):
+                    t = min((r["triton_us"], r["plan"]["tiles"]) for r in rows if r["m"] == m)
+                    print(f"best for {shape[0]} at M = {m}: {t[1]} tiles per program ({t[0]:.1f} us; "
+                          f"default {decode_gemm_plan(shape, m)})")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results
+
+
+def decode_gemm_plan(shape, m: int) -> str:
+    from services.backbone.kernels import decode_gemm
+    plan = decode_gemm.launch_plan(m, shape[1], shape[2], shape[3])
+    return f"{plan['tiles']} tiles x {plan['groups']} groups"
 
 
 def _best(rows: list[dict], cublas128: float) -> str | None:
