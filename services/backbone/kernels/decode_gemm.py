@@ -105,8 +105,8 @@ def dense_linear(decode: bool, x: torch.Tensor):
 def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
     """The one launch config for a [n, k] weight of `dtype`, whatever the row count (issue #8).
 
-    BN = 64 columns per program. Shapes with at least 128 column blocks (GDN in_proj N 12352 193,
-    attention qkv N 9216 144) keep K whole: a split would add the reduce launch and an F32
+    BN = 64 columns per program. Shapes with at least 128 column blocks (GDN in_proj N 12352: 193,
+    attention qkv N 9216: 144) keep K whole: a split would add the reduce launch and an F32
     workspace that costs most at 128 rows. The others are latency-bound at M = 1 (too few weight
     bytes in flight), so K is split in 2, 4, .. ranges (each at least one BK step) until the grid
     has >= 256 programs (about 2 per SM); if the ranges run out first, BN = 32 doubles the column
