@@ -211,11 +211,12 @@ class SparseMoE(nn.Module):
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton)."""
         i_s = self.shared_down.shape[1]
         linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
-        if linear is linear_rows:
-            u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
-            logits = linear_rows(u32.copy_(u), self.gate.weight)         # router in F32 (§4.6)
-        else:       # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
+        if decode_gemm.enabled(dense_decode, u):
+            # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             logits = linear(u, self.gate.weight)
+        else:
+            u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
+            logits = linear(u32.copy_(u), self.gate.weight)              # router in F32 (§4.6)
         fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
         shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         gate_logit = fused[:, 2 * i_s]

@@ -93,13 +93,16 @@ def _read_switch() -> str:
 BACKEND = _read_switch()
 
 
+def enabled(decode: bool, x: torch.Tensor) -> bool:
+    """Whether a step's projections of x take decode_linear: a decode step (every segment one
+    row; not padded prefill pieces) with x on CUDA and DRAMA_DECODE_GEMM=triton."""
+    return decode and BACKEND == "triton" and HAS_TRITON and x.is_cuda
+
+
 def dense_linear(decode: bool, x: torch.Tensor):
-    """The dense GEMM for a step's projections of x: decode_linear on a decode step (every segment
-    one row; not padded prefill pieces) with x on CUDA and DRAMA_DECODE_GEMM=triton, else
+    """The dense GEMM for a step's projections of x: decode_linear when `enabled`, else
     invariant.linear_rows. Both take (x, weight, residual=None)."""
-    if decode and BACKEND == "triton" and HAS_TRITON and x.is_cuda:
-        return decode_linear
-    return invariant.linear_rows
+    return decode_linear if enabled(decode, x) else invariant.linear_rows
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
