@@ -104,6 +104,17 @@ class Orchestrator:
             self.codes_cache.put(key, codes)
         return codes
 
+    async def voice_codes(self, voice, param: str, deadline: float) -> torch.Tensor:
+        """A registered voice's reference codes: on a hit straight from the codes cache by the
+        SHA-256 the registry keeps (no file read, no hashing: ~2 ms per request for a 20 s clip),
+        else Codec.Encode of its file (encode_clip, which keys the cache by the same digest)."""
+        if voice.sha256 is not None:
+            cached = self.codes_cache.get(voice.sha256)
+            if cached is not None:
+                self.metrics.reference_cache_hits.inc()
+                return cached
+        return await self.encode_clip(voice.audio_bytes(), param, 30.0, deadline)
+
     async def _clip_audio(self, clip: ClipSpec) -> bytes:
         if clip.audio is not None:
             return clip.audio
@@ -125,7 +136,7 @@ class Orchestrator:
             resolved = self.voices.resolve(voice_id, param)
             if resolved.voice is None:       # builtin or seeded voice: no reference clip
                 continue
-            codes = await self.encode_clip(resolved.voice.audio_bytes(), param, 30.0, deadline)
+            codes = await self.voice_codes(resolved.voice, param, deadline)
             parts.append((RefPart(resolved.voice.transcript or "", codes, speaker), param))
         parts.sort(key=lambda part: part[0].speaker)       # stable: given order within a speaker
         return [part for part, _ in parts], [param for _, param in parts]
@@ -163,7 +174,7 @@ class Orchestrator:
                 resolved = self.voices.resolve(req.voice or "default")
                 voice_id, seed_from_voice = resolved.id, resolved.seed
                 if resolved.voice is not None:
-                    codes = await self.encode_clip(resolved.voice.audio_bytes(), "voice", 30.0, deadline)
+                    codes = await self.voice_codes(resolved.voice, "voice", deadline)
                     references, ref_params = [RefPart(resolved.voice.transcript or "", codes, 0)], ["voice"]
             else:
                 references, ref_params = await self._references(req, deadline)

@@ -314,15 +314,23 @@ def test_long_text_is_chunked_into_several_takes(stack):
     assert events[-1][0] == "speech.audio.done"
 
 
-def test_uploaded_voice_is_used_as_reference(stack):
+def test_uploaded_voice_is_used_as_reference(stack, monkeypatch):
+    from gateway.voices import Voice
+
+    reads = []
+    read_file = Voice.audio_bytes
+    monkeypatch.setattr(Voice, "audio_bytes", lambda voice: reads.append(voice.id) or read_file(voice))
     r = stack.http.post("/v1/audio/voices", data={"name": "tone", "consent": "ok", "ref_text": "A tone."},
                         files={"audio_sample": ("tone.wav", sine_wav(), "audio/wav")})
     assert r.status_code == 200, r.text
     r = speech(stack, voice="tone", stream_format="sse", response_format="pcm")
     done = sse_events(r.content)[-1][1]
     assert done["usage"]["input_token_details"]["audio_tokens"] > 0
+    first_use = len(reads)
     r = tts(stack, text="<|speaker:1|>Me again.", reference_id=[None, "tone"], streaming=True, stream_format="sse")
     assert sse_events(r.content)[-1][1]["usage"]["input_token_details"]["audio_tokens"] > 0
+    # the second use finds the codes by the voice's stored SHA-256: its file is not read again
+    assert first_use <= 1 and len(reads) == first_use
     assert stack.http.delete("/v1/audio/voices/tone").status_code == 200
 
 

@@ -137,8 +137,10 @@ class BackboneEngine:
                     v.shape != t.shape or v.dtype != t.dtype for v, t in zip(views, snapshot.tensors)):
                 self._open[slot] = False
                 raise ValueError("the snapshot does not fit this engine's cache layout")
-            for view, saved in zip(views, snapshot.tensors):
-                view.copy_(saved)
+            # One foreach copy, not one launch per layer tensor: a restore runs on the
+            # scheduler's event loop, on the way to the session's Started and first prefill.
+            torch._foreach_copy_(views, list(snapshot.tensors))
+            for saved in snapshot.tensors:
                 if saved.is_cuda:
                     # The snapshot may have been made on another stream and may be evicted (freed)
                     # before this copy runs: its memory must not be reused until then.
