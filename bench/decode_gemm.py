@@ -124,7 +124,7 @@ def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list
             r = invariant.empty_rows(m, n, dtype=dtype, device="cuda")
             r.copy_(torch.randn(m, n, device="cuda", generator=gen))
         few = min(m, 4)
-        ref = decode_gemm.naive_decode_linear(x[:few], weights[0], None if r is None else r[:few])
+        ref = invariant.linear_rows_reference(x[:few], weights[0], None if r is None else r[:few])
         got = decode_gemm.decode_linear(x[:few], weights[0], None if r is None else r[:few], config=config,
                                         tiles=tiles)
         err = float((got.double() - ref).abs().max() / ref.abs().max())

@@ -142,13 +142,18 @@ def stack_environment() -> dict[str, str]:
     return env
 
 
-def measure(url: str, log_dir: Path, requests: int, words: int, frames: int, skip: int) -> dict:
+def measure(url: str, log_dir: Path, requests: int, words: int, frames: int, skip: int,
+            preset: str = "tiny") -> dict:
     import httpx
 
     from bench.e2e import speak
+    from services.common.random_weights import preset_config
+
+    cfg = preset_config(preset)        # text chunk length, frame size and rate, as bench.e2e's requests
+    audio = (cfg.text_chunking.text_chunk_size, cfg.codec.frame_samples, cfg.codec.sample_rate)
 
     with httpx.Client(timeout=120.0) as client:
-        spoken = [speak(client, url, words, frames, 300, 2048, 44100) for _ in range(requests)]
+        spoken = [speak(client, url, words, frames, *audio) for _ in range(requests)]
     time.sleep(float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500")) / 1000 + 2.0)   # spans exported
     timelines = request_timelines(read_spans(log_dir))[-requests:]
     kept, ttfa = timelines[skip:], [s.ttfa_ms for s in spoken[skip:]]
@@ -179,7 +184,8 @@ def main(argv=None) -> int:
     if args.url is not None:
         if args.log_dir is None:
             parser.error("--url needs --log-dir (the stack's logs, where its spans are)")
-        result = measure(args.url, args.log_dir, args.requests, args.words, args.frames, args.skip)
+        result = measure(args.url, args.log_dir, args.requests, args.words, args.frames, args.skip,
+                         args.random_weights or "tiny")
     else:
         import tempfile
 
@@ -193,7 +199,8 @@ def main(argv=None) -> int:
         elif args.checkpoint:
             stack_args += ["--checkpoint", str(args.checkpoint)]
         with background(stack_args, env=stack_environment(), timeout_s=900) as url:
-            result = measure(url, log_dir, args.requests, args.words, args.frames, args.skip)
+            result = measure(url, log_dir, args.requests, args.words, args.frames, args.skip,
+                             args.random_weights or "tiny")
     print(f"one request through the stages ({result['requests']} requests of {args.words} words, "
           f"{args.frames} frames; spans on the host's clock):")
     print(result["table"])

@@ -29,7 +29,7 @@ Decoder.choose_conv_methods times it at a 128-frame piece, Decoder.tune_triton o
 Triton's CPU interpreter (TRITON_INTERPRET=1 when this module is imported) runs the same kernel
 with one fixed small config (no autotuning: it times on CUDA), so the kernel is tested without a
 GPU (tests/test_codec_conv_triton.py). There the dot runs in float32 for bf16 inputs (the
-interpreter multiplies bf16 as raw bits; see kernels/moe_decode._dot_args).
+interpreter multiplies bf16 as raw bits; see services/backbone/kernels.bf16_dot_args).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ when `triton` imports, and each public function falls back to its torch referenc
 
 from __future__ import annotations
 
+import functools
+import os
+
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
@@ -24,6 +27,17 @@ try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
+
+
+@functools.cache
+def bf16_dot_args() -> dict:
+    """(read once per process) `DOT` / `PREC` for tl.dot on bf16 operands: bf16 with the default
+    precision on a GPU. Triton's CPU interpreter (TRITON_INTERPRET=1, for checking the kernels
+    without a GPU) multiplies bf16 as raw bits, so there the operands are float32 with IEEE
+    products: the same values (bf16 and FP8 values are exact in float32)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dict(DOT=tl.float32, PREC="ieee")
+    return dict(DOT=tl.bfloat16, PREC=None)
 
 
 def use_triton(*tensors) -> bool:

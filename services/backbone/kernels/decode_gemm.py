@@ -1,7 +1,7 @@
 """Batch-invariant dense GEMM for decode steps (issue #8), without padding to 128 rows.
 
     decode_linear(x [M, K], weight [N, K], residual [M, N] | None) -> x·Wᵀ (+ residual) [M, N]
-    naive_decode_linear(...)       the same product one row at a time in float64 (tests)
+    invariant.linear_rows_reference(...)   its reference: the product row by row in float64
     dense_linear(decode, x)        the GEMM a step's dense projections call: decode_linear for
                                    decode steps on CUDA when DRAMA_DECODE_GEMM=triton, else
                                    invariant.linear_rows (the switch is read once at import)
@@ -64,14 +64,13 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from services.common import invariant
 
-from . import HAS_TRITON
+from . import HAS_TRITON, bf16_dot_args
 
 if HAS_TRITON:
     import triton
@@ -171,16 +170,6 @@ def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None 
     return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, groups=max(1, _cdiv(m, ROWS * tiles)))
 
 
-@functools.cache
-def _bf16_dot_args() -> tuple:
-    """(read once per process) tl.dot operand type and precision for bf16 inputs. Triton's CPU
-    interpreter (TRITON_INTERPRET=1) multiplies bf16 as raw bits, so there the operands are F32
-    with IEEE products: the same values (as kernels/moe_decode._dot_args)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return tl.float32, "ieee"
-    return tl.bfloat16, None
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     """Validate the arguments; return the output dtype."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -225,7 +214,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     x, weight = _rows_contiguous(x), _rows_contiguous(weight)
     residual = None if residual is None else _rows_contiguous(residual)
     plan = launch_plan(m, n, k, weight.dtype, config, tiles)
-    dot, prec = (tl.float32, "ieee") if weight.dtype == torch.float32 else _bf16_dot_args()
+    dot, prec = ((tl.float32, "ieee") if weight.dtype == torch.float32
+                 else tuple(bf16_dot_args()[key] for key in ("DOT", "PREC")))
     splits = plan["splits"]
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out          # never read without HAS_RESIDUAL
@@ -243,15 +233,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
     return out
-
-
-def naive_decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """The product one row at a time in float64 (what decode_linear approximates), on x's device."""
-    w = weight.double()
-    rows = [w @ row for row in x.double()]
-    out = torch.stack(rows) if rows else torch.zeros(0, w.shape[0], dtype=torch.float64, device=x.device)
-    return out if residual is None else out + residual.double()
 
 
 if HAS_TRITON:

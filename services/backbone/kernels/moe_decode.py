@@ -33,13 +33,11 @@ With FP8_DOT (2026-11-30): T = 1: 1.03, 128: 10.5 (1.41x the floor).
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 
-from . import HAS_TRITON
+from . import HAS_TRITON, bf16_dot_args
 from . import fp8_moe
 
 if HAS_TRITON:
@@ -75,16 +73,6 @@ LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per 
 def piece_config(bucket: int) -> dict:
     """The moe_decode config of a padded prefill piece of `bucket` rows (see above)."""
     return LARGE_PIECE_CONFIG if bucket >= LARGE_PIECE_ROWS else SMALL_PIECE_CONFIG
-
-
-@functools.cache
-def _dot_args() -> dict:
-    """(read once per process) bf16 operands for tl.dot (FP8 values are exact in bf16, products exact in F32). Triton's CPU
-    interpreter (TRITON_INTERPRET=1, for checking these kernels without a GPU) multiplies bf16 as
-    raw bits, so there the operands are float32 with IEEE products: the same values."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return dict(DOT=tl.float32, PREC="ieee")
-    return dict(DOT=tl.bfloat16, PREC=None)
 
 
 if HAS_TRITON:
@@ -225,9 +213,9 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
     # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
-    # converting both to bf16 first; the interpreter (float32 operands in _dot_args) has no FP8
+    # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
-    fp8_dot = bool(cfg.get("FP8_DOT", False)) and _dot_args()["DOT"] == tl.bfloat16
+    fp8_dot = bool(cfg.get("FP8_DOT", False)) and bf16_dot_args()["DOT"] == tl.bfloat16
     if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
@@ -240,7 +228,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        BM=bm, BN=bn1, SPLIT=split, **_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"],
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=x.device)
@@ -251,5 +239,5 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     _down_kernel[(slots, triton.cdiv(h, bn2))](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        BM=bm, BN=bn2, **_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.view(t, k, h)
