@@ -132,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "counts, cuDNN against the GEMM paths (bare: 215 and the pieces of the "
                         "graphed 215-frame server chunk)")
     parser.add_argument("--conv-table-only", action="store_true", help="the conv table and nothing else")
+    parser.add_argument("--cudnn-benchmark-limit", type=int, help="torch.backends.cudnn.benchmark_limit: "
+                        "how many cuDNN algorithms the cudnn_benchmark option times per conv shape "
+                        "(Codec.cudnn_benchmark_limit, 3; torch's default 10; 0 all)")
     parser.add_argument("--encode-seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, help="timed calls per case (default 10 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -712,6 +715,8 @@ def main(argv=None) -> int:
     if args.options:
         os.environ["DRAMA_CODEC_OPTIONS"] = ",".join(args.options)
         decode_options_from_env()                      # a bad name fails here, not mid-run
+    if args.cudnn_benchmark_limit is not None:
+        Codec.cudnn_benchmark_limit = args.cudnn_benchmark_limit
     device = torch.device(args.device)
     if args.repeats is None:
         args.repeats = 10 if device.type == "cuda" else 3

@@ -7,6 +7,8 @@
                                                             and inside batches of 8 and 32? (issue #8)
     python bench/tower.py --preset tiny --device cpu        smoke test (CI-sized)
     python bench/tower.py --out tower.json                  also write the numbers as JSON
+    python bench/tower.py --batch 1 --prompt 134 --prompt-profile   also a request's first step:
+                                                            134 prompt rows, first frame (+ profile)
 
 Random weights are made on the device (no checkpoint). For each batch size B the engine's pool is
 emptied, B sessions are prefilled with `--context` rows each (one Step per session, the last row
@@ -60,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--invariance", type=int, nargs="*", default=[],
                         help="batch sizes to compare one session's frames in against batch 1 (graph path)")
     parser.add_argument("--invariance-steps", type=int, default=30)
+    parser.add_argument("--prompt", type=int, nargs="*", default=[], metavar="ROWS",
+                        help="also time a new session's prompt step of ROWS rows (the rows through the "
+                        "trunk, the first frame drawn), as the server runs a request's first Step")
+    parser.add_argument("--prompt-profile", action="store_true", help="a torch.profiler table of each "
+                        "--prompt step")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -101,6 +108,33 @@ def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generato
     return {"batch": batch, "median_ms": median, "p90_ms": times[int(0.9 * (len(times) - 1))],
             "frames_per_s": batch / median * 1000, "budget_share": median / FRAME_PERIOD_MS,
             "prefill_rows_per_s": batch * args.context / prefill_s}
+
+
+def bench_prompt(engine: TowerEngine, rows: int, args, generator: torch.Generator) -> dict:
+    """A new session's first Step: `rows` prompt rows, the last one drawing (the server's step 1
+    of a request, what bench.timeline shows as 'tower: step 1'). Median over --steps repeats, each
+    on a fresh session (the previous one released)."""
+    cfg = engine.cfg
+    hidden = torch.randn(rows, engine.model.hidden_size, generator=generator)
+    targets = torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64)
+    engine.release([f"s{i}" for i in range(engine.max_sessions)])
+
+    def step():
+        engine.release(["p"])
+        result = engine.step([StepEntry("p", 0, rows, draw=True, seed=5)], hidden, targets)
+        assert not result.row_errors, result.row_errors
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        step()                                  # the codes come back on the host: synchronised
+        if i >= args.warmup:
+            times.append((time.perf_counter() - started) * 1000)
+    if args.prompt_profile:
+        from bench.stage_profile import report
+        report(f"tower prompt step of {rows} rows", step, engine.device, steps=5, top=25)
+    engine.release(["p"])
+    return {"prompt_rows": rows, "median_ms": statistics.median(times), "min_ms": min(times)}
 
 
 def invariance(engine: TowerEngine, sizes: list[int], args) -> list[dict]:
@@ -163,7 +197,7 @@ def main(argv=None) -> list[dict]:
         # One engine at a time: a new engine re-allocates the model's caches (and the old
         # engine's graphs point at the old ones).
         engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
-                             max_context=args.context + args.warmup + args.steps + 1,
+                             max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
                              graphs=mode == "graphs")
         started = time.perf_counter()
         engine.warm_up()
@@ -175,6 +209,11 @@ def main(argv=None) -> list[dict]:
             results.append(r)
             print(f"{mode:>6} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
                   f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
+        for rows in args.prompt:
+            r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
+            results.append(r)
+            print(f"{mode:>6} prompt step of {rows} rows: median {r['median_ms']:.2f} ms, "
+                  f"min {r['min_ms']:.2f} ms", flush=True)
         if args.invariance:
             for c in invariance(engine, args.invariance, args):
                 checks.append({"mode": mode, **c})

@@ -8,7 +8,7 @@ request and DRAMA_CODEC_CPU_THREADS (1) sets the model thread's intra-op threads
 torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA graphs on a CUDA
 device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
-DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1-8;
+DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1,2,4,8;
 must include 1: other lengths are split into these). DRAMA_CODEC_LONG_LENGTHS: the batch-1 graph
 lengths a longer chunk is split into first (unset: 16,32,64,128; "none" or 0: none).
 DRAMA_CODEC_OPTIONS: decode fast-path switches, e.g. "narrow_conv=0" (model.decode_options_from_env).

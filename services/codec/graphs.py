@@ -17,11 +17,14 @@ real batch point at a scratch slot, whose contents are garbage nobody reads.
 
 Chunk lengths: the gateway sends what the backbone emits (API.md §2.1 `latency`): a first message
 of 2, 4 or 8 frames, then 8 per message, and the rest (1-7) at each text chunk's end, so the
-server sees t = 1…8; `lengths` defaults to those, each with a graph per batch bucket. A longer
+server sees t = 1…8. `lengths` defaults to 1, 2, 4 and 8, each with a graph per batch bucket: a
+rest of 3, 5, 6 or 7 frames (once per text chunk) runs as two or three replays. Every length
+is one more graph per bucket, and with the codec's cuDNN autotuning (Codec.cudnn_autotuned) a
+graph's warm-up costs ~0.5 s of algorithm timing, so 1-8 would double the start. A longer
 chunk (a client sending a whole utterance, or an offline decode) is split exactly into the
 `long_lengths` (16, 32, 64, 128 frames: graphs at batch 1 only) and the stream lengths; the
-pieces run in successive ticks, in order, so 10 s (215 frames) is 128 + 64 + 16 + 7: four
-replays instead of 27 of the 8-frame graph (a replay has a fixed cost: ~560 kernels, most of
+pieces run in successive ticks, in order, so 10 s (215 frames) is 128 + 64 + 16 + 4 + 2 + 1:
+six replays instead of 27 of the 8-frame graph (a replay has a fixed cost: ~560 kernels, most of
 them tiny at short lengths). A batch larger than the largest bucket runs as several ticks.
 Without a graph (graphs off, or on CPU) the same tick body runs eagerly.
 
@@ -53,7 +56,7 @@ from services.codec.state import StreamState
 
 log = logging.getLogger(__name__)
 
-STREAM_LENGTHS = tuple(range(1, 9))
+STREAM_LENGTHS = (1, 2, 4, 8)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LONG_LENGTHS = (16, 32, 64, 128)
 # Cost model for splitting an offline decode: a replay costs about as much as this many frames.

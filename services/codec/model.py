@@ -34,6 +34,7 @@ range are refused (the reference clamps).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -118,8 +119,13 @@ class Codec(nn.Module):
     def _decode_modules(self) -> list[nn.Module]:
         return [self.quantizer.post_module, self.quantizer.upsample, self.decoder]
 
+    # cuDNN algorithms timed per conv shape under cudnn_benchmark (torch's default is 10). On the
+    # H200 (bench/codec.py --cudnn-benchmark-limit, session 4) 3 found kernels as fast in every
+    # case (10 s graphed 12.28 against 12.32 ms; 8 x 4-frame tick 3.33 against 3.35) in half
+    # the warm-up (28 graphs captured in 23.3 against 41.1 s).
+    cudnn_benchmark_limit = 3
     FAST_OPTIONS = ("channels_last", "fused_snake", "fused_attention", "dequant_table", "narrow_conv",
-                    "pointwise_gemm", "fused_windows", "shifted_gemm")
+                    "pointwise_gemm", "fused_windows", "shifted_gemm", "cudnn_benchmark")
 
     def prepare(self, device, dtype: torch.dtype, fast: bool | None = None, *,
                 conv_methods: str | dict[str, str] | None = None, **options: bool) -> "Codec":
@@ -137,7 +143,8 @@ class Codec(nn.Module):
         fused_snake, the same numbers through torch.cat without; Decoder.set_fused_windows) and
         shifted_gemm (the decoder's first conv and residual k 7 convs may run off cuDNN: as one
         GEMM and a shifted sum each, conv.shifted_gemm_conv1d, or in the default layout as one
-        Triton kernel each, conv_triton.implicit_conv1d; see conv_methods).
+        Triton kernel each, conv_triton.implicit_conv1d; see conv_methods) and cudnn_benchmark
+        (CUDA only: cuDNN times its algorithms per decode conv shape, `cudnn_autotuned`).
         `options` overrides single ones, e.g. fused_snake=False. In a fast prepare so does
         DRAMA_CODEC_OPTIONS (`decode_options_from_env`) for the options not passed here: that is
         how a server or a benchmark is switched without code changes (fast=False, the reference
@@ -153,9 +160,10 @@ class Codec(nn.Module):
         or "triton" all one way; a dict per conv name (those not named: cuDNN). "triton" is
         refused where it cannot run (CausalConv1d.set_method: channels_last, or no Triton/CUDA).
 
-        Layout: channels_last is on in a fast prepare, except in F16/BF16 unless asked for: cuDNN's
-        F16 NHWC kernels for some dilated convs are catastrophic (H200: 118-232 ms per call at
-        10 s), and the per-conv choice does not cover every length and batch (see below).
+        Layout: channels_last is on in a fast prepare, except in F16/BF16 without cudnn_benchmark
+        unless asked for: cuDNN's heuristic picks F16 NHWC kernels for some dilated convs that are
+        catastrophic (H200: 118-232 ms per call at 10 s), at lengths and batches the per-conv
+        choice does not cover (see below); timed per shape, channels_last is the faster layout.
         """
         from services.codec import snake_triton
 
@@ -173,26 +181,25 @@ class Codec(nn.Module):
         if unknown:
             raise ValueError(f"unknown decode options {sorted(unknown)}")
         chosen = {name: options.get(name, fast) for name in self.FAST_OPTIONS}
-        if dtype in (torch.float16, torch.bfloat16) and "channels_last" not in options:
-            # Measured on the H200 (torch 2.11): in F16 the channels_last decoder ran 10 s in
-            # 488 ms, against ~38 ms in torch's default layout. bench/codec.py --conv-table found
-            # why: cuDNN runs three dilated k 7 shapes (w_1 d 3 and 9, w_2 d 9) on its generic
-            # conv2d_grouped_direct_kernel in F16 NHWC, 118-232 ms per call; every other shape
-            # is faster in channels_last than in the default layout (no NCHW <-> NHWC transposes).
-            # With shifted_gemm those shapes measure slower on cuDNN and take the GEMM path.
-            # But the choice is measured at one length (a 128-frame piece, batch 1), and at other
-            # lengths and batches cuDNN picks that kernel for further shapes: on the H200 the
-            # channels_last default ran the graphed 10 s decode in 83.9 ms (eager 16.4) and the
-            # graphed tick of 8 sessions x 4 frames in 74 ms (4.6 in the default layout). So F16
-            # stays in the default layout, whose cuDNN kernels are stable across lengths, with
-            # the per-conv choice; channels_last=1 asks for the other (a per-length choice would
-            # be needed to make it the default).
+        chosen["cudnn_benchmark"] = chosen["cudnn_benchmark"] and not on_cpu
+        if (dtype in (torch.float16, torch.bfloat16) and "channels_last" not in options
+                and not chosen["cudnn_benchmark"]):
+            # Measured on the H200 (torch 2.11): with cuDNN's heuristic algorithm choice, the F16
+            # channels_last decoder ran 10 s in 488 ms, against ~38 ms in torch's default layout.
+            # bench/codec.py --conv-table found why: the heuristic runs three dilated k 7 shapes
+            # (w_1 d 3 and 9, w_2 d 9) on its generic conv2d_grouped_direct_kernel in F16 NHWC,
+            # 118-232 ms per call, and at other lengths and batches further shapes. With
+            # cudnn_benchmark (the default on CUDA) cuDNN times its algorithms per shape instead,
+            # and channels_last is the faster layout (no NCHW <-> NHWC transposes around every
+            # conv): 10 s graphed in 12.2 ms against 17.3 in the default layout (session 4).
             chosen["channels_last"] = False
         chosen["fused_snake"] = chosen["fused_snake"] and not on_cpu and snake_triton.available()
         self.decoder.set_channels_last(chosen["channels_last"])
         self.decoder.set_narrow(chosen["narrow_conv"])
-        self._set_conv_methods(chosen["shifted_gemm"], conv_methods,
-                               measure=torch.device(device).type == "cuda")
+        self.decode_options = chosen         # read by cudnn_autotuned, which the timings use
+        with self.cudnn_autotuned():
+            self._set_conv_methods(chosen["shifted_gemm"], conv_methods,
+                                   measure=torch.device(device).type == "cuda")
         self.decoder.set_fused_windows(chosen["fused_windows"])
         for module in self.decoder.modules():
             if isinstance(module, Snake):
@@ -268,13 +275,33 @@ class Codec(nn.Module):
                         tensors[module.state_key] = initial
         return StreamState(torch.zeros(batch, dtype=torch.int64, device=device), tensors)
 
+    @contextlib.contextmanager
+    def cudnn_autotuned(self):
+        """With the cudnn_benchmark decode option (CUDA): cuDNN times its algorithms for each conv
+        shape the first time it sees it and keeps the fastest, instead of its heuristic choice,
+        which runs some F16 shapes on generic kernels 10-1000x slower (prepare's docstring).
+        Scoped to the decode path: every graph's warm-up tick runs it outside capture, so the
+        captured kernels are the timed ones; the encode path (float32, a new length per
+        reference clip) keeps the heuristic rather than paying the timing per clip length."""
+        if not self.decode_options.get("cudnn_benchmark"):
+            yield
+            return
+        cudnn = torch.backends.cudnn
+        saved = cudnn.benchmark, cudnn.benchmark_limit
+        cudnn.benchmark, cudnn.benchmark_limit = True, self.cudnn_benchmark_limit
+        try:
+            yield
+        finally:
+            cudnn.benchmark, cudnn.benchmark_limit = saved
+
     def _step(self, codes: Tensor, state: StreamState) -> Tensor:
         """The next t frames of B streams: codes [B, N, t] -> float32 [B, t·frame_samples]."""
         z = self.quantizer.dequantize(codes).to(self.decode_dtype)       # [B, C, t]
-        z = self.quantizer.post_module.step(z, state)
-        for stage in self.quantizer.upsample:                            # [B, C, 4t]
-            z = step_sequence(stage, z, state)
-        audio = self.decoder.step(z, state)                              # [B, 1, t·2048]
+        with self.cudnn_autotuned():
+            z = self.quantizer.post_module.step(z, state)
+            for stage in self.quantizer.upsample:                        # [B, C, 4t]
+                z = step_sequence(stage, z, state)
+            audio = self.decoder.step(z, state)                          # [B, 1, t·2048]
         state.position = state.position + codes.shape[-1]
         return audio[:, 0].float()
 

@@ -294,7 +294,7 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
     `graphs` (None: on for CUDA): decode through a pool of `slots` stream slots and CUDA graphs
     captured here, before SERVING (graphs.py); on CPU it means the same pool with eager ticks.
     `dtype`: the decode dtype of a codec loaded from `checkpoint` (None: load_codec's default).
-    `graph_lengths`: the chunk lengths that get a graph (None: graphs.STREAM_LENGTHS, 1-8);
+    `graph_lengths`: the chunk lengths that get a graph (None: graphs.STREAM_LENGTHS, 1, 2, 4, 8);
     other lengths are split into these, so fewer lengths mean fewer graphs to capture and hold
     at the price of more replays for the odd chunk. `long_lengths`: the batch-1 graph lengths a
     longer chunk is split into (None: graphs.LONG_LENGTHS, 16-128; () for none).
