@@ -35,7 +35,7 @@ def test_prefill_cuts():
         n, b = cuts[-1]
         assert b == min(x for x in PREFILL_BUCKETS if x >= n)                   # the rest padded
     assert prefill_cuts(70) == [(70, 96)]
-    assert prefill_cuts(134) == [(134, 192)]           # a 20-word prompt: 58 padding rows, not 122
+    assert prefill_cuts(134) == [(134, 160)]           # a 20-word prompt: 26 padding rows, not 122
     assert prefill_cuts(600) == [(512, 512), (88, 96)]
     assert prefill_cuts(5, (8, 32)) == [(5, 8)]
 

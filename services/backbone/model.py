@@ -56,9 +56,11 @@ from .rope import RotaryTable
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
 # Rows per piece of a captured prefill graph (prefill_graphs). Between 64 and 512 the steps are
-# 1.5x, not 2x: a piece's time grows with its rows past the expert read (~10 ms on the H200 at any
-# size), and a typical 20-word prompt of ~134 rows padded to 256 ran 23 ms against ~19 for 128.
-PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+# 1.25-1.5x, not 2x: a piece's time grows with its rows past the expert read (~10 ms on the H200
+# at any size), ~0.056 ms per row between 128 and 192 rows (18.8 / 22.4 ms with the serving pool);
+# a 20-word prompt of ~134 rows (the byte-level test tokenizer) padded to 256 ran 23.8 ms, to 192
+# 22.4, and 160 cuts that padding again where most short prompts fall.
+PREFILL_BUCKETS = (16, 32, 64, 96, 128, 160, 192, 256, 384, 512)
 # Piece counts with a prefill graph per bucket, at most PREFILL_GRAPH_ROWS rows in all. Why 1024:
 # on the H200 a packed replay costs ~75 µs per row from ~1000 rows on (13.4k rows/s at 1024 and at
 # 2048 rows; bench/backbone.py --prefill-sessions), so larger graphs only hold the GPU longer
