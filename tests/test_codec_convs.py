@@ -407,8 +407,9 @@ def test_mixed_methods_stream_like_offline(reference, tiny_checkpoint, channels_
 def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
     """On CUDA a fast prepare times every wide conv (both methods, and the Triton kernel in the
     default layout where Triton is installed; positive ms), takes the rule's method for each and
-    decodes in channels_last in float32, in the default layout in F16
-    (model.py: cuDNN's F16 NHWC kernels). (The numbers: the F16 shifted-GEMM test
+    decodes in channels_last in both dtypes (with cudnn_benchmark, on by default on CUDA: cuDNN's
+    heuristic F16 NHWC kernels are what kept F16 in the default layout before; model.py), and in
+    F16 without cudnn_benchmark in the default layout. (The numbers: the F16 shifted-GEMM test
     below and test_codec_model's CUDA stream-vs-offline test, which runs this configuration; the
     tiny decoder as it is is too chaotic to compare against the reference ops here.)"""
     codec = load_codec(tiny_checkpoint, device="cuda", dtype=dtype)
@@ -417,9 +418,13 @@ def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
         assert timing["cudnn_ms"] > 0 and timing["gemm_ms"] > 0
         assert codec.conv_methods[name] == choose_conv_method(timing["cudnn_ms"], timing["gemm_ms"],
                                                               triton_ms=timing.get("triton_ms"))
-    assert codec.decoder.channels_last == (dtype == torch.float32)
+    assert codec.decoder.channels_last and codec.decode_options["cudnn_benchmark"]
     audio = codec.decode(random_codes(codec, 6, seed=35))
     assert audio.shape == (1, 6 * codec.frame_samples) and bool(audio.isfinite().all())
+    assert not torch.backends.cudnn.benchmark          # scoped to the decode calls
+    heuristic = load_codec(tiny_checkpoint, device="cuda", dtype=dtype).prepare(
+        "cuda", dtype, cudnn_benchmark=False)
+    assert heuristic.decoder.channels_last == (dtype == torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
