@@ -282,17 +282,21 @@ class Codec(nn.Module):
         which runs some F16 shapes on generic kernels 10-1000x slower (prepare's docstring).
         Scoped to the decode path: every graph's warm-up tick runs it outside capture, so the
         captured kernels are the timed ones; the encode path (float32, a new length per
-        reference clip) keeps the heuristic rather than paying the timing per clip length."""
+        reference clip) keeps the heuristic rather than paying the timing per clip length.
+        A float32 decode also keeps cuDNN off TF32 here: timed, cuDNN takes TF32 kernels where they
+        are faster (torch allows them by default), and float32 is the accuracy setting (on the H200
+        a TF32 pick moved the tiny chaotic decoder by 2e-2 relative)."""
         if not self.decode_options.get("cudnn_benchmark"):
             yield
             return
         cudnn = torch.backends.cudnn
-        saved = cudnn.benchmark, cudnn.benchmark_limit
+        saved = cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32
         cudnn.benchmark, cudnn.benchmark_limit = True, self.cudnn_benchmark_limit
+        cudnn.allow_tf32 = saved[2] and self.decode_dtype != torch.float32
         try:
             yield
         finally:
-            cudnn.benchmark, cudnn.benchmark_limit = saved
+            cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32 = saved
 
     def _step(self, codes: Tensor, state: StreamState) -> Tensor:
         """The next t frames of B streams: codes [B, N, t] -> float32 [B, t·frame_samples]."""
