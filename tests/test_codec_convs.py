@@ -402,6 +402,26 @@ def test_mixed_methods_stream_like_offline(reference, tiny_checkpoint, channels_
     assert_close(streamed, expected, 5e-4, "mixed methods, batched chunks")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_cudnn_autotuning_is_scoped_to_the_decode_calls(tiny_checkpoint, dtype):
+    """cudnn_benchmark turns cuDNN's algorithm timing on (limit Codec.cudnn_benchmark_limit) only
+    inside Codec.cudnn_autotuned, with TF32 off for a float32 decode, and puts every flag back
+    after, also when the decode raises; off (always so on the CPU), nothing changes."""
+    cudnn = torch.backends.cudnn
+    codec = load_codec(tiny_checkpoint).prepare("cpu", dtype, fast=True)
+    assert codec.decode_options["cudnn_benchmark"] is False          # the CPU never times
+    before = cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32
+    with codec.cudnn_autotuned():
+        assert (cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32) == before
+    codec.decode_options = {**codec.decode_options, "cudnn_benchmark": True}   # as on CUDA
+    with pytest.raises(RuntimeError, match="inside"):
+        with codec.cudnn_autotuned():
+            assert cudnn.benchmark and cudnn.benchmark_limit == codec.cudnn_benchmark_limit
+            assert cudnn.allow_tf32 == (before[2] and dtype != torch.float32)
+            raise RuntimeError("inside")
+    assert (cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32) == before
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_prepare_measures_the_methods_on_cuda(tiny_checkpoint, dtype):
