@@ -264,3 +264,64 @@ def test_warm_up_leaves_the_pool_as_it_found_it(tiny_checkpoint):
     slot = warmed.open()
     assert torch.equal(warmed.step([(slot, ids, None)])[0], expected)
     BackboneEngine(model, max_sessions=1, max_context=3).warm_up()    # tiny pools still warm up
+
+
+def test_overlapped_load_equals_the_plain_load_and_reports_read_errors(tiny_checkpoint, monkeypatch):
+    """start_backbone_load (the server's start on CUDA): with the expert reads held back until a
+    warm-up has run on the unfilled experts, the model ends up with exactly load_backbone's
+    tensors and computes exactly its rows; on the kernel path gate and up are read into the halves
+    of the packed w_gate_up (no copy at prepare). A read that fails surfaces from wait()."""
+    import threading
+
+    from services.backbone import weights
+    from services.backbone.engine import BackboneEngine
+    from services.common.checkpoint import DeviceCopier
+
+    gate = threading.Event()
+    run = weights.ExpertReads._run
+
+    def held(self, read):
+        assert gate.wait(30)
+        run(self, read)
+
+    monkeypatch.setattr(weights.ExpertReads, "_run", held)
+    plain = weights.load_backbone(tiny_checkpoint, lm_head=False)
+    model, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
+    engine = BackboneEngine(model, max_sessions=2, max_context=64)
+    engine.warm_up()                                  # on experts not read yet
+    assert not reads.done()
+    gate.set()
+    reads.wait()
+    assert reads.done() and reads.seconds > 0
+    expected = dict(plain.state_dict())
+    got = dict(model.state_dict())
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else got[name],
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor), name
+    ids = torch.arange(5, 25, dtype=torch.int64)
+    fresh = BackboneEngine(plain, max_sessions=1, max_context=64)
+    slot = engine.open()
+    assert torch.equal(engine.step([(slot, ids, None)])[0], fresh.step([(fresh.open(), ids, None)])[0])
+
+    # the kernel path's layout, built on the CPU (nothing runs): gate | up packed by the reads
+    kernel_path = dict(lm_head=False, dtype=torch.bfloat16, exact=False, kernels=True)
+    packed, reads = weights.start_backbone_load(tiny_checkpoint, **kernel_path)
+    reads.wait()
+    mlp = packed.layers[0].mlp
+    assert mlp.w_gate_up.data_ptr() == mlp.experts.gate_proj.data_ptr()
+    stored = plain.layers[0].mlp.experts                       # as read, unpacked
+    for proj in ("gate_proj", "up_proj"):
+        assert torch.equal(getattr(mlp.experts, proj).view(torch.uint8), getattr(stored, proj).view(torch.uint8))
+        assert torch.equal(getattr(mlp.experts, f"{proj}_scale_inv"), getattr(stored, f"{proj}_scale_inv"))
+    reference = weights.load_backbone(tiny_checkpoint, **kernel_path).layers[0].mlp
+    assert torch.equal(mlp.w_gate_up.view(torch.uint8), reference.w_gate_up.view(torch.uint8))
+    assert torch.equal(mlp.s_gate_up, reference.s_gate_up)
+
+    def broken(self, dst, src):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(DeviceCopier, "copy_into", broken)
+    _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
+    with pytest.raises(OSError, match="disk gone"):
+        reads.wait()

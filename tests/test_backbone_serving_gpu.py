@@ -220,3 +220,16 @@ def test_decode_graphs_default_on_for_cuda_only(monkeypatch):
     monkeypatch.setenv("DRAMA_DECODE_GRAPHS", "1")
     assert entry.parse_args(["--checkpoint", "x"]).decode_graphs is True
 
+
+
+def test_load_overlap_default_on_for_cuda_only(monkeypatch):
+    from services.backbone import __main__ as entry
+    from services.backbone.server import Settings, load_overlap_for
+
+    assert load_overlap_for(Settings("ckpt", "tower", device="cuda")) is True
+    assert load_overlap_for(Settings("ckpt", "tower", device="cpu")) is False
+    assert load_overlap_for(Settings("ckpt", "tower", device="cuda", load_overlap=False)) is False
+    assert load_overlap_for(Settings("ckpt", "tower", device="cpu", load_overlap=True)) is True
+    monkeypatch.setenv("DRAMA_LOAD_OVERLAP", "0")
+    settings, _ = entry.parse_args_and_preset(["--checkpoint", "x", "--device", "cuda"])
+    assert load_overlap_for(settings) is False

@@ -415,6 +415,43 @@ async def test_drain_finishes_running_sessions_and_refuses_new_ones(tiny_checkpo
         await channel.close()
 
 
+async def test_a_backbone_started_with_overlapped_expert_reads_serves_the_same_frames(
+        stub, tiny_checkpoint, tower, monkeypatch, capsys):
+    """load_overlap (on by default on CUDA): the start reads the routed experts while the warm-up
+    runs. Held back here until the warm-up is over (so it ran on unfilled experts), they land
+    before SERVING, and the frames equal those of the backbone that loaded first."""
+    import threading
+
+    from services.backbone import weights
+    from services.backbone.engine import BackboneEngine
+
+    warmed = threading.Event()
+    read, warm_up = weights.ExpertReads._run, BackboneEngine.warm_up
+
+    def held(self, work):
+        assert warmed.wait(60)
+        read(self, work)
+
+    def warm_up_first(self, *args, **kwargs):
+        try:
+            return warm_up(self, *args, **kwargs)
+        finally:
+            warmed.set()
+
+    monkeypatch.setattr(weights.ExpertReads, "_run", held)
+    monkeypatch.setattr(BackboneEngine, "warm_up", warm_up_first)
+    running = await _start_backbone(tiny_checkpoint, tower.addr, load_overlap=True)
+    channel = grpcutil.create_channel(f"127.0.0.1:{running.port}")
+    try:
+        assert "backbone experts read in" in capsys.readouterr().out
+        overlapped = await collect(backbone_pb2_grpc.BackboneStub(channel), make_request("overlap", seed=11))
+        expected = await collect(stub, make_request("overlap-ref", seed=11))
+        assert overlapped.codes().shape[1] > 0 and torch.equal(overlapped.codes(), expected.codes())
+    finally:
+        await channel.close()
+        await running.stop()
+
+
 async def test_generate_is_traced_with_session_events_prefill_and_step_spans(stub, backbone):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

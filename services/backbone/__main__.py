@@ -72,6 +72,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         decode_graphs=env_switch("DRAMA_DECODE_GRAPHS"),
         prefill_lane=env_switch("DRAMA_PREFILL_LANE"),
         first_audio_hold_ms=env_default("DRAMA_FIRST_AUDIO_HOLD_MS", None, float),
+        load_overlap=env_switch("DRAMA_LOAD_OVERLAP"),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 

@@ -179,8 +179,12 @@ class SparseMoE(nn.Module):
         if ex.is_fp8:
             inter = ex.gate_proj.shape[1]
             scale_rows = ex.gate_proj_scale_inv.shape[1]
-            self.w_gate_up, self.s_gate_up = fp8_moe.pack_gate_up(ex.gate_proj, ex.gate_proj_scale_inv,
-                                                                  ex.up_proj, ex.up_proj_scale_inv)
+            packed = getattr(ex, "packed_gate_up", None)
+            if packed is not None:    # the loader read gate and up into the halves (weights.py)
+                self.w_gate_up, self.s_gate_up = packed
+            else:
+                self.w_gate_up, self.s_gate_up = fp8_moe.pack_gate_up(ex.gate_proj, ex.gate_proj_scale_inv,
+                                                                      ex.up_proj, ex.up_proj_scale_inv)
             # the checkpoint tensors become views of the stacked ones: the experts are held once
             ex.gate_proj = nn.Parameter(self.w_gate_up[:, :inter], requires_grad=False)
             ex.up_proj = nn.Parameter(self.w_gate_up[:, inter:], requires_grad=False)

@@ -302,6 +302,10 @@ class Settings:
     # codec's first chunk has the GPU (Scheduler). None: 5 ms on a CUDA device, 0 on the CPU;
     # see first_audio_hold_ms_for.
     first_audio_hold_ms: float | None = None
+    # read the routed experts (~95% of the checkpoint) while the warm-up compiles and captures
+    # (weights.start_backbone_load). None: on for a CUDA device (DRAMA_LOAD_OVERLAP=0 turns it
+    # off), off on the CPU unless set; see load_overlap_for.
+    load_overlap: bool | None = None
     grace_s: float = 30.0
 
 
@@ -339,6 +343,16 @@ def decode_graphs_for(settings: Settings) -> bool:
     default on CUDA devices (graphs exist only on the kernel path on CUDA; elsewhere a no-op)."""
     if settings.decode_graphs is not None:
         return settings.decode_graphs
+    return settings.device.startswith("cuda")
+
+
+def load_overlap_for(settings: Settings) -> bool:
+    """Whether the start reads the routed experts beside the warm-up: settings.load_overlap, or by
+    default on CUDA, where the disk read (~44 s for a full checkpoint on the H200) and the warm-up
+    (graph capture, 15-35 s) are both long. Off by default on the CPU: there the warm-up is a few
+    steps on the same cores the readers use."""
+    if settings.load_overlap is not None:
+        return settings.load_overlap
     return settings.device.startswith("cuda")
 
 
@@ -419,7 +433,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     `loaded_model` lets tests share one loaded model between stages they start.
     """
     from services.backbone.engine import BackboneEngine
-    from services.backbone.weights import load_backbone
+    from services.backbone.weights import load_backbone, start_backbone_load
 
     config = load_config(settings.checkpoint)
     max_context = min(settings.max_context_tokens, config.text.max_position_embeddings)
@@ -432,9 +446,15 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     try:
         dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
         # lm_head=False: the tower owns the semantic head; the service never computes logits.
-        model = loaded_model or await asyncio.to_thread(
-            load_backbone, settings.checkpoint, device=settings.device, dtype=dtype, lm_head=False,
-            **({"decode_graphs": True} if decode_graphs_for(settings) else {}))
+        load_args = dict(device=settings.device, dtype=dtype, lm_head=False,
+                         **({"decode_graphs": True} if decode_graphs_for(settings) else {}))
+        expert_reads = None          # the experts still being read while the warm-up runs
+        if loaded_model is not None:
+            model = loaded_model
+        elif load_overlap_for(settings):
+            model, expert_reads = await asyncio.to_thread(start_backbone_load, settings.checkpoint, **load_args)
+        else:
+            model = await asyncio.to_thread(load_backbone, settings.checkpoint, **load_args)
         try:
             engine = BackboneEngine(model, max_sessions=settings.max_rows, max_context=max_context)
         except torch.OutOfMemoryError as exc:
@@ -447,6 +467,11 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         buckets = await asyncio.to_thread(engine.warm_up)
         print(f"backbone warm-up: {time.perf_counter() - started:.1f} s; decode graphs: "
               + (f"on, batch buckets {buckets}" if buckets else "off"), flush=True)
+        if expert_reads is not None:
+            waited = time.perf_counter()
+            await asyncio.to_thread(expert_reads.wait)
+            print(f"backbone experts read in {expert_reads.seconds:.1f} s beside the warm-up "
+                  f"(then waited {time.perf_counter() - waited:.1f} s for them)", flush=True)
         check_step_message(rows=settings.prefill_chunk_tokens + settings.max_rows,
                            hidden_size=engine.hidden_size, hidden_dtype=engine.hidden_dtype,
                            codebooks=config.num_codebooks, sessions=settings.max_rows)

@@ -1,6 +1,9 @@
 """Loading the backbone from a checkpoint directory (MODEL.md §2.3, §2.5).
 
     load_backbone(path, device="cpu", dtype=torch.float32, *, lm_head=True) -> Backbone
+    model, reads = start_backbone_load(path, device, dtype, lm_head=False)   # experts still arriving
+    ...                                    # warm up (compile, capture graphs) meanwhile
+    reads.wait()                           # the routed experts are in place (or the read error)
 
 Accepted, unchanged: our speech checkpoints (prefix `model.language_model.`, the tower's
 `audio_decoder.codebook_embeddings.weight` read for audio rows) and plain HF Qwen3.5-MoE text
@@ -14,12 +17,23 @@ FP8 router, dequantised once: it runs in F32).
 Order (§2.5 rule 1): check every tensor name, shape and dtype against the inventory and raise one
 WeightError naming each problem with its shard file; then build the model on the meta device,
 fill every parameter from the name map below, and refuse a model with anything left unfilled.
+
+`start_backbone_load` returns once everything but the per-expert routed weights is in place; those
+(~95% of a full checkpoint's bytes: 32 of 34 GiB) go on reading on a background thread straight
+into the tensors the model already holds, in their final layout (on the kernel path gate and up
+land in the two halves of the packed `w_gate_up`, so `Backbone.prepare` copies nothing). Nothing
+the warm-up does depends on their values: Triton compiles and autotunes by shape, and a CUDA graph
+records the tensors' addresses, so graph capture can run while the disk is still being read (on
+the H200 reading takes ~44 s at the disk's ~0.8 GB/s, the warm-up 15-35 s). The warm-up's
+outputs are garbage meanwhile and go nowhere (its slots are reset before any request uses them).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -109,6 +123,57 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     decode steps from CUDA graphs. Raises ConfigError for config problems and one WeightError
     for all tensor problems.
     """
+    model, _ = _load(path, device, dtype, lm_head=lm_head, exact=exact, kernels=kernels,
+                     decode_graphs=decode_graphs, experts_in_background=False)
+    return model
+
+
+def start_backbone_load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        *, lm_head: bool = True, exact: bool | None = None, kernels: bool | None = None,
+                        decode_graphs: bool = False) -> tuple[Backbone, "ExpertReads"]:
+    """`load_backbone`, but it returns as soon as every tensor except the per-expert routed
+    weights is in place (checked, placed, `Backbone.prepare`d), with those still being read on a
+    background thread into the tensors the model holds (module docstring). Until
+    `ExpertReads.wait()` returns, the model may be warmed up (compiled, captured), never served.
+    Fused-expert checkpoints (`experts.gate_up_proj`) are read whole before it returns."""
+    return _load(path, device, dtype, lm_head=lm_head, exact=exact, kernels=kernels,
+                 decode_graphs=decode_graphs, experts_in_background=True)
+
+
+class ExpertReads:
+    """The routed experts' reads on their own thread: `wait()` joins it and raises the first read
+    error (a WeightError naming the file, or the OSError); `seconds` is how long they took."""
+
+    def __init__(self, read=None):
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self._thread = None
+        if read is not None:
+            self._thread = threading.Thread(target=self._run, args=(read,), name="expert-reads", daemon=True)
+            self._thread.start()
+
+    def _run(self, read) -> None:
+        started = time.perf_counter()
+        try:
+            read()
+        except BaseException as exc:   # handed to wait(); a thread's exception would be lost
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bool | None,
+          decode_graphs: bool, experts_in_background: bool) -> tuple[Backbone, ExpertReads]:
+    """load_backbone / start_backbone_load."""
     path, device = Path(path), torch.device(device)
     ckpt = open_safetensors(path)
     expected, other, audio, block = _expectations(path, ckpt)
@@ -143,14 +208,30 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
 
     stacked: dict[str, torch.Tensor] = {}        # module path -> [E, ...] on device
     expert_slot: dict[str, tuple[str, int]] = {}   # checkpoint name -> (module path, expert)
+    # On the kernel path FP8 gate and up are read straight into the halves of one [E, 2I, H]
+    # tensor (and their scales into one [E, 2I/128, H/128]): the layout Backbone.prepare packs
+    # them into (moe.pack_kernels takes it as it is), so nothing is copied after the reads.
+    packs: dict[tuple[str, str], torch.Tensor] = {}   # (experts path, weight | weight_scale_inv) -> packed
     for name in wanted:
         if m := _PER_EXPERT.match(name.removeprefix(prefix)):
             base, e, proj, kind = m.groups()
             target = f"{base}.{proj}" if kind == "weight" else f"{base}.{proj}_scale_inv"
             expert_slot[name] = (target, int(e))
-            if target not in stacked:
-                stacked[target] = torch.empty((text.num_experts,) + ckpt.shape_of(name),
-                                              dtype=target_dtype(name), device=device)
+            if target in stacked:
+                continue
+            shape = (text.num_experts,) + ckpt.shape_of(name)
+            if model.kernels and proj != "down_proj" and _fp8_experts(ckpt, prefix, base):
+                if (base, kind) not in packs:
+                    packs[base, kind] = torch.empty((shape[0], 2 * shape[1]) + shape[2:],
+                                                    dtype=target_dtype(name), device=device)
+                packed = packs[base, kind]
+                half = packed.shape[1] // 2
+                if shape[1] != half:
+                    raise WeightError([f"{name}: gate and up of one expert must have one shape to be "
+                                       f"packed, got {shape[1]} rows against {half}"], f"checkpoint {path}")
+                stacked[target] = packed[:, :half] if proj == "gate_proj" else packed[:, half:]
+            else:
+                stacked[target] = torch.empty(shape, dtype=target_dtype(name), device=device)
     loaded: dict[str, torch.Tensor] = {}
 
     def read(name: str, mapped: torch.Tensor, copier) -> None:
@@ -162,7 +243,9 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
         else:
             loaded[name] = copier.new(mapped, target_dtype(name))
 
-    ckpt.read_parallel(wanted, read, device=device)
+    # In the background (start_backbone_load) the experts come last, into tensors placed below.
+    later = [name for name in wanted if name in expert_slot] if experts_in_background else []
+    ckpt.read_parallel([name for name in wanted if name not in later] if later else wanted, read, device=device)
 
     def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps
@@ -200,6 +283,9 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     loaded.clear()
     for target, tensor in stacked.items():
         _assign(model, target, tensor)
+    for (base, kind), tensor in packs.items():
+        if kind == "weight" and (base, "weight_scale_inv") in packs:
+            model.get_submodule(base).packed_gate_up = (tensor, packs[base, "weight_scale_inv"])
     if lm_head and model.lm_head is not None and text.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 
@@ -207,7 +293,17 @@ def load_backbone(path: str | Path, device: str | torch.device = "cpu", dtype: t
     if unfilled:
         raise WeightError([f"not filled from the checkpoint: {n}" for n in unfilled], f"checkpoint {path}")
     model.prepare()
-    return model.eval()
+    if not later:
+        return model.eval(), ExpertReads()
+    # sync_device=False: each reader waits for its own copy stream; a device-wide synchronize
+    # would break a CUDA graph being captured meanwhile on another thread.
+    reads = ExpertReads(lambda: ckpt.read_parallel(later, read, device=device, sync_device=False))
+    return model.eval(), reads
+
+
+def _fp8_experts(ckpt, prefix: str, base: str) -> bool:
+    """Whether the routed experts of `base` (a layer's experts path) are stored block-FP8."""
+    return ckpt.dtype_of(f"{prefix}{base}.0.gate_proj.weight") == torch.float8_e4m3fn
 
 
 def random_backbone(text, audio: AudioSpec | None = None, *, device: str | torch.device = "cpu",

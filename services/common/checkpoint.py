@@ -135,7 +135,8 @@ class SafetensorsCheckpoint:
         self._handles.clear()
 
     def read_parallel(self, names: Iterable[str], fn: Callable[[str, torch.Tensor, "DeviceCopier"], None],
-                      *, device: str | torch.device = "cpu", threads: int | None = None) -> None:
+                      *, device: str | torch.device = "cpu", threads: int | None = None,
+                      sync_device: bool = True) -> None:
         """Call `fn(name, mapped, copier)` for every name, from a pool of threads.
 
         Each thread takes one shard at a time, opens its own memory map of it, asks the kernel to
@@ -146,9 +147,11 @@ class SafetensorsCheckpoint:
         happen in the copies (the page faults), and the copies release the GIL, so the threads
         read shards in parallel. `fn` runs on the pool's threads: it must only write to places
         no other call writes (its own dict key, its own slice of a preallocated tensor).
-        Returns when every copy has landed (CUDA: the copy streams are synchronised); the first
-        exception raised by any call is raised here.
-        threads: default $DRAMA_LOAD_THREADS, else min(8, cores, shards).
+        Returns when every copy has landed (CUDA: each reader waits for its copy stream, then,
+        with sync_device, the whole device); the first exception raised by any call is raised here.
+        threads: default $DRAMA_LOAD_THREADS, else min(8, cores, shards). sync_device=False for
+        reads that run while another thread captures a CUDA graph (a device-wide synchronize
+        would break the capture).
         """
         device = torch.device(device)
         by_shard: dict[str, list[str]] = {}
@@ -185,7 +188,7 @@ class SafetensorsCheckpoint:
                     for other in futures:
                         other.cancel()
                     raise future.exception()
-        if device.type == "cuda":
+        if device.type == "cuda" and sync_device:
             torch.cuda.synchronize(device)
 
 

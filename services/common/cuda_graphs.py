@@ -29,6 +29,9 @@ def capture(run: Callable[[], object], *, pool=None, stream: torch.cuda.Stream |
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    # thread_local: other threads may go on using the GPU meanwhile (the backbone's checkpoint
+    # readers copy experts while the warm-up captures, weights.start_backbone_load); torch's
+    # default ("global") would refuse their allocations and syncs. This thread stays strict.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         output = run()
     return graph, output
