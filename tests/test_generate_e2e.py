@@ -417,7 +417,7 @@ async def test_drain_finishes_running_sessions_and_refuses_new_ones(tiny_checkpo
 
 async def test_a_backbone_started_with_overlapped_expert_reads_serves_the_same_frames(
         stub, tiny_checkpoint, tower, monkeypatch, capsys):
-    """load_overlap (on by default on CUDA): the start reads the routed experts while the warm-up
+    """load_overlap (DRAMA_LOAD_OVERLAP=1): the start reads the routed experts while the warm-up
     runs. Held back here until the warm-up is over (so it ran on unfilled experts), they land
     before SERVING, and the frames equal those of the backbone that loaded first."""
     import threading

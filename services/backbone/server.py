@@ -303,8 +303,8 @@ class Settings:
     # see first_audio_hold_ms_for.
     first_audio_hold_ms: float | None = None
     # read the routed experts (~95% of the checkpoint) while the warm-up compiles and captures
-    # (weights.start_backbone_load). None: on for a CUDA device (DRAMA_LOAD_OVERLAP=0 turns it
-    # off), off on the CPU unless set; see load_overlap_for.
+    # (weights.start_backbone_load). None: off (DRAMA_LOAD_OVERLAP=1 turns it on); see
+    # load_overlap_for.
     load_overlap: bool | None = None
     grace_s: float = 30.0
 
@@ -347,13 +347,15 @@ def decode_graphs_for(settings: Settings) -> bool:
 
 
 def load_overlap_for(settings: Settings) -> bool:
-    """Whether the start reads the routed experts beside the warm-up: settings.load_overlap, or by
-    default on CUDA, where the disk read (~44 s for a full checkpoint on the H200) and the warm-up
-    (graph capture, 15-35 s) are both long. Off by default on the CPU: there the warm-up is a few
-    steps on the same cores the readers use."""
+    """Whether the start reads the routed experts beside the warm-up: settings.load_overlap, else
+    off. Why off: its one measurement on the H200 (docs/perf.md, session 4; all stages started
+    together from a cold disk) had the experts read in 48 s beside a warm-up that took 63.5 s
+    instead of 15-35, and the backbone ready after 91.8 s against 70.5 s sequential without it;
+    what slowed the warm-up (the readers, the codec's and tower's starts on the same GPU, or
+    Triton compiles for the production pool's shapes) is not separated yet."""
     if settings.load_overlap is not None:
         return settings.load_overlap
-    return settings.device.startswith("cuda")
+    return False
 
 
 def first_audio_hold_ms_for(settings: Settings) -> float:

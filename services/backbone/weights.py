@@ -26,6 +26,7 @@ the warm-up does depends on their values: Triton compiles and autotunes by shape
 records the tensors' addresses, so graph capture can run while the disk is still being read (on
 the H200 reading takes ~44 s at the disk's ~0.8 GB/s, the warm-up 15-35 s). The warm-up's
 outputs are garbage meanwhile and go nowhere (its slots are reset before any request uses them).
+The server does this only with DRAMA_LOAD_OVERLAP=1 (server.load_overlap_for says why).
 """
 
 from __future__ import annotations
