@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 STREAM_LENGTHS = (1, 2, 4, 8)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LONG_LENGTHS = (16, 32, 64, 128)
+CAPTURE_PROGRESS_S = 5.0          # a progress line at most this often while capturing
 # Cost model for splitting an offline decode: a replay costs about as much as this many frames.
 REPLAY_COST_FRAMES = 30
 
@@ -254,8 +255,14 @@ class GraphedDecoder:
         wanted = [(t, b) for t in self.lengths + self.long_lengths for b in self.buckets_for(t)]
         jobs = sorted((job for job in wanted if job not in self._graphs),
                       key=lambda job: job[0] * job[1], reverse=True)
-        for length, batch in jobs:
+        reported = started
+        for done, (length, batch) in enumerate(jobs, 1):
             self._graphs[(length, batch)] = self._capture_one(length, batch)
+            if time.perf_counter() - reported >= CAPTURE_PROGRESS_S and done < len(jobs):
+                # each warm-up times cuDNN's algorithms for its shapes (Codec.cudnn_autotuned):
+                # ~0.5-1 s per graph on the H200, so a start shows where it is
+                reported = time.perf_counter()
+                log.info("codec: %d of %d decode graphs captured (%.0f s)", done, len(jobs), reported - started)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - started
         log.info("codec: %d decode graphs captured in %.1f s (lengths %s, buckets %s, long lengths %s)",
