@@ -6,6 +6,9 @@
 #                                      sweep, stage metrics, batch invariance), in-process timings skipped
 #   bash bench/h200_run.sh final      codec bench (FP16) + the serving part with a short sweep
 #   bash bench/h200_run.sh cmd C1 C2   the given shell commands, in order, output in cmd.log
+#   bash bench/h200_run.sh start       bench.start_to_ready from a full checkpoint on disk, sequential,
+#                                      DRAMA_LOAD_OVERLAP=0 then 1 (the backbone's expert reads beside
+#                                      its warm-up, docs/perf.md session 4)
 #   bash bench/h200_run.sh stages      each stage in-process: codec bench (FP16/FP32, profile), backbone
 #                                      prefill + graphed decode with a kernel profile, tower step
 #
@@ -63,6 +66,20 @@ case $part in
     OUT=$work SKIP_MICRO=1 SKIP_VOICE=${SKIP_VOICE:-1} SWEEP=${SWEEP:-1,8,32,128} DURATION=${DURATION:-8} \
       timeout "${SERVING_LIMIT:-300}" bash bench/h200_serving.sh all 2>&1 | tee "$work/serving.log"
     status=${PIPESTATUS[0]} ;;
+  start)   # backbone start to ready from a full checkpoint on disk, stages one after another,
+           # the expert reads beside the warm-up off, then on (DRAMA_LOAD_OVERLAP; ~6 device-minutes)
+    ckpt=$PWD/out/ckpt-full
+    for overlap in 0 1; do
+      make=(--checkpoint "$ckpt")
+      [[ $overlap == 0 ]] && make+=(--make --preset full --no-inspect --keep)
+      cmd="DRAMA_LOAD_OVERLAP=$overlap python3 -m bench.start_to_ready ${make[*]} --device cuda --cache cold \
+--order sequential --keep-compile-cache --no-gateway --json $work/start_to_ready_overlap$overlap.json \
+--logs $work/start_logs_overlap$overlap.txt"
+      echo "+ $cmd" | tee -a "$work/commands.txt"
+      bash -c "$cmd" 2>&1 | grep -v resource_metrics | tail -25 | tee -a "$work/start.log"
+      [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+      grep -h "experts read\|warm-up" "$work/start_logs_overlap$overlap.txt" | tee -a "$work/start.log"
+    done ;;
   cmd)   # any commands: bash bench/h200_run.sh cmd "python3 ..." "python3 ..."
     shift
     for cmd in "$@"; do
