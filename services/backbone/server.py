@@ -353,9 +353,7 @@ def load_overlap_for(settings: Settings) -> bool:
     instead of 15-35, and the backbone ready after 91.8 s against 70.5 s sequential without it;
     what slowed the warm-up (the readers, the codec's and tower's starts on the same GPU, or
     Triton compiles for the production pool's shapes) is not separated yet."""
-    if settings.load_overlap is not None:
-        return settings.load_overlap
-    return False
+    return bool(settings.load_overlap)
 
 
 def first_audio_hold_ms_for(settings: Settings) -> float:

@@ -246,7 +246,8 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
 
     # In the background (start_backbone_load) the experts come last, into tensors placed below.
     later = [name for name in wanted if name in expert_slot] if experts_in_background else []
-    ckpt.read_parallel([name for name in wanted if name not in later] if later else wanted, read, device=device)
+    now = [name for name in wanted if name not in expert_slot] if later else wanted
+    ckpt.read_parallel(now, read, device=device)
 
     def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps

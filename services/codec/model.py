@@ -214,7 +214,6 @@ class Codec(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.fused = chosen["fused_attention"]
         self.quantizer.set_dequant_table(chosen["dequant_table"])
-        self.decode_options = chosen
         return self
 
     def _set_conv_methods(self, shifted_gemm: bool, conv_methods, measure: bool) -> None:
