@@ -151,7 +151,7 @@ def _line(r: dict) -> str:
     cublas = (f"{r['cublas_us']:>9.1f} {r['cublas_gbs']:>8.0f} {r['triton_us'] / r['cublas_us']:>6.2f}"
               if "cublas_us" in r else f"{'':>9} {'':>8} {'':>6}")
     return (f"{r['shape']:<13} {r['m']:>4} {r['triton_us']:>9.1f} {r['triton_gbs']:>8.0f} {cublas} "
-            f"{r['err']:>8.1e} {r['inv']:<14} {r['config']} (r{r['plan']['rows']} t{r['plan']['tiles']}xg{r['plan']['groups']})")
+            f"{r['err']:>8.1e} {r['inv']:<14} {r['config']} (t{r['plan']['tiles']}xg{r['plan']['groups']})")
 
 
 HEADER = (f"{'shape':<13} {'M':>4} {'triton us':>9} {'GB/s':>8} {'cublas us':>9} {'GB/s':>8} {'ratio':>6} "

@@ -122,22 +122,6 @@ def test_rejects_bad_arguments():
         decode_gemm.decode_linear(x.half(), w.half())
 
 
-def test_rows_switch(monkeypatch):
-    """DRAMA_DECODE_GEMM_ROWS: 16 (the default) or 64; anything else is an error, as is a plan
-    asked for another tile height."""
-    monkeypatch.delenv("DRAMA_DECODE_GEMM_ROWS", raising=False)
-    assert decode_gemm._read_rows() == 16
-    monkeypatch.setenv("DRAMA_DECODE_GEMM_ROWS", " 64")
-    assert decode_gemm._read_rows() == 64
-    for bad in ("32", "sixteen"):
-        monkeypatch.setenv("DRAMA_DECODE_GEMM_ROWS", bad)
-        with pytest.raises(ValueError, match="DRAMA_DECODE_GEMM_ROWS"):
-            decode_gemm._read_rows()
-    assert decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, rows=64)["groups"] <= 2
-    with pytest.raises(ValueError, match="rows per tile"):
-        decode_gemm.launch_plan(8, 2048, 4096, torch.bfloat16, rows=32)
-
-
 def test_switch(monkeypatch):
     """cublas (the default) always gives invariant.linear_rows; triton only on a decode step with
     x on CUDA; a bad value is an error."""
@@ -208,16 +192,16 @@ def test_real_shapes_match_reference(name, n, k, dtype, residual):
         assert_matches_reference(decode_gemm.decode_linear(x, w, r), x, w, r)
 
 
-def _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config=None, prefixes=(17,), rows=None):
+def _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config=None, prefixes=(17,)):
     """Row p computed alone (M = 1), inside the first `prefixes` rows (M = 17, or 8 and 32) and
     inside the batch of 128: same bits."""
     x, w, r = operands(128, n, k, dtype, residual, seed=3)
-    full = decode_gemm.decode_linear(x, w, r, config=config, rows=rows)
+    full = decode_gemm.decode_linear(x, w, r, config=config)
     for m in prefixes:
-        part = decode_gemm.decode_linear(x[:m], w, None if r is None else r[:m], config=config, rows=rows)
+        part = decode_gemm.decode_linear(x[:m], w, None if r is None else r[:m], config=config)
         assert torch.equal(part, full[:m]), f"M = {m}: max |diff| {float((part - full[:m]).abs().max())}"
     for p in positions:
-        alone = decode_gemm.decode_linear(x[p:p + 1], w, None if r is None else r[p:p + 1], config=config, rows=rows)
+        alone = decode_gemm.decode_linear(x[p:p + 1], w, None if r is None else r[p:p + 1], config=config)
         assert torch.equal(alone[0], full[p]), f"row {p}: max |diff| {float((alone[0] - full[p]).abs().max())}"
 
 
@@ -235,26 +219,6 @@ def test_row_alone_equals_row_in_batch_of_128(n, k, dtype, residual, config, pos
     at every position (every 16-row tile, every place inside a tile) for the plain kernel, and
     at positions in several tiles for the split-K and F32 variants (interpreter time)."""
     _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config)
-
-
-@kernel
-@pytest.mark.parametrize("dtype,residual,config", [
-    (torch.bfloat16, True, WHOLE_K),
-    (torch.bfloat16, False, dict(BN=32, BK=128, SPLIT=2, num_warps=4, num_stages=3)),
-    (torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3))],
-    ids=["bf16-residual", "bf16-split", "f32-split"])
-def test_64_row_tiles(dtype, residual, config):
-    """ROWS = 64 (DRAMA_DECODE_GEMM_ROWS, the warpgroup MMA on Hopper): the reference at M = 1, 17
-    and 128 (two tiles, one or two programs), and a row alone equals itself inside the batch."""
-    n, k = (40, 320) if dtype == torch.float32 else (48, 256)
-    for m in (1, 17, 128):
-        x, w, r = operands(m, n, k, dtype, residual)
-        assert_matches_reference(decode_gemm.decode_linear(x, w, r, config=config, rows=64), x, w, r)
-    x, w, r = operands(128, n, k, dtype, residual, seed=13)
-    assert decode_gemm.launch_plan(128, n, k, dtype, config, tiles=1, rows=64)["groups"] == 2
-    assert torch.equal(decode_gemm.decode_linear(x, w, r, config=config, rows=64, tiles=1),
-                       decode_gemm.decode_linear(x, w, r, config=config, rows=64, tiles=2))
-    _row_alone_equals_row_in_batch(n, k, dtype, residual, (0, 5, 63, 64, 127), config, rows=64)
 
 
 @kernel
@@ -281,15 +245,12 @@ def test_strided_operands():
 # --- GPU only ----------------------------------------------------------------------------------
 
 @gpu
-@pytest.mark.parametrize("rows", decode_gemm.ROW_CHOICES)
 @pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
-def test_real_shapes_rows_do_not_depend_on_the_batch(name, n, k, dtype, residual, rows):
-    """Every real shape, the default launch, 16- and 64-row tiles: each of the 128 rows alone
-    equals itself inside M = 128, and the first 8 and 32 rows as a batch equal theirs (each M
-    with its own row partition)."""
-    _row_alone_equals_row_in_batch(n, k, dtype, residual, range(128), prefixes=(8, 32), rows=rows)
-    x, w, r = operands(4, n, k, dtype, residual)
-    assert_matches_reference(decode_gemm.decode_linear(x, w, r, rows=rows), x, w, r)
+def test_real_shapes_rows_do_not_depend_on_the_batch(name, n, k, dtype, residual):
+    """Every real shape, the default launch: each of the 128 rows alone equals itself inside
+    M = 128, and the first 8 and 32 rows as a batch equal theirs (each M with its own row
+    partition: 1, 1 or 2 tiles per program at 8 and 32, 2 or 4 at 128)."""
+    _row_alone_equals_row_in_batch(n, k, dtype, residual, range(128), prefixes=(8, 32))
 
 
 @gpu

@@ -66,7 +66,7 @@ def _inputs(rows: int, m: int, seed: int):
     # bf16-valued logits, as the heads give them: many exact ties among candidates
     logits = (torch.randn(rows, m, generator=g) * 4).bfloat16().float()
     logits[:4] = 0.0                                                   # all tied
-    logits[4:8] = logits[4:8].round()                                  # a few large tie groups
+    logits[4:24] = (logits[4:24] / 4).round()                          # a few values: big tie groups at the cut
     temperature = torch.rand(rows, generator=g) * 1.6
     temperature[::7] = 0.0                                             # greedy rows
     temperature[3::11] = 1e-3                                          # most probabilities underflow to 0

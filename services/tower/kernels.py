@@ -276,7 +276,6 @@ if HAS_TRITON:
 
 # A row's candidates live in one program's registers; above this the draw takes the torch path.
 FUSED_DRAW_MAX_CANDIDATES = 16384
-_SEARCH_STEPS = 32          # bisection steps over a float32's bits (31 suffice for [0, 2^31))
 
 
 def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
@@ -298,7 +297,7 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, STEPS=_SEARCH_STEPS, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4)
+        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4)
     return out
 
 
@@ -318,8 +317,7 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
-                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, STEPS: tl.constexpr,
-                     PRECISE_LOG: tl.constexpr):
+                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr):
         """One row's draw (§6.1) in one program, its M <= BM candidates held in registers.
 
         The top-p/top-k cut needs no sort. Both keep a prefix of the ranking (probability
@@ -351,42 +349,49 @@ if HAS_TRITON:
         # R_p: the smallest present value v with c(v) <= top_p (bisection over x; v = the least
         # key >= x), then how many of v's tie group fit.
         top_p = tl.load(top_p_ptr + row).to(tl.float64)
-        lo = tl.zeros([], tl.int32)
-        hi = key_max
-        for _ in range(STEPS):
-            mid = lo + (hi - lo) // 2
-            v = tl.min(tl.where(key >= mid, key, big), axis=0)
-            c = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0) + _as_float64(v)
-            fits = c <= top_p
-            active = lo < hi
-            hi = tl.where(active & fits, mid, hi)
-            lo = tl.where(active & ~fits, mid + 1, lo)
-        v = tl.min(tl.where(key >= lo, key, big), axis=0)
-        above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
-        count_above = tl.sum((key > v).to(tl.int32), axis=0)
-        count_equal = tl.sum((key == v).to(tl.int32), axis=0)
-        v64 = _as_float64(v)
-        room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)), count_equal.to(tl.float64))
-        room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
-        first_fits = above + v64 <= top_p                        # else only rank 1 survives
-        rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
-        rank_p = tl.where(top_p >= 1.0, M, rank_p)
         top_k = tl.load(top_k_ptr + row)
         rank_k = tl.where(top_k <= 0, M, tl.minimum(top_k, M).to(tl.int32))
+        key_min = tl.min(tl.where(ok, key, big), axis=0)
+        cut = key_min                      # top_p >= 1 keeps every rank: the cut is the last one
+        rank_p = M
+        if top_p < 1.0:
+            lo = key_min
+            hi = key_max
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                v = tl.min(tl.where(key >= mid, key, big), axis=0)
+                c = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0) + _as_float64(v)
+                if c <= top_p:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            v = tl.min(tl.where(key >= lo, key, big), axis=0)
+            above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
+            count_above = tl.sum((key > v).to(tl.int32), axis=0)
+            count_equal = tl.sum((key == v).to(tl.int32), axis=0)
+            v64 = _as_float64(v)
+            room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)),
+                            count_equal.to(tl.float64))
+            room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
+            first_fits = above + v64 <= top_p                    # else only rank 1 survives
+            rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
+            cut = v
         ranks = tl.maximum(tl.minimum(rank_p, rank_k), 1)
-
-        # v = the probability at rank `ranks`: the largest x with count(key >= x) >= ranks.
-        lo = tl.zeros([], tl.int32)
-        hi = key_max
-        for _ in range(STEPS):
-            mid = hi - (hi - lo) // 2
-            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks
-            active = lo < hi
-            lo = tl.where(active & enough, mid, lo)
-            hi = tl.where(active & ~enough, mid - 1, hi)
-        tie = key == lo
+        if ranks < rank_p:
+            # top-k cuts first: its cut is the largest x with count(key >= x) >= ranks
+            lo = key_min
+            hi = key_max
+            while lo < hi:
+                mid = hi - (hi - lo) // 2
+                if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cut = lo
+        # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
+        tie = key == cut
         tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1           # 0-based among the ties
-        kept = (key > lo) | (tie & (tie_rank < ranks - tl.sum((key > lo).to(tl.int32), axis=0)))
+        kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
 
         # §6.3 noise: h = sm(seed), then h = sm(h ^ v) for take, frame, draw; uint64 arithmetic.
         h = _splitmix64(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True))

@@ -76,12 +76,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Rows per tl.dot, fixed for every M (16 or 64): 16 is Triton's smallest MMA M, the per-warp
-# mma.sync; 64 makes Hopper use the warpgroup MMA (wgmma), which wastes more tensor-core work at
-# M = 1 but issues far faster at M = 128. Either is batch-invariant (one instruction sequence per
-# element whatever M is); the two give different bits, so a server uses one
-# (DRAMA_DECODE_GEMM_ROWS, read once at import like DRAMA_DECODE_GEMM).
-ROW_CHOICES = (16, 64)
+ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
 MAX_TILES_PER_PROGRAM = 4   # default cap on 16-row tiles per program (the kernel takes up to 8)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 _CHOICES = ("cublas", "triton")
@@ -95,16 +90,6 @@ def _read_switch() -> str:
 
 
 BACKEND = _read_switch()
-
-
-def _read_rows() -> int:
-    value = os.environ.get("DRAMA_DECODE_GEMM_ROWS", "16").strip()
-    if not value.isdigit() or int(value) not in ROW_CHOICES:
-        raise ValueError(f"DRAMA_DECODE_GEMM_ROWS must be one of {ROW_CHOICES}, got {value!r}")
-    return int(value)
-
-
-ROWS = _read_rows()
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -143,8 +128,8 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
     return dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
 
 
-def tiles_for(m: int, programs: int, weight_bytes: int, rows: int = ROWS) -> int:
-    """Tiles of `rows` rows (16 or 64) per program for M = m rows: how the rows are dealt out to programs, the one
+def tiles_for(m: int, programs: int, weight_bytes: int) -> int:
+    """16-row tiles per program for M = m rows: how the rows are dealt out to programs, the one
     launch choice that may depend on M (it never changes a row's bits, see the module docstring).
 
     `programs` is the grid of one row group (column blocks x K ranges). At most MAX_TILES_PER_PROGRAM
@@ -153,11 +138,10 @@ def tiles_for(m: int, programs: int, weight_bytes: int, rows: int = ROWS) -> int
     re-reading its weight tiles from L2) while the grid has fewer than 4 programs per SM and the
     extra weight reads stay small (<= 64 MB through L2: the shared expert, router, out_proj at
     32 rows; never GDN in_proj or attention qkv, whose weights alone are 38-51 MB)."""
-    # at most 64 rows per program (MAX_TILES_PER_PROGRAM 16-row tiles, or one 64-row tile)
-    tiles = min(max(1, MAX_TILES_PER_PROGRAM * 16 // rows), max(1, _cdiv(m, rows)))
+    tiles = min(MAX_TILES_PER_PROGRAM, max(1, _cdiv(m, ROWS)))
     while tiles > 1:
-        finer = _cdiv(_cdiv(m, rows), tiles // 2)
-        if programs * _cdiv(_cdiv(m, rows), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
+        finer = _cdiv(_cdiv(m, ROWS), tiles // 2)
+        if programs * _cdiv(_cdiv(m, ROWS), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
             break
         tiles //= 2
     return tiles
@@ -168,26 +152,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None = None,
-                tiles: int | None = None, rows: int | None = None) -> dict:
+                tiles: int | None = None) -> dict:
     """What decode_linear launches for M = m: the config plus `k_range` (reduction length per
     split) and `splits` (K ranges that are not empty), both functions of K only, and the row
     partition, the only M-dependent part: `tiles` (16-row tiles per program, tiles_for unless
     given) and `groups` (row groups of 16·tiles rows, one grid axis)."""
     cfg = dict(config or config_for(n, k, dtype))
-    rows = rows or ROWS
-    if rows not in ROW_CHOICES:
-        raise ValueError(f"rows per tile must be one of {ROW_CHOICES}, got {rows}")
     steps = _cdiv(k, cfg["BK"])
     k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
     splits = _cdiv(k, k_range)
     if tiles is None:
         itemsize = 4 if dtype == torch.float32 else 2
-        tiles = tiles_for(m, _cdiv(n, cfg["BN"]) * splits, n * k * itemsize, rows)
+        tiles = tiles_for(m, _cdiv(n, cfg["BN"]) * splits, n * k * itemsize)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles per program must be 1, 2, 4 or 8, got {tiles}")
-    tiles = min(tiles, max(1, _cdiv(m, rows)))
-    return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, rows=rows,
-                groups=max(1, _cdiv(m, rows * tiles)))
+    tiles = min(tiles, max(1, _cdiv(m, ROWS)))
+    return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, groups=max(1, _cdiv(m, ROWS * tiles)))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
@@ -215,12 +195,12 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                  config: dict | None = None, tiles: int | None = None, rows: int | None = None) -> torch.Tensor:
+                  config: dict | None = None, tiles: int | None = None) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
 
     Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
     elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
-    config_for, `tiles` tiles_for and `rows` ROWS (benchmarks and tests; serving passes none). The output is allocated with
+    config_for and `tiles` tiles_for (benchmarks and tests; serving passes neither). The output is allocated with
     invariant.empty_rows, so a following linear_rows reads it in place."""
     out_dtype = _check(x, weight, residual)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -233,7 +213,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
         return out
     x, weight = _rows_contiguous(x), _rows_contiguous(weight)
     residual = None if residual is None else _rows_contiguous(residual)
-    plan = launch_plan(m, n, k, weight.dtype, config, tiles, rows)
+    plan = launch_plan(m, n, k, weight.dtype, config, tiles)
     dot, prec = ((tl.float32, "ieee") if weight.dtype == torch.float32
                  else tuple(bf16_dot_args()[key] for key in ("DOT", "PREC")))
     splits = plan["splits"]
@@ -244,7 +224,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     _decode_gemm_kernel[grid](
         x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
-        plan["k_range"], BN=plan["BN"], BK=plan["BK"], ROWS=plan["rows"], TILES=plan["tiles"], FINAL=splits == 1,
+        plan["k_range"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
         HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
@@ -281,8 +261,7 @@ if HAS_TRITON:
     @triton.jit
     def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                             stride_om, K_RANGE,
-                            BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                            FINAL: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr, FINAL: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """Program (row group, column block, K range): out[rows, block] for the group's 16·TILES
         rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
@@ -290,21 +269,21 @@ if HAS_TRITON:
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BK)
-        rows0 = tl.arange(0, ROWS)
+        rows0 = tl.arange(0, 16)
         k_lo = pid_k * K_RANGE
         k_hi = tl.minimum(K, k_lo + K_RANGE)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
         out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
-        m0 = pid_m * (ROWS * TILES)                        # this program's first row
+        m0 = pid_m * (16 * TILES)                          # this program's first row
         # one accumulator per 16-row tile; tiles >= TILES are pruned at compile time
-        acc0 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc1 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc2 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc3 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc4 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc5 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc6 = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc7 = tl.zeros([ROWS, BN], dtype=tl.float32)
+        acc0 = tl.zeros([16, BN], dtype=tl.float32)
+        acc1 = tl.zeros([16, BN], dtype=tl.float32)
+        acc2 = tl.zeros([16, BN], dtype=tl.float32)
+        acc3 = tl.zeros([16, BN], dtype=tl.float32)
+        acc4 = tl.zeros([16, BN], dtype=tl.float32)
+        acc5 = tl.zeros([16, BN], dtype=tl.float32)
+        acc6 = tl.zeros([16, BN], dtype=tl.float32)
+        acc7 = tl.zeros([16, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
             kk = k0 + offs_k
             k_ok = kk < k_hi
@@ -312,40 +291,40 @@ if HAS_TRITON:
             w = w.to(DOT)
             acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 1:
-                acc1 = _tile_dot(acc1, x_ptr, m0 + 1 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc1 = _tile_dot(acc1, x_ptr, m0 + 16 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 2:
-                acc2 = _tile_dot(acc2, x_ptr, m0 + 2 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc2 = _tile_dot(acc2, x_ptr, m0 + 32 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 3:
-                acc3 = _tile_dot(acc3, x_ptr, m0 + 3 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc3 = _tile_dot(acc3, x_ptr, m0 + 48 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 4:
-                acc4 = _tile_dot(acc4, x_ptr, m0 + 4 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc4 = _tile_dot(acc4, x_ptr, m0 + 64 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 5:
-                acc5 = _tile_dot(acc5, x_ptr, m0 + 5 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc5 = _tile_dot(acc5, x_ptr, m0 + 80 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 6:
-                acc6 = _tile_dot(acc6, x_ptr, m0 + 6 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc6 = _tile_dot(acc6, x_ptr, m0 + 96 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 7:
-                acc7 = _tile_dot(acc7, x_ptr, m0 + 7 * ROWS + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc7 = _tile_dot(acc7, x_ptr, m0 + 112 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
         _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
         if TILES > 1:
-            _tile_store(acc1, m0 + 1 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc1, m0 + 16 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 2:
-            _tile_store(acc2, m0 + 2 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc2, m0 + 32 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 3:
-            _tile_store(acc3, m0 + 3 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc3, m0 + 48 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 4:
-            _tile_store(acc4, m0 + 4 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc4, m0 + 64 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 5:
-            _tile_store(acc5, m0 + 5 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc5, m0 + 80 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 6:
-            _tile_store(acc6, m0 + 6 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc6, m0 + 96 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 7:
-            _tile_store(acc7, m0 + 7 * ROWS + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc7, m0 + 112 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
 
     @triton.jit
