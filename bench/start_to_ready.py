@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--together", action="store_const", const="together", dest="order",
                         help="start all stages at once (= --order together)")
     parser.add_argument("--no-gateway", action="store_true", help="stages only")
+    parser.add_argument("--no-codec", action="store_true", help="tower and backbone only (implies "
+                        "--no-gateway): the backbone's start alone, faster")
     parser.add_argument("--max-rows", type=int, help="DRAMA_MAX_ROWS for the stages (default: production's)")
     parser.add_argument("--max-context", type=int, help="DRAMA_MAX_CONTEXT_TOKENS (default: production's)")
     parser.add_argument("--keep-compile-cache", action="store_true",
@@ -293,7 +295,9 @@ def wait_until_ready(names: list[str], processes: dict[str, ManagedProcess], spa
 def start_stages(args: argparse.Namespace, checkpoint: Path, run: Run, log_dir: Path) -> list[ManagedProcess]:
     from bench.e2e import GpuMemorySampler
 
-    argv, addrs = commands(checkpoint, args.device, not args.no_gateway)
+    argv, addrs = commands(checkpoint, args.device, not (args.no_gateway or args.no_codec))
+    if args.no_codec:
+        del argv["codec"]
     compile_cache = None if args.keep_compile_cache else Path(tempfile.mkdtemp(prefix="s2r-compile-"))
     env = stage_env(args, compile_cache)
     processes: dict[str, ManagedProcess] = {}

@@ -443,6 +443,15 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         add_servicers=[lambda s: backbone_pb2_grpc.add_BackboneServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME], host=settings.host, port=settings.port)
     running = Backbone(server, port, health, servicer)
+    lane = prefill_lane_for(settings)
+    if lane or load_overlap_for(settings):
+        # Threads that need the GIL briefly, behind one that runs Python for long stretches: the
+        # lane's thread runs ~190 ms of Python per eager prefill step (thousands of launches), and
+        # at start the warm-up's captures run beside the expert readers. At the default 5 ms
+        # switch interval each brief need (a decode step's replay and copy, the event loop's
+        # routing, a reader's next copy) waits up to 5 ms for the long runner to yield; at 1 ms
+        # they lose little. Process-wide, set once here, before the load.
+        sys.setswitchinterval(0.001)
     try:
         dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
         # lm_head=False: the tower owns the semantic head; the service never computes logits.
@@ -490,16 +499,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     prefix_cache = prefix_cache_for(settings)
     print(f"backbone voice-prefix cache: {prefix_cache.capacity_bytes / 2 ** 20:.0f} MiB"
           + ("" if prefix_cache.enabled else " (off)"), flush=True)
-    lane = prefill_lane_for(settings)
     print(f"backbone prefill lane: {'on' if lane else 'off'}", flush=True)
-    if lane:
-        # The lane's thread runs ~190 ms of Python per prefill step on the GPU (fla's per-layer
-        # code, thousands of launches) and holds the GIL for all of it but the waits. The decode
-        # thread (a graph replay, a copy) and the event loop (routing frames, the tower stream)
-        # each need it only briefly per step, but at the default 5 ms switch interval every one
-        # of those brief needs waits up to 5 ms for the lane to yield; at 1 ms a decode step
-        # loses little to the lane. Process-wide, set once here.
-        sys.setswitchinterval(0.001)
     tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
                         hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
                         max_rows=settings.max_rows, max_context_tokens=max_context,
