@@ -222,13 +222,14 @@ def test_decode_graphs_default_on_for_cuda_only(monkeypatch):
 
 
 
-def test_load_overlap_is_off_unless_asked_for(monkeypatch):
+def test_load_overlap_is_on_for_cuda_unless_turned_off(monkeypatch):
     from services.backbone import __main__ as entry
     from services.backbone.server import Settings, load_overlap_for
 
-    assert load_overlap_for(Settings("ckpt", "tower", device="cuda")) is False
+    assert load_overlap_for(Settings("ckpt", "tower", device="cuda")) is True
     assert load_overlap_for(Settings("ckpt", "tower", device="cpu")) is False
-    assert load_overlap_for(Settings("ckpt", "tower", device="cuda", load_overlap=True)) is True
+    assert load_overlap_for(Settings("ckpt", "tower", device="cpu", load_overlap=True)) is True
+    assert load_overlap_for(Settings("ckpt", "tower", device="cuda", load_overlap=False)) is False
     monkeypatch.setenv("DRAMA_LOAD_OVERLAP", "1")
     settings, _ = entry.parse_args_and_preset(["--checkpoint", "x", "--device", "cuda"])
     assert load_overlap_for(settings) is True

@@ -8,8 +8,9 @@ DRAMA_MAX_CONTEXT_TOKENS (8192), DRAMA_MAX_QUEUE (256), DRAMA_PREFILL_CHUNK_TOKE
 DRAMA_PREFILL_INTERVAL_MS (0: while streams decode, prefill steps at most this often; Scheduler),
 DRAMA_PREFILL_LANE (prefill pieces on their own thread, CUDA stream and tower steps beside the
 decode groups: on by default on CUDA, off on the CPU; 1 or 0 forces it),
-DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (2:
-Step requests at the tower at once, capped by the tower's own), DRAMA_PREFIX_CACHE_MB (voice-prefix
+DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (1:
+Step requests at the tower at once, capped by the tower's own; 2 pipelines two groups of sessions,
+for a backbone and a tower on separate GPUs, see server.Settings), DRAMA_PREFIX_CACHE_MB (voice-prefix
 cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
 step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off),
 DRAMA_PREFILL_GRAPHS (the prefill pieces of a step as padded pieces replayed from CUDA graphs,
@@ -68,7 +69,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         prefill_interval_ms=env_default("DRAMA_PREFILL_INTERVAL_MS", 0.0, float),
         session_buffer_frames=env_default("DRAMA_SESSION_BUFFER_FRAMES", 1024, int),
         step_span_sample=env_default("DRAMA_STEP_SPAN_SAMPLE", 0.01, float),
-        max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 2, int),
+        max_inflight_steps=env_default("DRAMA_MAX_INFLIGHT_STEPS", 1, int),
         decode_graphs=env_switch("DRAMA_DECODE_GRAPHS"),
         prefill_lane=env_switch("DRAMA_PREFILL_LANE"),
         first_audio_hold_ms=env_default("DRAMA_FIRST_AUDIO_HOLD_MS", None, float),

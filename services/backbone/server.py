@@ -290,7 +290,12 @@ class Settings:
     prefill_lane: bool | None = None
     session_buffer_frames: int = 1024
     step_span_sample: float = 0.01
-    max_inflight_steps: int = 2      # Step requests at the tower at once (also capped by the tower's)
+    # Step requests at the tower at once (also capped by the tower's). 1: with the stages on one
+    # GPU (its contexts time-slice, so the backbone and tower never truly overlap), two groups in
+    # flight measured worse at 128 streams on the H200 (59.8 against 65.2 audio s per s, TTFA p99
+    # 721 against 595 ms; docs/perf.md, session 5): the groups ran half-size steps. 2 is for a
+    # backbone and a tower on GPUs of their own (not measured yet).
+    max_inflight_steps: int = 1
     # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
     # (prefix_cache.default_capacity_mb); 0: off
     prefix_cache_mb: float | None = None
@@ -303,8 +308,8 @@ class Settings:
     # see first_audio_hold_ms_for.
     first_audio_hold_ms: float | None = None
     # read the routed experts (~95% of the checkpoint) while the warm-up compiles and captures
-    # (weights.start_backbone_load). None: off (DRAMA_LOAD_OVERLAP=1 turns it on); see
-    # load_overlap_for.
+    # (weights.start_backbone_load). None: on for a CUDA device (DRAMA_LOAD_OVERLAP=0 turns it
+    # off); see load_overlap_for.
     load_overlap: bool | None = None
     grace_s: float = 30.0
 
@@ -348,12 +353,13 @@ def decode_graphs_for(settings: Settings) -> bool:
 
 def load_overlap_for(settings: Settings) -> bool:
     """Whether the start reads the routed experts beside the warm-up: settings.load_overlap, else
-    off. Why off: its one measurement on the H200 (docs/perf.md, session 4; all stages started
-    together from a cold disk) had the experts read in 48 s beside a warm-up that took 63.5 s
-    instead of 15-35, and the backbone ready after 91.8 s against 70.5 s sequential without it;
-    what slowed the warm-up (the readers, the codec's and tower's starts on the same GPU, or
-    Triton compiles for the production pool's shapes) is not separated yet."""
-    return bool(settings.load_overlap)
+    on for a CUDA device. On the H200 from a cold page cache (docs/perf.md, session 5) the
+    backbone served after 55.5 s with it (2 background readers, the 1 ms switch interval),
+    against 92.7 s loading first; with 8 readers beside the warm-up it took 77.9 s. On the CPU
+    there is no warm-up to overlap."""
+    if settings.load_overlap is not None:
+        return settings.load_overlap
+    return settings.device.startswith("cuda")
 
 
 def first_audio_hold_ms_for(settings: Settings) -> float:

@@ -26,12 +26,16 @@ the warm-up does depends on their values: Triton compiles and autotunes by shape
 records the tensors' addresses, so graph capture can run while the disk is still being read (on
 the H200 reading takes ~44 s at the disk's ~0.8 GB/s, the warm-up 15-35 s). The warm-up's
 outputs are garbage meanwhile and go nowhere (its slots are reset before any request uses them).
-The server does this only with DRAMA_LOAD_OVERLAP=1 (server.load_overlap_for says why).
+This load reads with EXPERT_READ_THREADS readers (unless $DRAMA_LOAD_THREADS says otherwise):
+on the H200, 8 readers beside the warm-up slowed it from 41 to 63 s (their copies, syncs and GIL
+turns between the warm-up's launches) and read no faster than 2 (45 s against 39 s). The server
+does this by default on CUDA (DRAMA_LOAD_OVERLAP=0 turns it off; server.load_overlap_for).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -89,6 +93,9 @@ def _expectations(path: Path, ckpt):
     return _widen(expected), other, audio, block
 
 
+# readers of the experts beside the warm-up (module docstring): enough for the H200's disk, few
+# enough to leave the warm-up its GIL turns
+EXPERT_READ_THREADS = 2
 _F32_PARAMETERS = ("mlp.gate.weight", "A_log", "dt_bias")   # router and decay parameters run in F32
 
 
@@ -247,7 +254,9 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
     # In the background (start_backbone_load) the experts come last, into tensors placed below.
     later = [name for name in wanted if name in expert_slot] if experts_in_background else []
     now = [name for name in wanted if name not in expert_slot] if later else wanted
-    ckpt.read_parallel(now, read, device=device)
+    # with the experts in the background, every read takes EXPERT_READ_THREADS readers (as measured)
+    threads = (int(os.environ.get("DRAMA_LOAD_THREADS", "0") or 0) or EXPERT_READ_THREADS) if later else None
+    ckpt.read_parallel(now, read, device=device, threads=threads)
 
     def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps
@@ -299,7 +308,7 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
         return model.eval(), ExpertReads()
     # sync_device=False: each reader waits for its own copy stream; a device-wide synchronize
     # would break a CUDA graph being captured meanwhile on another thread.
-    reads = ExpertReads(lambda: ckpt.read_parallel(later, read, device=device, sync_device=False))
+    reads = ExpertReads(lambda: ckpt.read_parallel(later, read, device=device, threads=threads, sync_device=False))
     return model.eval(), reads
 
 
