@@ -147,6 +147,24 @@ def test_fused_draw_is_batch_invariant():
         assert int(alone) == int(together[r])
 
 
+@runnable
+def test_fused_draw_ends_on_nan_and_infinite_logits():
+    """Broken logits (NaN, all -inf, +inf) still give an index in range: the kernel's searches
+    always end (a GPU kernel that loops forever would hang the stage)."""
+    m = 257
+    logits = torch.randn(4, m, device=DEVICE)
+    logits[0, 3] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 7] = float("inf")
+    logits[3] = float("nan")
+    n = logits.shape[0]
+    codes = kernels.draw(logits, temperature=torch.full((n,), 0.8, device=DEVICE), top_p=torch.full((n,), 0.9, device=DEVICE),
+                         top_k=torch.full((n,), 30, device=DEVICE), seeds=torch.arange(n, device=DEVICE),
+                         takes=torch.zeros(n, dtype=torch.int64, device=DEVICE), frames=torch.zeros(n, dtype=torch.int64, device=DEVICE),
+                         draw_index=1)
+    assert codes.shape == (n,) and bool(((codes >= 0) & (codes < m)).all())
+
+
 def test_too_many_candidates_take_the_torch_path():
     """Above FUSED_DRAW_MAX_CANDIDATES (and without Triton) the draw is sampling.draw itself."""
     m = kernels.FUSED_DRAW_MAX_CANDIDATES + 1

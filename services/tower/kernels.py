@@ -342,6 +342,9 @@ if HAS_TRITON:
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
         e = tl.exp(z - tl.max(z, axis=0))                       # padding: exp(-inf) = 0
         p = tl.math.div_rn(e, tl.sum(e, axis=0))
+        # a NaN (from NaN or all -inf logits) counts as 0: every key is then in [0, +inf's bits],
+        # so the bisections' differences never overflow and their loops always end
+        p = tl.where(p == p, p, 0.0)
         key = tl.where(ok, p.to(tl.int32, bitcast=True), -1)    # padding ranks below every p >= 0
         key_max = tl.max(key, axis=0)
         big = 2147483647
