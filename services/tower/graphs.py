@@ -27,7 +27,7 @@ buffers, so a graphed step equals an eager step over the same B rows bit for bit
 changes nothing in a real row: GEMM rows, attention rows and draws are computed per row; what
 can differ between bucket sizes is cuBLAS's kernel choice, as between any two batch sizes).
 Captured at warm-up (`TowerEngine.warm_up`), largest first, sharing one memory pool; replays
-never overlap (one worker thread), so sharing is safe.
+never overlap (every step runs on the server's event-loop thread), so sharing is safe.
 
 StepGraphs: any other step (prompt pieces, non-drawing rows, mixes), as T rows + D draws.
 
@@ -72,7 +72,7 @@ StepGraphs: any other step (prompt pieces, non-drawing rows, mixes), as T rows +
     These graphs are captured on their own stream and memory pool. cuBLAS keeps one workspace
     per capture stream and torch's default capture stream is shared by every graph in the
     process, so graphs that might replay concurrently with another family must capture on their
-    own stream. The tower runs every step on one worker thread, so nothing replays concurrently
+    own stream. The tower runs every step on one thread, so nothing replays concurrently
     today; the separate stream keeps it safe if that changes.
 
 DRAMA_TOWER_GRAPHS=0 turns both families off (default on when the tower runs on CUDA). On the

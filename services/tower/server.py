@@ -1,10 +1,13 @@
 """The Tower gRPC service (API.md §3.5): GetInfo and the Step bidi stream, thin over the engine.
 
-Each StepRequest becomes one `TowerEngine.step` call on the single tower worker thread (the
-event loop only moves bytes); its StepResponse goes back in request order. A stream keeps at
-most `max_inflight_steps` requests in progress: the reader stops reading (and HTTP/2 flow
-control pushes back on the backbone) while that many are queued. Tower state is keyed by the
-stream, and a closed stream frees all of it.
+Each StepRequest becomes one `TowerEngine.step` call, run right on the event loop's thread, and
+its StepResponse goes back before the next request is read, so responses come in request order
+and the backbone may have up to `max_inflight_steps` requests written ahead (HTTP/2 flow control
+holds the rest). Why not a worker thread: the tower process serves nothing else while a step
+runs (health checks wait a step at most), and the two hand-offs a worker costs per frame (loop to
+worker, worker back to loop) cost ~0.3 ms of a frame's ~2.3 ms of hops on the CPU stack
+(docs/perf.md, session 5). The engine is touched by this one thread only. Tower state is keyed
+by the stream, and a closed stream frees all of it.
 
 Rules a client codes against (API.md §3.5, with our reading where it is silent):
 - an entry's rows all run every layer with their given targets (-1 = none), except that a draw
@@ -67,7 +70,7 @@ def response_from_result(step_id: int, result: StepResult) -> tower_pb2.StepResp
 
 def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: str,
              owner) -> tower_pb2.StepResponse:
-    """Decode, step, encode: runs on the worker thread."""
+    """Decode, step, encode (on the event loop's thread: module docstring)."""
     entries = entries_from_request(request)
     rows = sum(max(e.n_rows, 0) for e in entries)
     codebooks = engine.cfg.num_codebooks
@@ -106,8 +109,8 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
         self.hidden_dtype = ""
         self.max_inflight_steps = max_inflight_steps
         self.build = build
-        # One worker: the engine and its caches are touched by this thread only, in FIFO order.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tower-step")
+        # loads the engine (and warms it up) off the event loop
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tower-load")
 
     def attach(self, engine: TowerEngine, hidden_dtype: str) -> None:
         self.engine, self.hidden_dtype = engine, hidden_dtype
@@ -128,40 +131,17 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
 
     async def Step(self, request_iterator, context):
         engine = await self._require_engine(context)
-        loop = asyncio.get_running_loop()
         owner = object()          # this stream's sessions
-        in_flight: asyncio.Queue = asyncio.Queue()
-        slots = asyncio.Semaphore(self.max_inflight_steps)
-        done = object()
-
-        async def read_requests():
-            try:
-                async for request in request_iterator:
-                    await slots.acquire()
-                    in_flight.put_nowait(loop.run_in_executor(self.worker, run_step, engine, request,
-                                                              self.hidden_dtype, owner))
-            finally:
-                in_flight.put_nowait(done)
-
-        reader = asyncio.create_task(read_requests())
         try:
-            while (future := await in_flight.get()) is not done:
+            async for request in request_iterator:
                 try:
-                    response = await future
+                    response = run_step(engine, request, self.hidden_dtype, owner)
                 except Exception as exc:   # a bug or a device error: the stream (and its sessions) end
                     log.exception("tower step failed")
                     await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"tower step failed: {exc!r}")
-                slots.release()
                 yield response
-            await reader          # re-raises a failed read
         finally:
-            reader.cancel()
-            # Queued on the same FIFO worker, so it runs after this stream's last step. At process
-            # exit the worker may already be shut down: then the caches go with the process.
-            try:
-                self.worker.submit(engine.release_owner, owner)
-            except RuntimeError:
-                log.debug("worker stopped; stream %s state dropped with the process", owner)
+            engine.release_owner(owner)
 
 
 # --------------------------------------------------------------------------------------------
