@@ -266,6 +266,35 @@ def test_warm_up_leaves_the_pool_as_it_found_it(tiny_checkpoint):
     BackboneEngine(model, max_sessions=1, max_context=3).warm_up()    # tiny pools still warm up
 
 
+def test_overlapped_load_reads_with_two_threads(tiny_checkpoint, monkeypatch):
+    """The configuration measured on the H200 (docs/perf.md, session 5): with the experts read
+    beside the warm-up, every read takes EXPERT_READ_THREADS readers; the plain load keeps
+    read_parallel's default; $DRAMA_LOAD_THREADS overrides both."""
+    from services.backbone import weights
+    from services.common.checkpoint import SafetensorsCheckpoint
+
+    seen = []
+    read_parallel = SafetensorsCheckpoint.read_parallel
+
+    def recording(self, names, fn, *, threads=None, **kwargs):
+        seen.append(threads)
+        return read_parallel(self, names, fn, threads=threads, **kwargs)
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_parallel", recording)
+    monkeypatch.delenv("DRAMA_LOAD_THREADS", raising=False)
+    _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
+    reads.wait()
+    assert seen == [weights.EXPERT_READ_THREADS] * 2
+    seen.clear()
+    weights.load_backbone(tiny_checkpoint, lm_head=False)
+    assert seen == [None]
+    seen.clear()
+    monkeypatch.setenv("DRAMA_LOAD_THREADS", "5")
+    _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
+    reads.wait()
+    assert seen == [None, None]
+
+
 def test_overlapped_load_equals_the_plain_load_and_reports_read_errors(tiny_checkpoint, monkeypatch):
     """start_backbone_load (the server's start on CUDA): with the expert reads held back until a
     warm-up has run on the unfilled experts, the model ends up with exactly load_backbone's

@@ -24,7 +24,7 @@ into the tensors the model already holds, in their final layout (on the kernel p
 land in the two halves of the packed `w_gate_up`, so `Backbone.prepare` copies nothing). Nothing
 the warm-up does depends on their values: Triton compiles and autotunes by shape, and a CUDA graph
 records the tensors' addresses, so graph capture can run while the disk is still being read (on
-the H200 reading takes ~44 s at the disk's ~0.8 GB/s, the warm-up 15-35 s). The warm-up's
+the H200 from a cold page cache: ~39 s of reading at the disk's ~0.9 GB/s, a 41-45 s warm-up). The warm-up's
 outputs are garbage meanwhile and go nowhere (its slots are reset before any request uses them).
 This load reads with EXPERT_READ_THREADS readers (unless $DRAMA_LOAD_THREADS says otherwise):
 on the H200, 8 readers beside the warm-up slowed it from 41 to 63 s (their copies, syncs and GIL
@@ -254,8 +254,9 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
     # In the background (start_backbone_load) the experts come last, into tensors placed below.
     later = [name for name in wanted if name in expert_slot] if experts_in_background else []
     now = [name for name in wanted if name not in expert_slot] if later else wanted
-    # with the experts in the background, every read takes EXPERT_READ_THREADS readers (as measured)
-    threads = (int(os.environ.get("DRAMA_LOAD_THREADS", "0") or 0) or EXPERT_READ_THREADS) if later else None
+    # with the experts in the background every read takes EXPERT_READ_THREADS readers, as measured
+    # (None: read_parallel's default, which follows $DRAMA_LOAD_THREADS when it is set)
+    threads = EXPERT_READ_THREADS if later and not os.environ.get("DRAMA_LOAD_THREADS") else None
     ckpt.read_parallel(now, read, device=device, threads=threads)
 
     def place(target: str, name: str) -> None:
