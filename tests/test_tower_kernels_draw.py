@@ -36,18 +36,15 @@ def _float64_draw(logits, temperature, top_p, top_k, keys):
     greedy = temperature <= 0
     scaled = (logits.float() / torch.where(greedy, 1.0, temperature).float()[:, None]).double()
     probs = torch.softmax(scaled, dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    kept = sampling.kept_candidates(probs, top_p, top_k)          # §6.1's rule, here in float64
+    sorted_probs = torch.sort(probs, dim=-1, descending=True, stable=True).values
     cumulative = sorted_probs.cumsum(dim=-1)
     rank = torch.arange(m)[None, :]
-    keep = (rank == 0) | (cumulative <= top_p[:, None]) | (top_p[:, None] >= 1)
-    k = torch.where(top_k <= 0, m, top_k)
-    keep &= rank < k[:, None]
-    kept = torch.zeros_like(keep).scatter_(1, order, keep)
     # ambiguous: a cumulative sum within rounding of top_p (ranks >= 2, top_p < 1), or the last
     # kept and the first dropped probabilities close but not equal (float32 may tie or swap them)
     near_p = ((cumulative - top_p[:, None]).abs() <= TOLERANCE * top_p.clamp(min=1e-3)[:, None]) & (rank >= 1)
     ambiguous = (near_p & (top_p[:, None] < 1)).any(dim=-1)
-    count = keep.sum(dim=-1)
+    count = kept.sum(dim=-1)
     has_next = count < m
     last = sorted_probs.gather(1, (count - 1)[:, None])[:, 0]
     following = sorted_probs.gather(1, count.clamp(max=m - 1)[:, None])[:, 0]

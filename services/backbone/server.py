@@ -449,8 +449,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         add_servicers=[lambda s: backbone_pb2_grpc.add_BackboneServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME], host=settings.host, port=settings.port)
     running = Backbone(server, port, health, servicer)
-    lane = prefill_lane_for(settings)
-    if lane or load_overlap_for(settings):
+    lane, overlap = prefill_lane_for(settings), load_overlap_for(settings)
+    if lane or overlap:
         # Threads that need the GIL briefly, behind one that runs Python for long stretches: the
         # lane's thread runs ~190 ms of Python per eager prefill step (thousands of launches), and
         # at start the warm-up's captures run beside the expert readers. At the default 5 ms
@@ -466,7 +466,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         expert_reads = None          # the experts still being read while the warm-up runs
         if loaded_model is not None:
             model = loaded_model
-        elif load_overlap_for(settings):
+        elif overlap:
             model, expert_reads = await asyncio.to_thread(start_backbone_load, settings.checkpoint, **load_args)
         else:
             model = await asyncio.to_thread(load_backbone, settings.checkpoint, **load_args)
