@@ -376,3 +376,45 @@ def test_moe_combine_kernel():
     sh = torch.randn(3, 2048, device="cuda").bfloat16()
     gl = torch.randn(3, 9, device="cuda").bfloat16()[:, 4]
     assert_close(dg.moe_combine(pairs, res, sh, gl), dg.naive_moe_combine(pairs, res, sh, gl), 1e-2, "combine")
+
+
+@cuda
+def test_moe_combine_with_norm_kernel():
+    """The combine with the next norm fused: the residual as moe_combine's, bit for bit; the
+    normed rows as RMSNorm⁺ of it; each row alone as inside the batch."""
+    pairs = torch.randn(5, 8, 2048, device="cuda")
+    res = torch.randn(5, 2048, device="cuda").bfloat16()
+    sh = torch.randn(5, 2048, device="cuda").bfloat16()
+    gl = torch.randn(5, 9, device="cuda").bfloat16()[:, 4]
+    w = (torch.randn(2048, device="cuda") * 0.1).bfloat16()
+    out, normed = dg.moe_combine(pairs, res, sh, gl, norm_weight=w, eps=1e-6)
+    assert torch.equal(out, dg.moe_combine(pairs, res, sh, gl))
+    assert_close(normed, dg.naive_rms_norm_plus(out, w, 1e-6), 1e-2, "combine norm")
+    for r in (0, 4):
+        alone = dg.moe_combine(pairs[r:r + 1], res[r:r + 1], sh[r:r + 1], gl[r:r + 1], norm_weight=w, eps=1e-6)
+        assert torch.equal(alone[0], out[r:r + 1]) and torch.equal(alone[1], normed[r:r + 1])
+
+
+@cuda
+def test_embed_kernel_equals_the_torch_embed():
+    """Backbone.embed's one-launch kernel path against its torch code, bit for bit, on the GPU."""
+    from types import SimpleNamespace
+
+    from services.backbone.model import AudioSpec, Backbone
+
+    spec = AudioSpec(semantic_start_token_id=100, num_codebooks=10, codebook_vocab_size=64,
+                     semantic_codebook_size=64, residual_codebook_size=64)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(200, 2048, generator=g).bfloat16().cuda()
+    cb = torch.randn(10 * 64, 2048, generator=g).bfloat16().cuda()
+    frames = torch.randint(0, 64, (6, 10), generator=g)
+    frames[[0, 3]] = -1
+    ids = torch.where(frames[:, 0] >= 0, 100 + frames[:, 0], torch.tensor([7, 0, 0, 150, 0, 0]))
+    outs = {}
+    for kernels in (False, True):
+        model = SimpleNamespace(kernels=kernels, dtype=torch.bfloat16, audio=spec,
+                                embed_tokens=SimpleNamespace(weight=table), codebook_embeddings=SimpleNamespace(weight=cb))
+        outs[kernels] = Backbone.embed(model, ids.cuda(), frames.cuda())
+        outs[kernels, "text"] = Backbone.embed(model, ids[[0, 3]].cuda(), None)
+    assert torch.equal(outs[True], outs[False])
+    assert torch.equal(outs[True, "text"], outs[False, "text"])

@@ -169,7 +169,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch: RowBatch, cache, cos, sin):
         if batch.plan is not None:
-            return self._forward_kernels(x, batch, cache)
+            return self.forward_kernels(x, batch, cache)
         u = per_row(lambda r: rms_norm_plus(r, self.input_layernorm.weight, self.eps), x, exact=batch.exact)
         if self.layer_type == "linear_attention":
             h = x + self.linear_attn(u, batch, cache)
@@ -179,16 +179,21 @@ class DecoderLayer(nn.Module):
                     exact=batch.exact)
         return h + self.mlp(u, batch.exact)
 
-    def _forward_kernels(self, x, batch: RowBatch, cache):
-        """The kernel path: residual adds fused into the mixers' out-projection GEMM and the MoE combine."""
-        u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
+    def forward_kernels(self, x, batch: RowBatch, cache, u=None, next_norm=None):
+        """The kernel path: residual adds fused into the mixers' out-projection GEMM and the MoE
+        combine. u: RMSNorm⁺(x) when the previous layer's combine made it (else computed here);
+        next_norm: the gain of the norm that follows this layer. Returns h, or (h, RMSNorm⁺(h; next_norm))
+        with next_norm."""
+        if u is None:
+            u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache)
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
         # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
                                         decode=batch.plan.decode or batch.plan.row_mask is not None,
-                                        config=batch.plan.moe_config, dense_decode=batch.plan.decode)
+                                        config=batch.plan.moe_config, dense_decode=batch.plan.decode,
+                                        norm_weight=next_norm, eps=self.eps)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:
@@ -254,6 +259,12 @@ class Backbone(nn.Module):
         Ids and codes are assumed valid (the engine checks them first).
         """
         table = self.embed_tokens.weight
+        if self.kernels and dg.use_triton(token_ids, table) and table.dtype == self.dtype and table.stride(1) == 1:
+            spec = self.audio
+            return dg.embed_rows(token_ids, frames if frames is not None and frames.numel() else None, table,
+                                 self.codebook_embeddings.weight if spec is not None else None,
+                                 spec.semantic_start_token_id if spec is not None else 0,
+                                 spec.codebook_vocab_size if spec is not None else 0)
         x = table[token_ids].float()
         if frames is None or frames.numel() == 0:
             return x.to(self.dtype)
@@ -442,10 +453,14 @@ class Backbone(nn.Module):
         return self._layers_kernels(x, RowBatch(tuple(segments), None, False, self.plan(segments, context)), caches)
 
     def _layers_kernels(self, x: torch.Tensor, batch: RowBatch, caches: BackboneCaches) -> torch.Tensor:
-        x = x.to(self.dtype)
-        for layer, cache in zip(self.layers, caches.layers):
-            x = layer(x, batch, cache, None, None)
-        return dg.rms_norm_plus(x, self.norm.weight, self.config.rms_norm_eps)
+        # each layer's combine also applies the norm that follows it (the next layer's input norm,
+        # the final norm after the last), so a layer hands on (residual, normed residual)
+        x, u = x.to(self.dtype), None
+        for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
+            last = i + 1 == len(self.layers)
+            next_norm = self.norm.weight if last else self.layers[i + 1].input_layernorm.weight
+            x, u = layer.forward_kernels(x, batch, cache, u, next_norm)
+        return u
 
     def plan(self, segments: list[Segment], context: int | None = None) -> StepPlan:
         """The step's index tensors (layers.StepPlan), built on the host and copied in one transfer."""

@@ -202,7 +202,8 @@ class SparseMoE(nn.Module):
         self.shared_down = shared.down_proj.dense_weight()
 
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
-                        config: dict | None = None, dense_decode: bool = False) -> torch.Tensor:
+                        config: dict | None = None, dense_decode: bool = False,
+                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
 
@@ -212,18 +213,25 @@ class SparseMoE(nn.Module):
         so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
         config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
-        (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton)."""
+        (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
+        `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
         i_s = self.shared_down.shape[1]
         linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
+        shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
+        gate_logit = fused[:, 2 * i_s]
+        if self.fp8_kernels and dense_decode and use_triton(u, self.w_gate_up):
+            # a decode step: router GEMV, top-k and u's quantisation in two launches (moe_decode.route_decode)
+            route = moe_decode.route_decode(u, self.gate.weight, self.top_k)
+            pairs = moe_decode.moe_decode_pairs(u, route.ids, route.weights, self.w_gate_up, self.s_gate_up,
+                                                self.w_down, self.s_down, config=config, route=route)
+            return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
         if decode_gemm.enabled(dense_decode, u):
             # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             logits = linear(u, self.gate.weight)
         else:
             u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
             logits = linear(u32.copy_(u), self.gate.weight)              # router in F32 (§4.6)
-        fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
-        shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
-        gate_logit = fused[:, 2 * i_s]
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
@@ -239,4 +247,4 @@ class SparseMoE(nn.Module):
                 rows, rank = torch.nonzero(experts == e, as_tuple=True)
                 y = _swiglu_rows(u[rows], *self.experts.weights(e)).float()
                 pairs[rows, 0] += y * weights[rows, rank, None]
-        return dg.moe_combine(pairs, h, shared, gate_logit)
+        return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)

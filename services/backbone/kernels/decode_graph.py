@@ -10,6 +10,10 @@ twenty. Each fused kernel sits beside its torch reference (same arguments).
         §4.4 steps 1-2 for one row per program: RMSNorm⁺ per head on q and k, partial NeoX RoPE,
         k and v written to the caches [S, n_kv, L, d_h] at (seq[m], pos[m])
     moe_combine(pairs [T, k, H] f32, residual, shared, shared_gate_logit) -> residual + bf16(Σ pairs + σ(g)·shared)
+    moe_combine(..., norm_weight=w)                         -> (that sum h, rms_norm_plus(h, w)): the next
+        layer's input norm (or the final norm) in the same launch, one program per row
+    embed_rows(token_ids, frames, table, codebooks, ...)   -> input rows [R, H] (MODEL.md §4.1; Backbone.embed's
+        torch code is the reference): one launch where the eager embed took ~25 and a host sync
     GraphedStep(fn, *static_inputs)                         capture once, .replay() per step
 
 Batch invariance (issue #8): every kernel here runs one row per program (or one row and one
@@ -115,17 +119,47 @@ def attention_prologue(qkv, q_norm, k_norm, k_cache, v_cache, seq, pos, *, n_q, 
     return q
 
 
-def moe_combine(pairs, residual, shared=None, shared_gate_logit=None):
+def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weight=None, eps: float = 1e-6):
+    """The layer's output h (see the module docstring); with `norm_weight`, (h, RMSNorm⁺(h)) from
+    one launch: the norm that follows every combine (the next layer's input norm, or the final
+    norm) costs no launch of its own."""
     if not use_triton(pairs, residual):
-        return naive_moe_combine(pairs, residual, shared, shared_gate_logit)
+        out = naive_moe_combine(pairs, residual, shared, shared_gate_logit)
+        return out if norm_weight is None else (out, naive_rms_norm_plus(out, norm_weight, eps))
     t, k, h = pairs.shape
     out = empty_rows(t, h, dtype=torch.bfloat16, device=pairs.device)  # the next layer's residual
     has_shared = shared is not None
+    if norm_weight is not None:
+        normed = empty_rows(t, h, dtype=torch.bfloat16, device=pairs.device)   # a GEMM input
+        _moe_combine_norm_kernel[(t,)](
+            pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual,
+            out, norm_weight, normed, eps, h, residual.stride(0), shared.stride(0) if has_shared else 0,
+            shared_gate_logit.stride(0) if has_shared else 0,
+            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=8)
+        return out, normed
     _moe_combine_kernel[(t, triton.cdiv(h, 1024))](
         pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual, out,
         h, residual.stride(0), shared.stride(0) if has_shared else 0,
         shared_gate_logit.stride(0) if has_shared else 0,
         K=k, HAS_SHARED=has_shared, BLOCK=1024, num_warps=4)
+    return out
+
+
+def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torch.Tensor,
+               codebooks: torch.Tensor | None, semantic_start: int, codebook_vocab: int) -> torch.Tensor:
+    """CUDA: Backbone.embed in one launch, one program per row and column block. token_ids int64 [R];
+    frames int64 [R, N] (a row whose c_0 < 0 is a text row) or None. Bit for bit the torch code's
+    result on the GPU: the same F32 sum order, and the division by √(N+1) done as torch's CUDA
+    kernel does a division by a Python scalar, a product with the F32 reciprocal."""
+    rows, hidden = token_ids.shape[0], table.shape[1]
+    out = torch.empty(rows, hidden, dtype=table.dtype, device=table.device)
+    if rows == 0:
+        return out
+    n = frames.shape[1] if frames is not None else 0
+    inv = float(torch.tensor(1.0) / torch.tensor(float(n + 1) ** 0.5))      # F32 reciprocal of F32 √(N+1)
+    _embed_kernel[(rows, triton.cdiv(hidden, 1024))](
+        token_ids, frames if frames is not None else token_ids, table, codebooks if codebooks is not None else table,
+        out, hidden, semantic_start, codebook_vocab, inv, NCB=n, BLOCK=1024, num_warps=4)
     return out
 
 
@@ -237,3 +271,46 @@ if HAS_TRITON:
         r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
         y = r + acc.to(tl.bfloat16).to(tl.float32)
         tl.store(out_ptr + t * H + offs, y.to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def _moe_combine_norm_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, w_ptr, normed_ptr, eps, H,
+                                 stride_res, stride_sh, stride_shg,
+                                 K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr):
+        """_moe_combine_kernel for a whole row, then _rms_norm_kernel's RMSNorm⁺ of the bf16 result."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BH)
+        ok = offs < H
+        acc = tl.zeros([BH], dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0)
+        if HAS_SHARED:
+            gl = tl.load(shg_ptr + t * stride_shg).to(tl.float32)
+            acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
+        y = (r + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        tl.store(out_ptr + t * H + offs, y, mask=ok)
+        x = tl.where(ok, y.to(tl.float32), 0.0)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * (1.0 + w)
+        tl.store(normed_ptr + t * H + offs, normed.to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def _embed_kernel(ids_ptr, frames_ptr, table_ptr, cb_ptr, out_ptr, H, semantic_start, vocab, inv,
+                      NCB: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        audio = False
+        if NCB > 0:
+            c0 = tl.load(frames_ptr + r * NCB)
+            audio = c0 >= 0
+        if audio:
+            acc = tl.load(table_ptr + (semantic_start + c0) * H + offs, mask=ok, other=0.0).to(tl.float32)
+            for k in tl.static_range(NCB):
+                code = tl.load(frames_ptr + r * NCB + k)
+                acc += tl.load(cb_ptr + (k * vocab + code) * H + offs, mask=ok, other=0.0).to(tl.float32)
+            y = acc * inv
+        else:
+            tok = tl.load(ids_ptr + r)
+            y = tl.load(table_ptr + tok * H + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * H + offs, y.to(out_ptr.dtype.element_ty), mask=ok)

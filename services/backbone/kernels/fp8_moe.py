@@ -361,13 +361,10 @@ if HAS_TRITON:
                  mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _router_kernel(logits_ptr, ids_ptr, w_ptr, E, K, stride_t,
-                       KP: tl.constexpr, BE: tl.constexpr):
-        """One row per program: softmax over E (F32), k largest (lowest index on ties), renormalised."""
-        t = tl.program_id(0)
-        offs = tl.arange(0, BE)
-        ok = offs < E
-        logit = tl.load(logits_ptr + t * stride_t + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    def _softmax_topk(logit, offs, ok, E, K, KP: tl.constexpr, BE: tl.constexpr):
+        """One row's routing (§4.5): softmax over the E logits (F32; `ok` masks the padding of
+        BE), the k largest (lowest index on ties), renormalised -> (ids [KP] int32, weights [KP] F32)."""
+        logit = tl.where(ok, logit, -float("inf"))
         m = tl.max(logit, axis=0)
         e = tl.where(ok, tl.exp(logit - m), 0.0)
         p = e / tl.sum(e, axis=0)
@@ -381,9 +378,20 @@ if HAS_TRITON:
             ids = tl.where(slots == j, idx, ids)
             ws = tl.where(slots == j, best, ws)
             p = tl.where(offs == idx, -1.0, p)
-        ws = ws / tl.sum(ws, axis=0)
+        return ids, ws / tl.sum(ws, axis=0)
+
+    @triton.jit
+    def _router_kernel(logits_ptr, ids_ptr, w_ptr, E, K, stride_t,
+                       KP: tl.constexpr, BE: tl.constexpr):
+        """One row per program: _softmax_topk of the row's logits; weights rounded to bf16."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BE)
+        ok = offs < E
+        logit = tl.load(logits_ptr + t * stride_t + offs, mask=ok, other=-float("inf")).to(tl.float32)
+        ids, ws = _softmax_topk(logit, offs, ok, E, K, KP, BE)
+        slots = tl.arange(0, KP)
         tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
-        tl.store(w_ptr + t * K + slots, ws, mask=slots < K)
+        tl.store(w_ptr + t * K + slots, ws.to(tl.bfloat16), mask=slots < K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,10 +478,10 @@ def router_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         raise ValueError("router_topk needs unit stride along E")
     t, e = logits.shape
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
-    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    w = torch.empty(t, k, dtype=torch.bfloat16, device=logits.device)
     _router_kernel[(t,)](logits, ids, w, e, k, logits.stride(0), KP=triton.next_power_of_2(k),
                          BE=triton.next_power_of_2(e), num_warps=4)
-    return ids, w.to(torch.bfloat16)
+    return ids, w
 
 
 def _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,

@@ -34,10 +34,11 @@ With FP8_DOT (2026-11-30): T = 1: 1.03, 128: 10.5 (1.41x the floor).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from . import HAS_TRITON, bf16_dot_args
+from . import HAS_TRITON, bf16_dot_args, use_triton
 from . import fp8_moe
 
 if HAS_TRITON:
@@ -183,18 +184,127 @@ if HAS_TRITON:
                      mask=r_ok[:, None] & n_ok[None, :])
 
 
-def expert_lists(topk_ids: torch.Tensor, num_experts: int
+if HAS_TRITON:
+
+    @triton.jit
+    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u, KR,
+                               RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+        """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
+        TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
+        Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
+        same instructions on the same values whichever program and tile it lands in."""
+        rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = rg * RB + tl.arange(0, RB)
+        r_ok = rows < M
+        experts = eb * BE + tl.arange(0, BE)
+        e_ok = experts < E
+        acc = tl.zeros([RB, BE], dtype=tl.float32)
+        for k0 in range(s * KR, s * KR + KR, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < H
+            u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(u[:, None, :] * w[None, :, :], axis=2)
+        tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], acc,
+                 mask=r_ok[:, None] & e_ok[None, :])
+
+    @triton.jit
+    def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
+                            S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, GP: tl.constexpr):
+        """Row t: its logits = the S partials added in order 0, 1, ..; fp8_moe._softmax_topk ->
+        ids, bf16 weights; its §4.7 quantisation for gate/up (fp8_moe._quant_tile, one 128-group
+        per tile row) -> xq, xa. Program 0 also zeroes num_active for expert_lists."""
+        t = tl.program_id(0)
+        if t == 0:
+            tl.store(num_active_ptr, 0)
+        offs = tl.arange(0, BE)
+        ok = offs < E
+        logit = tl.load(ws_ptr + t * E + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, S):
+            logit += tl.load(ws_ptr + (s * M + t) * E + offs, mask=ok, other=0.0)
+        ids, ws = fp8_moe._softmax_topk(logit, offs, ok, E, K, KP, BE)
+        slots = tl.arange(0, KP)
+        tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
+        tl.store(w_ptr + t * K + slots, ws.to(tl.bfloat16), mask=slots < K)
+        groups = tl.arange(0, GP)
+        cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+        g_count = tl.cdiv(H, 128)
+        x = tl.load(u_ptr + t.to(tl.int64) * stride_u + cols, mask=cols < H, other=0.0).to(tl.float32)
+        xq, a = fp8_moe._quant_tile(x)
+        tl.store(xq_ptr + t.to(tl.int64) * H + cols, xq.to(tl.float8e4nv), mask=cols < H)
+        tl.store(xa_ptr + t * g_count + groups, a, mask=groups < g_count)
+
+
+# The decode router's GEMV layout: RB rows x BE experts per program over one of ROUTER_SPLIT K
+# ranges (BK per step). One layout for every row count (issue #8).
+ROUTER_LAYOUT = dict(RB=16, BE=16, BK=32, SPLIT=8)
+
+
+class DecodeRoute(NamedTuple):
+    """What route_decode hands to moe_decode_pairs: the step's routing and quantised rows."""
+    ids: torch.Tensor            # int32 [T, k]
+    weights: torch.Tensor        # bf16 [T, k], renormalised
+    xq: torch.Tensor             # float8_e4m3fn [T, H]: §4.7 quantisation of u
+    xa: torch.Tensor             # F32 [T, ⌈H/128⌉]
+    num_active: torch.Tensor     # int32 [1], zeroed for expert_lists
+
+
+def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int) -> DecodeRoute:
+    """route_decode with torch ops: F32 logits, fp8_moe.router_topk_reference, quantize_rows_fp8."""
+    ids, weights = fp8_moe.router_topk_reference(u.float() @ router_weight.float().T, k)
+    xq, xa = fp8_moe.quantize_rows_fp8(u)
+    return DecodeRoute(ids, weights, xq, xa, torch.zeros(1, dtype=torch.int32, device=u.device))
+
+
+def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int) -> DecodeRoute:
+    """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
+    router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
+    adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
+
+    It replaces five launches per layer (u's F32 copy, the router GEMM padded to 128 rows, the
+    bf16 cast of the weights, the quantiser, the zeroing of num_active). Logits are F32 sums in a
+    fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
+    routing: decode rows and prefill rows take different router kernels, each batch-invariant."""
+    if not use_triton(u, router_weight):
+        return route_decode_reference(u, router_weight, k)
+    t, h = u.shape
+    e = router_weight.shape[0]
+    if router_weight.dtype != torch.float32 or router_weight.stride(1) != 1 or u.stride(1) != 1:
+        raise ValueError("route_decode needs an F32 router [E, H] and u with unit stride along H")
+    lay = ROUTER_LAYOUT
+    k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
+    split = triton.cdiv(h, k_range)
+    dev = u.device
+    partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
+    _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
+        u, router_weight, partials, t, h, e, u.stride(0), k_range,
+        RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], num_warps=4)
+    ids = torch.empty(t, k, dtype=torch.int32, device=dev)
+    weights = torch.empty(t, k, dtype=torch.bfloat16, device=dev)
+    xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
+    xa = torch.empty(t, math.ceil(h / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    num_active = torch.empty(1, dtype=torch.int32, device=dev)
+    _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
+                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              GP=triton.next_power_of_2(math.ceil(h / fp8_moe.GROUP)), num_warps=4)
+    return DecodeRoute(ids, weights, xq, xa, num_active)
+
+
+def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (counts [E], lists [E, T] pair indices ascending, active [min(E, n)] expert ids
     in slot order, num_active [1]) for topk_ids [T, k] int32 on CUDA. Entries past an expert's count
-    and slots past num_active are left unwritten."""
+    and slots past num_active are left unwritten. `num_active`: an int32 [1] already zeroed
+    (route_decode's), else a zeroed one is allocated (one more launch)."""
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     lists = torch.empty(num_experts, t, dtype=torch.int32, device=dev)
     active = torch.empty(min(num_experts, n), dtype=torch.int32, device=dev)
-    num_active = torch.zeros(1, dtype=torch.int32, device=dev)
+    if num_active is None:
+        num_active = torch.zeros(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
@@ -204,9 +314,11 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int
 
 
 def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, route: DecodeRoute | None = None) -> torch.Tensor:
     """CUDA only: the weighted per-pair expert outputs w_j·E_{e_j}(x_t), [T, k, H] float32.
-    Arguments as fp8_moe.moe_fp8_pairs; no host sync, so a decode step can be graph-captured."""
+    Arguments as fp8_moe.moe_fp8_pairs; no host sync, so a decode step can be graph-captured.
+    `route` (route_decode's, whose ids and weights are topk_ids and topk_weights): x is already
+    quantised and num_active zeroed, two launches fewer."""
     t, h, e, i = fp8_moe._check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
     cfg = config or DECODE_CONFIG
     k = topk_ids.shape[1]
@@ -220,9 +332,9 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
         x = x.contiguous()
-    counts, lists, active, num_active = expert_lists(topk_ids, e)
+    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
     slots = active.numel()
-    xq, xa = fp8_moe.quantize_rows_fp8_triton(x)
+    xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(slots, triton.cdiv(i, bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
