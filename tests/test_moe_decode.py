@@ -108,6 +108,9 @@ def test_route_decode_matches_reference(t, e, h, k):
     assert torch.equal(got.xa, ref.xa)
     assert torch.equal(got.xq.view(torch.uint8), ref.xq.view(torch.uint8))
     assert int(got.num_active) == 0
+    # the caller's logits instead of the GEMV: the same routing
+    given = moe_decode.route_decode(u, router, k, logits=(u.float() @ router.T).contiguous())
+    assert torch.equal(given.ids, ref.ids) and torch.equal(given.xq.view(torch.uint8), ref.xq.view(torch.uint8))
 
 
 def test_route_decode_rows_do_not_depend_on_the_batch():

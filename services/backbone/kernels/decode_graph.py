@@ -300,17 +300,14 @@ if HAS_TRITON:
         r = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
-        audio = False
+        tok = tl.load(ids_ptr + r)
+        y = tl.load(table_ptr + tok * H + offs, mask=ok, other=0.0)             # a text row
         if NCB > 0:
             c0 = tl.load(frames_ptr + r * NCB)
-            audio = c0 >= 0
-        if audio:
-            acc = tl.load(table_ptr + (semantic_start + c0) * H + offs, mask=ok, other=0.0).to(tl.float32)
-            for k in tl.static_range(NCB):
-                code = tl.load(frames_ptr + r * NCB + k)
-                acc += tl.load(cb_ptr + (k * vocab + code) * H + offs, mask=ok, other=0.0).to(tl.float32)
-            y = acc * inv
-        else:
-            tok = tl.load(ids_ptr + r)
-            y = tl.load(table_ptr + tok * H + offs, mask=ok, other=0.0).to(tl.float32)
+            if c0 >= 0:                                                        # an audio row
+                acc = tl.load(table_ptr + (semantic_start + c0) * H + offs, mask=ok, other=0.0).to(tl.float32)
+                for k in tl.static_range(NCB):
+                    code = tl.load(frames_ptr + r * NCB + k)
+                    acc += tl.load(cb_ptr + (k * vocab + code) * H + offs, mask=ok, other=0.0).to(tl.float32)
+                y = (acc * inv).to(y.dtype)
         tl.store(out_ptr + r * H + offs, y.to(out_ptr.dtype.element_ty), mask=ok)

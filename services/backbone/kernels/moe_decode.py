@@ -198,31 +198,33 @@ if HAS_TRITON:
         r_ok = rows < M
         experts = eb * BE + tl.arange(0, BE)
         e_ok = experts < E
-        acc = tl.zeros([RB, BE], dtype=tl.float32)
+        # products accumulated lane by lane over the K steps, summed across the BK lanes once
+        acc = tl.zeros([RB, BE, BK], dtype=tl.float32)
         for k0 in range(s * KR, s * KR + KR, BK):
             ks = k0 + tl.arange(0, BK)
             k_ok = ks < H
             u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(u[:, None, :] * w[None, :, :], axis=2)
-        tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], acc,
+            acc += u[:, None, :] * w[None, :, :]
+        tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], tl.sum(acc, axis=2),
                  mask=r_ok[:, None] & e_ok[None, :])
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, GP: tl.constexpr):
-        """Row t: its logits = the S partials added in order 0, 1, ..; fp8_moe._softmax_topk ->
-        ids, bf16 weights; its §4.7 quantisation for gate/up (fp8_moe._quant_tile, one 128-group
-        per tile row) -> xq, xa. Program 0 also zeroes num_active for expert_lists."""
+                            stride_ws, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, GP: tl.constexpr):
+        """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
+        themselves) added in order 0, 1, ..; fp8_moe._softmax_topk -> ids, bf16 weights; its §4.7
+        quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
+        Program 0 also zeroes num_active for expert_lists."""
         t = tl.program_id(0)
         if t == 0:
             tl.store(num_active_ptr, 0)
         offs = tl.arange(0, BE)
         ok = offs < E
-        logit = tl.load(ws_ptr + t * E + offs, mask=ok, other=0.0)
+        logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, S):
-            logit += tl.load(ws_ptr + (s * M + t) * E + offs, mask=ok, other=0.0)
+            logit += tl.load(ws_ptr + (s * M + t) * stride_ws + offs, mask=ok, other=0.0)
         ids, ws = fp8_moe._softmax_topk(logit, offs, ok, E, K, KP, BE)
         slots = tl.arange(0, KP)
         tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
@@ -257,7 +259,8 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int)
     return DecodeRoute(ids, weights, xq, xa, torch.zeros(1, dtype=torch.int32, device=u.device))
 
 
-def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int) -> DecodeRoute:
+def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
+                 layout: dict | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -265,28 +268,35 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int) -> Decode
     It replaces five launches per layer (u's F32 copy, the router GEMM padded to 128 rows, the
     bf16 cast of the weights, the quantiser, the zeroing of num_active). Logits are F32 sums in a
     fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
-    routing: decode rows and prefill rows take different router kernels, each batch-invariant."""
+    routing: decode rows and prefill rows take different router kernels, each batch-invariant.
+    `logits` (F32 [T, E], unit stride along E): computed by the caller; then one launch.
+    `layout`: the GEMV's, ROUTER_LAYOUT unless given (bench/router_decode.py compares them)."""
     if not use_triton(u, router_weight):
         return route_decode_reference(u, router_weight, k)
     t, h = u.shape
     e = router_weight.shape[0]
     if router_weight.dtype != torch.float32 or router_weight.stride(1) != 1 or u.stride(1) != 1:
         raise ValueError("route_decode needs an F32 router [E, H] and u with unit stride along H")
-    lay = ROUTER_LAYOUT
-    k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
-    split = triton.cdiv(h, k_range)
     dev = u.device
-    partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
-    _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
-        u, router_weight, partials, t, h, e, u.stride(0), k_range,
-        RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], num_warps=4)
+    if logits is None:
+        lay = layout or ROUTER_LAYOUT
+        k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
+        split = triton.cdiv(h, k_range)
+        partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
+        _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
+            u, router_weight, partials, t, h, e, u.stride(0), k_range,
+            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], num_warps=lay.get("num_warps", 4))
+    else:
+        if logits.shape != (t, e) or logits.stride(1) != 1 or logits.dtype != torch.float32:
+            raise ValueError(f"logits must be F32 [{t}, {e}] with unit stride along E")
+        partials, split = logits, 1
     ids = torch.empty(t, k, dtype=torch.int32, device=dev)
     weights = torch.empty(t, k, dtype=torch.bfloat16, device=dev)
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
     xa = torch.empty(t, math.ceil(h / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     num_active = torch.empty(1, dtype=torch.int32, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
-                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              partials.stride(-2), S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(math.ceil(h / fp8_moe.GROUP)), num_warps=4)
     return DecodeRoute(ids, weights, xq, xa, num_active)
 
