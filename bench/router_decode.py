@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 H, E, K, LAYERS = 2048, 256, 8, 40
-LAYOUTS = [dict(RB=8, BE=16, BK=64, SPLIT=16), dict(RB=4, BE=16, BK=64, SPLIT=16), dict(RB=8, BE=8, BK=64, SPLIT=16),
-           dict(RB=8, BE=16, BK=32, SPLIT=16), dict(RB=16, BE=16, BK=32, SPLIT=8), dict(RB=4, BE=32, BK=32, SPLIT=16)]
+LAYOUTS = [dict(RB=8, BE=16, BK=32, SPLIT=16), dict(RB=16, BE=16, BK=32, SPLIT=8),
+           dict(RB=16, BE=16, BK=32, SPLIT=16, DOT=True), dict(RB=16, BE=32, BK=32, SPLIT=16, DOT=True),
+           dict(RB=16, BE=16, BK=64, SPLIT=8, DOT=True), dict(RB=16, BE=64, BK=32, SPLIT=16, DOT=True),
+           dict(RB=16, BE=32, BK=16, SPLIT=32, DOT=True)]
 
 
 def main(argv=None) -> None:

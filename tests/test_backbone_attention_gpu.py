@@ -50,3 +50,21 @@ def test_a_row_does_not_depend_on_the_batch():
     for r in range(5):
         alone = kattn.decode_attention(q[r:r + 1], k, v, slots[r:r + 1], pos[r:r + 1], context, d ** -0.5)
         assert torch.equal(alone[0], together[r])
+
+
+def test_the_output_gate_in_the_combine_launch():
+    """gate=, out=: the gated output o ⊙ σ(gate) written where asked, from a strided gate (the
+    attention's q|gate projection), as gate_output of the ungated kernel output."""
+    n_q, n_kv, d, b = 16, 2, 64, 3
+    k, v = _pool(b, n_kv, 300, d, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(b, n_q, d, generator=gen).to(DTYPE).to(DEVICE)
+    q_and_gate = torch.randn(b, n_q, 2 * d, generator=gen).to(DTYPE).to(DEVICE)
+    gate = q_and_gate[..., d:]
+    slots, pos = torch.arange(b, device=DEVICE), torch.tensor([0, 100, 299], device=DEVICE)
+    out = torch.full((b, n_q, d), float("nan"), dtype=DTYPE, device=DEVICE)
+    got = kattn.decode_attention(q, k, v, slots, pos, 300, d ** -0.5, gate=gate, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = kattn.gate_output(kattn.decode_attention(q, k, v, slots, pos, 300, d ** -0.5), gate)
+    # Triton's σ and torch's may differ in the last F32 bit, which can move one bf16 rounding
+    assert (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()

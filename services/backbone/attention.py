@@ -99,13 +99,15 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def attend_slots(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                 positions: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+                 positions: torch.Tensor, context: int, scale: float, gate: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per session: row b (slot slots[b], position positions[b]) attends over keys
     0..positions[b] of its slot. On CUDA the Triton flash-decoding kernel reads the pool where it
     lies, lengths from the positions tensor (kernels/attention.py: no gather, no cuDNN re-planning,
     one CUDA graph for every position); elsewhere (and as its reference) one SDPA call over the
-    gathered keys [0, context) with a length mask. GQA: head h uses KV head h // (n_q/n_kv)."""
-    return kattn.decode_attention(q, k_pool, v_pool, slots, positions, context, scale)
+    gathered keys [0, context) with a length mask. GQA: head h uses KV head h // (n_q/n_kv).
+    gate, out: the output gate o ⊙ σ(gate) applied in the same launch, written into out."""
+    return kattn.decode_attention(q, k_pool, v_pool, slots, positions, context, scale, gate, out)
 
 
 def attend_segment(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
@@ -226,16 +228,18 @@ class GatedAttention(nn.Module):
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
+        gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
+        y = invariant.empty_rows(rows, n_q * d, dtype=q.dtype, device=q.device)   # o_proj reads it in place
         if plan.decode or plan.row_mask is not None:
             # each row over keys [0, its position] of its slot: decode rows, and the rows of a
             # padded prefill piece (their keys were all written by the prologue above).
             # plan.context: the pool length in a graph, and eagerly too with batch invariance on
-            # (the split size follows it; Backbone._eager_kernels)
-            o = attend_slots(q, cache.k, cache.v, plan.row_slots, plan.positions, plan.context, self.scale)
+            # (the split size follows it; Backbone._eager_kernels). The gate is applied in the
+            # attention's last launch.
+            attend_slots(q, cache.k, cache.v, plan.row_slots, plan.positions, plan.context, self.scale,
+                         gate=gate, out=y.view(rows, n_q, d))
         else:
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])
-        gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
-        y = invariant.empty_rows(rows, n_q * d, dtype=o.dtype, device=o.device)   # o_proj reads it in place
-        torch.mul(o, torch.sigmoid(gate), out=y.view(rows, n_q, d))
+            kattn.gate_output(o, gate, out=y.view(rows, n_q, d))
         return linear(y, self.o_weight, x)                               # x + y·W_oᵀ, one rounding

@@ -64,11 +64,22 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
             and k_pool.stride(-1) == 1 and q.stride(-1) == 1 and q.dtype == k_pool.dtype == torch.bfloat16)
 
 
-def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: float) -> torch.Tensor:
+def gate_output(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """§4.4's output gate, o ⊙ σ(gate) in bf16 (σ rounded to bf16 first, as torch computes it)."""
+    return torch.mul(o, torch.sigmoid(gate), out=out)
+
+
+def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: float,
+                     gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. q [B, n_q, d] (heads contiguous); pools [S, n_kv, L_max, d];
-    slots, positions int [B] on the device; context >= every positions[b] + 1."""
+    slots, positions int [B] on the device; context >= every positions[b] + 1.
+    gate [B, n_q, d] (any row stride, heads contiguous): return gate_output(o, gate), the gate
+    applied in the combine launch; out [B, n_q, d]: where to write the result."""
     if not supported(q, k_pool):
-        return naive_decode_attention(q, k_pool, v_pool, slots, positions, context, scale)
+        o = naive_decode_attention(q, k_pool, v_pool, slots, positions, context, scale)
+        if gate is not None:
+            return gate_output(o, gate, out)
+        return o if out is None else out.copy_(o)
     b, n_q, d = q.shape
     n_kv = k_pool.shape[1]
     group = n_q // n_kv
@@ -81,8 +92,14 @@ def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: f
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BN=BLOCK_N, num_warps=4, num_stages=2)
-    out = torch.empty(b, n_q, d, dtype=q.dtype, device=q.device)
-    _decode_combine_kernel[(b, n_q)](part_o, part_ml, positions, out, split, n_splits, G=group, D=d, num_warps=4)
+    if out is None:
+        out = torch.empty(b, n_q, d, dtype=q.dtype, device=q.device)
+    has_gate = gate is not None
+    if has_gate and gate.stride(2) != 1:
+        raise ValueError("gate needs unit stride along d")
+    _decode_combine_kernel[(b, n_q)](part_o, part_ml, positions, out, gate if has_gate else out, split, n_splits,
+                                     out.stride(0), out.stride(1), gate.stride(0) if has_gate else 0,
+                                     gate.stride(1) if has_gate else 0, G=group, D=d, HAS_GATE=has_gate, num_warps=4)
     return out
 
 
@@ -127,7 +144,8 @@ if HAS_TRITON:
             tl.store(ml_ptr + (row + g) * 2 + 1, l_i, mask=keep)
 
     @triton.jit
-    def _decode_combine_kernel(o_ptr, ml_ptr, pos_ptr, out_ptr, split, n_splits, G: tl.constexpr, D: tl.constexpr):
+    def _decode_combine_kernel(o_ptr, ml_ptr, pos_ptr, out_ptr, gate_ptr, split, n_splits, stride_ob, stride_oh,
+                               stride_gb, stride_gh, G: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr):
         b, h = tl.program_id(0), tl.program_id(1)
         n_q = tl.num_programs(1)
         kvh, g = h // G, h % G
@@ -150,4 +168,9 @@ if HAS_TRITON:
             l_all = l_all * a_old + l_ * a_new
             acc = acc * a_old + o * a_new
             m_all = m_new
-        tl.store(out_ptr + (b.to(tl.int64) * n_q + h) * D + d, (acc / l_all).to(out_ptr.dtype.element_ty))
+        y = (acc / l_all).to(out_ptr.dtype.element_ty)
+        if HAS_GATE:      # gate_output: bf16(o) · bf16(σ(gate)), rounded once more
+            gate = tl.load(gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh + d).to(tl.float32)
+            sig = tl.sigmoid(gate).to(out_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, y)

@@ -188,7 +188,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u, KR,
-                               RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+                               RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
@@ -198,16 +198,21 @@ if HAS_TRITON:
         r_ok = rows < M
         experts = eb * BE + tl.arange(0, BE)
         e_ok = experts < E
-        # products accumulated lane by lane over the K steps, summed across the BK lanes once
-        acc = tl.zeros([RB, BE, BK], dtype=tl.float32)
+        # DOT: an IEEE F32 tl.dot (an FMA chain over k); else products accumulated lane by lane
+        # over the K steps and summed across the BK lanes once
+        acc = tl.zeros([RB, BE], dtype=tl.float32) if DOT else tl.zeros([RB, BE, BK], dtype=tl.float32)
         for k0 in range(s * KR, s * KR + KR, BK):
             ks = k0 + tl.arange(0, BK)
             k_ok = ks < H
             u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += u[:, None, :] * w[None, :, :]
-        tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], tl.sum(acc, axis=2),
+            if DOT:
+                acc = tl.dot(u, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc += u[:, None, :] * w[None, :, :]
+        logits = acc if DOT else tl.sum(acc, axis=2)
+        tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], logits,
                  mask=r_ok[:, None] & e_ok[None, :])
 
     @triton.jit
@@ -240,7 +245,7 @@ if HAS_TRITON:
 
 # The decode router's GEMV layout: RB rows x BE experts per program over one of ROUTER_SPLIT K
 # ranges (BK per step). One layout for every row count (issue #8).
-ROUTER_LAYOUT = dict(RB=16, BE=16, BK=32, SPLIT=8)
+ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16)
 
 
 class DecodeRoute(NamedTuple):
@@ -285,7 +290,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
             u, router_weight, partials, t, h, e, u.stride(0), k_range,
-            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], num_warps=lay.get("num_warps", 4))
+            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), num_warps=lay.get("num_warps", 4))
     else:
         if logits.shape != (t, e) or logits.stride(1) != 1 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be F32 [{t}, {e}] with unit stride along E")
