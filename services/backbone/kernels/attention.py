@@ -26,6 +26,8 @@ eagerly, max_context in a graph), so programs past a row's length do nothing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ from . import HAS_TRITON, use_triton
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
 TARGET_SPLITS = 32      # at most this many key ranges per (row, KV head); a range holds >= MIN_SPLIT keys
 MIN_SPLIT = 64
@@ -99,7 +102,8 @@ def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: f
         raise ValueError("gate needs unit stride along d")
     _decode_combine_kernel[(b, n_q)](part_o, part_ml, positions, out, gate if has_gate else out, split, n_splits,
                                      out.stride(0), out.stride(1), gate.stride(0) if has_gate else 0,
-                                     gate.stride(1) if has_gate else 0, G=group, D=d, HAS_GATE=has_gate, num_warps=4)
+                                     gate.stride(1) if has_gate else 0, G=group, D=d, HAS_GATE=has_gate,
+                                     PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
     return out
 
 
@@ -145,7 +149,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_combine_kernel(o_ptr, ml_ptr, pos_ptr, out_ptr, gate_ptr, split, n_splits, stride_ob, stride_oh,
-                               stride_gb, stride_gh, G: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr):
+                               stride_gb, stride_gh, G: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
+                               PRECISE: tl.constexpr):
         b, h = tl.program_id(0), tl.program_id(1)
         n_q = tl.num_programs(1)
         kvh, g = h // G, h % G
@@ -169,8 +174,16 @@ if HAS_TRITON:
             acc = acc * a_old + o * a_new
             m_all = m_new
         y = (acc / l_all).to(out_ptr.dtype.element_ty)
-        if HAS_GATE:      # gate_output: bf16(o) · bf16(σ(gate)), rounded once more
+        if HAS_GATE:
+            # gate_output as torch computes it, bit for bit: σ = 1 / (1 + expf(−g)) in F32 with
+            # libdevice's expf and IEEE division (tl.sigmoid's fast exp and division differ in the
+            # last bits, which moves bf16 roundings: a prefill piece's rows then differed from the
+            # eager path's), rounded to bf16; then bf16(o)·σ rounded once more
             gate = tl.load(gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh + d).to(tl.float32)
-            sig = tl.sigmoid(gate).to(out_ptr.dtype.element_ty)
+            if PRECISE:
+                sig = tl.math.div_rn(tl.full([D], 1.0, tl.float32), 1.0 + libdevice.exp(-gate))
+            else:         # Triton's interpreter has no libdevice (numpy's exp there)
+                sig = 1.0 / (1.0 + tl.exp(-gate))
+            sig = sig.to(out_ptr.dtype.element_ty)
             y = (y.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, y)
