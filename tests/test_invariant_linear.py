@@ -358,10 +358,15 @@ def test_backbone_session_rows_are_bit_identical_alone_and_in_a_batch(monkeypatc
         for others in (0, 7, 40):
             engines.append(BackboneEngine(model, max_sessions=others + 1, max_context=256))
             results[graphs, others] = _probe_rows(engines[-1], others, prompt, other_prompt, steps, 10 + others)
-    reference = results[False, 0]
-    for key, rows in results.items():
+    # Within each mode a row's bits must not depend on the batch. Between the modes they may
+    # differ: with graphs a prompt runs as a padded piece whose attention reads the pool with the
+    # decode kernel (keys split in 64s, splits combined), without them through SDPA; from the
+    # second split on (row 64) the two round differently (test_backbone_serving_gpu compares them
+    # within tolerance).
+    for (graphs, others), rows in results.items():
+        reference = results[graphs, 0]
         diff = (rows.float() - reference.float()).abs().amax(dim=-1)
-        assert torch.equal(rows, reference), f"graphs={key[0]} others={key[1]}: rows differ {diff.tolist()}"
+        assert torch.equal(rows, reference), f"graphs={graphs} others={others}: rows differ {diff.tolist()}"
 
 
 def tower_probe_logits(device: str, others: int) -> list[torch.Tensor]:
