@@ -2,13 +2,15 @@
 
     fp8_moe.py       routed FP8 experts (MODEL.md §4.5, §4.7): Triton decode step + grouped prefill,
                      a one-launch router/top-k, and `naive_moe_fp8` (loops, float32)
-    moe_decode.py    the decode step's routed experts: routed by expert in parallel, laid out by
-                     active expert, split-K gate/up (same contract and arithmetic as fp8_moe)
+    moe_decode.py    the decode step's routed experts: its router GEMV + top-k + quantisation in
+                     two launches, routed by expert in parallel, laid out by active expert,
+                     split-K gate/up (same contract and arithmetic as fp8_moe)
     gdn.py           Gated DeltaNet core (§4.3): fla kernels on CUDA (chunked prefill, recurrent
                      decode), an in-place Triton decode step, the causal depthwise conv with its
                      state, the gated RMSNorm, and float32 references
     decode_graph.py  small fused kernels of the decode step (RMSNorm⁺, attention q/k norm + RoPE +
-                     KV write) and a CUDA-graph wrapper for a fixed-shape step
+                     KV write, the MoE combine with the next norm, the embed) and a CUDA-graph
+                     wrapper for a fixed-shape step
 
 Every module imports on a machine without Triton or CUDA: the Triton kernels are defined only
 when `triton` imports, and each public function falls back to its torch reference on CPU.

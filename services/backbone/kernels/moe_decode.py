@@ -25,6 +25,13 @@ is laid out, because the decode step is bound by how many weight bytes are in fl
 The active-slot order from the atomic add varies from run to run; nothing depends on it: a
 program's results depend on which expert it holds, not on its slot.
 
+In front of these, `route_decode` takes a decode step from u to the experts' inputs in two
+launches: the F32 router GEMV (partial sums over 16 K ranges), then one program per row that adds
+them, routes, quantises u (§4.7) and zeroes the active-expert counter. It replaced six launches
+per layer (u's F32 copy, the cuBLAS router GEMM padded to 128 rows, top-k, a bf16 cast, the
+quantiser, the counter's zeroing): `python3 bench/router_decode.py`, us per layer in a 40-layer
+graph on the H200 (2026-11-30): T = 1: 23.1 -> 10.9; T = 128: 24.0 -> 29.9.
+
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
 64: 15.2 vs 19.9; 128: 17.2 vs 31.2 (2.3x the byte floor of the selected experts, from 4.2x).
