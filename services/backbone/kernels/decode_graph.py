@@ -257,11 +257,9 @@ if HAS_TRITON:
             tl.store(vc_ptr + seq * stride_cs + kvh * stride_ch + pos * stride_cl + d, v)
 
     @triton.jit
-    def _moe_combine_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, H, stride_res, stride_sh, stride_shg,
-                            K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < H
+    def _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
+                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+        """Row t's columns `offs` of the combine: bf16(residual + bf16(Σ_j pairs_j + σ(g)·shared))."""
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0)
@@ -269,8 +267,17 @@ if HAS_TRITON:
             gl = tl.load(shg_ptr + t * stride_shg).to(tl.float32)
             acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
-        y = r + acc.to(tl.bfloat16).to(tl.float32)
-        tl.store(out_ptr + t * H + offs, y.to(tl.bfloat16), mask=ok)
+        return (r + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+
+    @triton.jit
+    def _moe_combine_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, H, stride_res, stride_sh, stride_shg,
+                            K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
+                          K, HAS_SHARED, BLOCK)
+        tl.store(out_ptr + t * H + offs, y, mask=ok)
 
     @triton.jit
     def _moe_combine_norm_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, w_ptr, normed_ptr, eps, H,
@@ -280,14 +287,8 @@ if HAS_TRITON:
         t = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
-        acc = tl.zeros([BH], dtype=tl.float32)
-        for j in tl.static_range(K):
-            acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0)
-        if HAS_SHARED:
-            gl = tl.load(shg_ptr + t * stride_shg).to(tl.float32)
-            acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
-        y = (r + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
+                          K, HAS_SHARED, BH)
         tl.store(out_ptr + t * H + offs, y, mask=ok)
         x = tl.where(ok, y.to(tl.float32), 0.0)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
