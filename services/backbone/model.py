@@ -259,7 +259,7 @@ class Backbone(nn.Module):
         Ids and codes are assumed valid (the engine checks them first).
         """
         table = self.embed_tokens.weight
-        if self.kernels and dg.use_triton(token_ids, table) and table.dtype == self.dtype and table.stride(1) == 1:
+        if self.kernels and dg.use_triton(token_ids, table) and table.dtype == self.dtype and table.is_contiguous():
             spec = self.audio
             return dg.embed_rows(token_ids, frames if frames is not None and frames.numel() else None, table,
                                  self.codebook_embeddings.weight if spec is not None else None,

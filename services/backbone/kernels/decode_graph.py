@@ -155,6 +155,9 @@ def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torc
     out = torch.empty(rows, hidden, dtype=table.dtype, device=table.device)
     if rows == 0:
         return out
+    token_ids, table = token_ids.contiguous(), table.contiguous()          # no-ops for the model's own
+    if frames is not None:
+        frames, codebooks = frames.contiguous(), codebooks.contiguous()
     n = frames.shape[1] if frames is not None else 0
     inv = float(torch.tensor(1.0) / torch.tensor(float(n + 1) ** 0.5))      # F32 reciprocal of F32 √(N+1)
     _embed_kernel[(rows, triton.cdiv(hidden, 1024))](
