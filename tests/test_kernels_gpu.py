@@ -418,3 +418,26 @@ def test_embed_kernel_equals_the_torch_embed():
         outs[kernels, "text"] = Backbone.embed(model, ids[[0, 3]].cuda(), None)
     assert torch.equal(outs[True], outs[False])
     assert torch.equal(outs[True, "text"], outs[False, "text"])
+
+
+def test_route_decode_off_cuda_routes_and_quantises():
+    """Off CUDA route_decode runs its torch reference; held here to the math in float64: the k
+    experts of largest softmax probability, their renormalised weights (bf16), u's §4.7 groups
+    (x_q·a within e4m3's rounding of u, the group's largest |u| mapped to 448), a zeroed counter."""
+    from services.backbone.kernels import moe_decode
+
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(6, 256, generator=g).bfloat16()
+    u[2, 128:] *= 30.0
+    router = torch.randn(16, 256, generator=g) / 16
+    got = moe_decode.route_decode(u, router, 4)
+    probs = torch.softmax(u.double() @ router.double().T, dim=-1)
+    top = probs.topk(4, dim=-1)
+    assert torch.equal(got.ids.long(), top.indices)
+    torch.testing.assert_close(got.weights.double(), top.values / top.values.sum(-1, keepdim=True),
+                               rtol=2 ** -8, atol=0)
+    groups = u.double().view(6, 2, 128)
+    torch.testing.assert_close(got.xa.double(), groups.abs().amax(-1) / 448, rtol=1e-6, atol=0)
+    deq = got.xq.double().view(6, 2, 128) * got.xa.double()[..., None]
+    assert ((deq - groups).abs() <= groups.abs() * 2 ** -4 + got.xa.double()[..., None] * 2 ** -9).all()
+    assert got.num_active.tolist() == [0]
