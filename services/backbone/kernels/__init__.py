@@ -31,13 +31,18 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 
+# Triton's CPU interpreter (TRITON_INTERPRET=1): kernels there avoid what it lacks (libdevice,
+# bf16 dots), read once at import
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def bf16_dot_args() -> dict:
     """(read once per process) `DOT` / `PREC` for tl.dot on bf16 operands: bf16 with the default
     precision on a GPU. Triton's CPU interpreter (TRITON_INTERPRET=1, for checking the kernels
     without a GPU) multiplies bf16 as raw bits, so there the operands are float32 with IEEE
     products: the same values (bf16 and FP8 values are exact in float32)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         return dict(DOT=tl.float32, PREC="ieee")
     return dict(DOT=tl.bfloat16, PREC=None)
 

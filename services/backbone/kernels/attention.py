@@ -26,12 +26,10 @@ eagerly, max_context in a graph), so programs past a row's length do nothing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, INTERPRET, use_triton
 
 if HAS_TRITON:
     import triton
@@ -103,7 +101,7 @@ def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: f
     _decode_combine_kernel[(b, n_q)](part_o, part_ml, positions, out, gate if has_gate else out, split, n_splits,
                                      out.stride(0), out.stride(1), gate.stride(0) if has_gate else 0,
                                      gate.stride(1) if has_gate else 0, G=group, D=d, HAS_GATE=has_gate,
-                                     PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+                                     PRECISE=not INTERPRET, num_warps=4)
     return out
 
 

@@ -70,7 +70,7 @@ import torch
 
 from services.common import invariant
 
-from . import HAS_TRITON, bf16_dot_args
+from . import HAS_TRITON, INTERPRET, bf16_dot_args
 
 if HAS_TRITON:
     import triton
@@ -203,8 +203,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     config_for and `tiles` tiles_for (benchmarks and tests; serving passes neither). The output is allocated with
     invariant.empty_rows, so a following linear_rows reads it in place."""
     out_dtype = _check(x, weight, residual)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not (HAS_TRITON and (x.is_cuda or interpret)):
+    if not (HAS_TRITON and (x.is_cuda or INTERPRET)):
         return invariant.linear_rows(x.to(weight.dtype), weight, residual)
     m, k = x.shape
     n = weight.shape[0]

@@ -26,6 +26,8 @@ allocated with invariant.empty_rows, so the GEMM reads them in place, with no pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -145,6 +147,12 @@ def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weigh
     return out
 
 
+@functools.cache
+def _inv_sqrt_f32(n: int) -> float:
+    """1 / √n as torch's CUDA kernel divides by the Python scalar √n: the F32 reciprocal of F32 √n."""
+    return float(torch.tensor(1.0) / torch.tensor(float(n) ** 0.5))
+
+
 def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torch.Tensor,
                codebooks: torch.Tensor | None, semantic_start: int, codebook_vocab: int) -> torch.Tensor:
     """CUDA: Backbone.embed in one launch, one program per row and column block. token_ids int64 [R];
@@ -159,10 +167,9 @@ def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torc
     if frames is not None:
         frames, codebooks = frames.contiguous(), codebooks.contiguous()
     n = frames.shape[1] if frames is not None else 0
-    inv = float(torch.tensor(1.0) / torch.tensor(float(n + 1) ** 0.5))      # F32 reciprocal of F32 √(N+1)
     _embed_kernel[(rows, triton.cdiv(hidden, 1024))](
         token_ids, frames if frames is not None else token_ids, table, codebooks if codebooks is not None else table,
-        out, hidden, semantic_start, codebook_vocab, inv, NCB=n, BLOCK=1024, num_warps=4)
+        out, hidden, semantic_start, codebook_vocab, _inv_sqrt_f32(n + 1), NCB=n, BLOCK=1024, num_warps=4)
     return out
 
 

@@ -277,8 +277,8 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
 
-    It replaces five launches per layer (u's F32 copy, the router GEMM padded to 128 rows, the
-    bf16 cast of the weights, the quantiser, the zeroing of num_active). Logits are F32 sums in a
+    It replaces six launches per layer (u's F32 copy, the router GEMM padded to 128 rows, top-k,
+    the bf16 cast of the weights, the quantiser, the zeroing of num_active). Logits are F32 sums in a
     fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
     routing: decode rows and prefill rows take different router kernels, each batch-invariant.
     `logits` (F32 [T, E], unit stride along E): computed by the caller; then one launch.
@@ -305,11 +305,12 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     ids = torch.empty(t, k, dtype=torch.int32, device=dev)
     weights = torch.empty(t, k, dtype=torch.bfloat16, device=dev)
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
-    xa = torch.empty(t, math.ceil(h / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    groups = math.ceil(h / fp8_moe.GROUP)
+    xa = torch.empty(t, groups, dtype=torch.float32, device=dev)
     num_active = torch.empty(1, dtype=torch.int32, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
-                              GP=triton.next_power_of_2(math.ceil(h / fp8_moe.GROUP)), num_warps=4)
+                              GP=triton.next_power_of_2(groups), num_warps=4)
     return DecodeRoute(ids, weights, xq, xa, num_active)
 
 
