@@ -132,3 +132,77 @@ def test_moe_decode_pairs_with_route_equals_without():
     with_route = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route)
     without = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights)
     assert torch.equal(with_route, without)
+
+
+def shared_expert(i_s, h, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2 * i_s, h, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    down = (torch.randn(h, i_s, generator=gen) / i_s ** 0.5).to(torch.bfloat16)
+    gate = (torch.randn(h, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    return gate_up.to(DEVICE), down.to(DEVICE), gate.to(DEVICE)
+
+
+@pytest.mark.parametrize("h,i,i_s,e,k,t", [(256, 256, 256, 16, 4, 1), (256, 160, 96, 8, 2, 5),
+                                           (384, 128, 256, 16, 4, 33)])
+def test_shared_expert_in_the_routed_launches(h, i, i_s, e, k, t):
+    """moe_decode_pairs(shared=): the routed pairs are bit for bit those without the shared
+    expert, the shared expert's output and gate logit follow their torch references."""
+    weights = experts(e, i, h)
+    u, router = router_case(t, e, h)
+    gate_up, down, gate = shared_expert(i_s, h)
+    route = moe_decode.route_decode(u, router, k, shared_gate=gate)
+    pairs, shared = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
+                                                shared=(gate_up, down))
+    alone = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights,
+                                        route=moe_decode.route_decode(u, router, k))
+    assert torch.equal(pairs, alone)
+    ref = moe_decode.shared_expert_reference(u, gate_up, down)
+    assert shared.shape == (t, h) and shared.dtype == torch.float32
+    # F32 sums in another order, so a bf16 rounding of gate, up or h may differ by one ulp (the
+    # interpreter's bf16 casts do not round to nearest: a looser bound there)
+    assert float((shared - ref).abs().max() / ref.abs().max()) < 2e-2
+    assert float((shared - ref).norm() / ref.norm()) < (3e-2 if INTERPRET else 2e-3)
+    # against float64 (what the three BF16 GEMMs approximate)
+    exact = naive_shared(u, gate_up, down)
+    assert float((shared.double() - exact).norm() / exact.norm()) < (3e-2 if INTERPRET else 1e-2)
+    want = moe_decode.route_decode_reference(u, router, k, shared_gate=gate).shared_gate_logit
+    torch.testing.assert_close(route.shared_gate_logit.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def naive_shared(u, gate_up, down):
+    i_s = down.shape[1]
+    gu = u.double() @ gate_up.double().T
+    g, up = gu[:, :i_s], gu[:, i_s:]
+    return (g * torch.sigmoid(g) * up) @ down.double().T
+
+
+def test_shared_expert_rows_do_not_depend_on_the_batch():
+    h, i, i_s, e, k, t = 256, 256, 128, 16, 4, 40
+    weights = experts(e, i, h)
+    u, router = router_case(t, e, h)
+    gate_up, down, gate = shared_expert(i_s, h)
+
+    def run(rows):
+        route = moe_decode.route_decode(rows, router, k, shared_gate=gate)
+        pairs, shared = moe_decode.moe_decode_pairs(rows, route.ids, route.weights, *weights, route=route,
+                                                    shared=(gate_up, down))
+        return pairs, shared, route.shared_gate_logit
+
+    together = run(u)
+    for r in (0, 17, 39):
+        for a, b in zip(run(u[r:r + 1]), together):
+            assert torch.equal(a, b[r:r + 1])
+
+
+def test_shared_expert_arguments_are_checked():
+    h, i, e, k = 256, 256, 8, 2
+    weights = experts(e, i, h)
+    u, router = router_case(3, e, h)
+    gate_up, down, _ = shared_expert(128, h)
+    route = moe_decode.route_decode(u, router, k)
+    with pytest.raises(ValueError, match="shared expert"):
+        moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
+                                    shared=(gate_up.float(), down))
+    with pytest.raises(ValueError, match="shared expert"):
+        moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
+                                    shared=(gate_up[:, :128], down))

@@ -203,6 +203,15 @@ class SparseMoE(nn.Module):
         self.shared_fused = torch.cat([fused, fused.new_zeros(rows - fused.shape[0], fused.shape[1])])
         self.shared_down = shared.down_proj.dense_weight()
 
+    def _shared_kernels(self, u: torch.Tensor, dense_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E_s(u) [R, H], its gate logit [R]) from two GEMMs: gate, up and the scalar gate in
+        one, then silu(gate)·up and the down projection."""
+        i_s = self.shared_down.shape[1]
+        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
+        shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
+        return shared, fused[:, 2 * i_s]
+
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
                         config: dict | None = None, dense_decode: bool = False,
                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -218,16 +227,23 @@ class SparseMoE(nn.Module):
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
         `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
         i_s = self.shared_down.shape[1]
-        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
-        fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
-        shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
-        gate_logit = fused[:, 2 * i_s]
         if self.fp8_kernels and dense_decode and use_triton(u, self.w_gate_up):
-            # a decode step: router GEMV, top-k and u's quantisation in two launches (moe_decode.route_decode)
-            route = moe_decode.route_decode(u, self.gate.weight, self.top_k)
-            pairs = moe_decode.moe_decode_pairs(u, route.ids, route.weights, self.w_gate_up, self.s_gate_up,
-                                                self.w_down, self.s_down, config=config, route=route)
+            # a decode step: router GEMV, top-k, u's quantisation and the shared expert's gate logit
+            # in two launches (moe_decode.route_decode), then the routed experts and, with BF16
+            # weights, the shared expert in the same three launches (moe_decode_pairs(shared=))
+            fuse_shared = u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
+            route = moe_decode.route_decode(u, self.gate.weight, self.top_k,
+                                            shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
+            args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
+            if fuse_shared:
+                pairs, shared = moe_decode.moe_decode_pairs(
+                    *args, config=config, route=route, shared=(self.shared_fused[:2 * i_s], self.shared_down))
+                return dg.moe_combine(pairs, h, shared, route.shared_gate_logit, norm_weight, eps)
+            pairs = moe_decode.moe_decode_pairs(*args, config=config, route=route)
+            shared, gate_logit = self._shared_kernels(u, dense_decode)
             return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
+        shared, gate_logit = self._shared_kernels(u, dense_decode)
+        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
         if decode_gemm.enabled(dense_decode, u):
             # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             logits = linear(u, self.gate.weight)

@@ -306,22 +306,29 @@ if HAS_TRITON:
             tl.store(ws + I, acc_u, mask=out_mask)
 
     @triton.jit
+    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr):
+        """(h, ok) for the tile rows x cols: the split-K partials ws [SPLIT, n_rows, 2I] (gate
+        columns, then up) summed in split order, h = bf16(silu(bf16 gate)·bf16 up) as F32 values,
+        0 outside the tile's valid part."""
+        ok = (rows[:, None] < n_rows) & (cols[None, :] < I)
+        base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
+        gate = tl.zeros([BM, 128], dtype=tl.float32)
+        up = tl.zeros([BM, 128], dtype=tl.float32)
+        for j in tl.static_range(SPLIT):
+            gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
+            up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
+        gate = gate.to(tl.bfloat16).to(tl.float32)
+        up = up.to(tl.bfloat16).to(tl.float32)
+        act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
+        return tl.where(ok, act, 0.0), ok
+
+    @triton.jit
     def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
         """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
         pid_m, g = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
-        ok = (rows[:, None] < n_pairs) & (cols[None, :] < I)
-        base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-        gate = tl.zeros([BM, 128], dtype=tl.float32)
-        up = tl.zeros([BM, 128], dtype=tl.float32)
-        for j in tl.static_range(SPLIT):
-            gate += tl.load(base + j * n_pairs * 2 * I, mask=ok, other=0.0)
-            up += tl.load(base + j * n_pairs * 2 * I + I, mask=ok, other=0.0)
-        gate = gate.to(tl.bfloat16).to(tl.float32)
-        up = up.to(tl.bfloat16).to(tl.float32)
-        act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
-        act = tl.where(ok, act, 0.0)
+        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
         xq, a = _quant_tile(act)
         tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
         tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)

@@ -102,22 +102,62 @@ if HAS_TRITON:
         tl.store(active_ptr + slot, e, mask=count > 0)
 
     @triton.jit
+    def _shared_gate_up(u_ptr, stride_u, w_ptr, ws_ptr, T, H, IS, pid_n, k_first, k_last,
+                        BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """The shared expert's share of _gate_up_kernel: partial gate and up sums of every row t
+        (BN columns each, K blocks k_first..k_last-1) in BF16 -> wss[split, t, n] and
+        wss[split, t, IS + n], F32. w: [2·IS, H] (gate rows, then up rows), unit stride along H."""
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < IS
+        offs_k = tl.arange(0, 128)
+        w_gate = w_ptr + offs_n.to(tl.int64)[:, None] * H
+        w_up = w_gate + IS * H
+        for r0 in range(0, T, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < T
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for kb in range(k_first, k_last):
+                kk = kb * 128 + offs_k
+                k_ok = kk < H
+                x = tl.load(u_ptr + r.to(tl.int64)[:, None] * stride_u + kk[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                wm = n_ok[:, None] & k_ok[None, :]
+                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(DOT)
+                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(DOT)
+                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+            out = ws_ptr + r.to(tl.int64)[:, None] * (2 * IS) + offs_n[None, :]
+            mask = r_ok[:, None] & n_ok[None, :]
+            tl.store(out, acc_g, mask=mask)
+            tl.store(out + IS, acc_u, mask=mask)
+
+    @triton.jit
     def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
+                        u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FP8_DOT: tl.constexpr):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
-        ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert."""
+        ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
+        SHARED: the programs of slot `shared_slot` (the grid's last) do the same for the shared
+        expert (BF16 weights sw, rows u) into wss (_shared_gate_up)."""
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if slot >= tl.load(num_active_ptr):
-            return
-        expert = tl.load(active_ptr + slot)
-        count = tl.load(counts_ptr + expert)
         G = tl.cdiv(H, 128)
         per = tl.cdiv(G, SPLIT)
         k_first = pid_k * per
         k_last = tl.minimum(G, k_first + per)
+        if SHARED:
+            if slot == shared_slot:
+                if pid_n * BN < IS:
+                    _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + pid_k * T * (2 * IS), T, H, IS,
+                                    pid_n, k_first, k_last, BM, BN, DOT, PREC)
+                return
+        if slot >= tl.load(num_active_ptr) or pid_n * BN >= I:
+            return
+        expert = tl.load(active_ptr + slot)
+        count = tl.load(counts_ptr + expert)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < I
         offs_k = tl.arange(0, 128)
@@ -152,14 +192,43 @@ if HAS_TRITON:
             tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
+    def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n,
+                     BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """The shared expert's share of _down_kernel: out[t, n] = Σ_i hs[t, i]·w[n, i] in F32
+        (BF16 hs [T, IS] and w [H, IS], unweighted) for every row t and BN hidden columns."""
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, 128)
+        w_base = w_ptr + offs_n.to(tl.int64)[:, None] * IS
+        for r0 in range(0, T, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < T
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(IS, 128)):
+                kk = kb * 128 + offs_k
+                k_ok = kk < IS
+                x = tl.load(hs_ptr + r.to(tl.int64)[:, None] * IS + kk[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+            tl.store(out_ptr + r.to(tl.int64)[:, None] * H + offs_n[None, :], acc,
+                     mask=r_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
                      num_active_ptr, T, H, I,
                      stride_we, stride_wn, stride_se, stride_sn,
+                     hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
-        expert and BN hidden columns (h pre-quantised per 1x128 group)."""
+        expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the programs of
+        slot `shared_slot` (the grid's last) apply the shared expert's down to hs (_shared_down)."""
         slot, pid_n = tl.program_id(0), tl.program_id(1)
+        if SHARED:
+            if slot == shared_slot:
+                _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, BM, BN, DOT, PREC)
+                return
         if slot >= tl.load(num_active_ptr):
             return
         expert = tl.load(active_ptr + slot)
@@ -189,6 +258,28 @@ if HAS_TRITON:
             rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
                      mask=r_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
+                                    SPLIT: tl.constexpr, BM: tl.constexpr):
+        """fp8_moe._split_reduce_quant_kernel for the routed pairs (row blocks < pair_blocks), and
+        for the shared expert's rows (the blocks after them): the same split-order sum and
+        bf16(silu(bf16 gate)·bf16 up), stored as BF16 hs [T, IS] (the shared down is BF16: no
+        quantisation)."""
+        pid_m, g = tl.program_id(0), tl.program_id(1)
+        cols = g * 128 + tl.arange(0, 128)
+        if pid_m < pair_blocks:
+            if g * 128 < I:
+                rows = pid_m * BM + tl.arange(0, BM)
+                act, ok = fp8_moe._split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
+                xq, a = fp8_moe._quant_tile(act)
+                tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
+                tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
+        else:
+            rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT, BM)
+            tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
 if HAS_TRITON:
@@ -224,11 +315,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            stride_ws, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, GP: tl.constexpr):
+                            stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            GP: tl.constexpr, GATE: tl.constexpr):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk -> ids, bf16 weights; its §4.7
         quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
-        Program 0 also zeroes num_active for expert_lists."""
+        GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
+        bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
+        for expert_lists."""
         t = tl.program_id(0)
         if t == 0:
             tl.store(num_active_ptr, 0)
@@ -248,6 +342,10 @@ if HAS_TRITON:
         xq, a = fp8_moe._quant_tile(x)
         tl.store(xq_ptr + t.to(tl.int64) * H + cols, xq.to(tl.float8e4nv), mask=cols < H)
         tl.store(xa_ptr + t * g_count + groups, a, mask=groups < g_count)
+        if GATE:
+            sg = tl.load(sg_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+            gate = tl.sum(tl.sum(x * sg, axis=1), axis=0)
+            tl.store(gl_ptr + t, gate.to(tl.bfloat16))
 
 
 # The decode router's GEMV layout: RB rows x BE experts per program over one of ROUTER_SPLIT K
@@ -262,17 +360,21 @@ class DecodeRoute(NamedTuple):
     xq: torch.Tensor             # float8_e4m3fn [T, H]: §4.7 quantisation of u
     xa: torch.Tensor             # F32 [T, ⌈H/128⌉]
     num_active: torch.Tensor     # int32 [1], zeroed for expert_lists
+    shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
 
 
-def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int) -> DecodeRoute:
-    """route_decode with torch ops: F32 logits, fp8_moe.router_topk_reference, quantize_rows_fp8."""
+def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
+                           shared_gate: torch.Tensor | None = None) -> DecodeRoute:
+    """route_decode with torch ops: F32 logits, fp8_moe.router_topk_reference, quantize_rows_fp8,
+    the shared expert's gate logit as an F32 product rounded to bf16."""
     ids, weights = fp8_moe.router_topk_reference(u.float() @ router_weight.float().T, k)
     xq, xa = fp8_moe.quantize_rows_fp8(u)
-    return DecodeRoute(ids, weights, xq, xa, torch.zeros(1, dtype=torch.int32, device=u.device))
+    gate = None if shared_gate is None else (u.float() @ shared_gate.float()).to(torch.bfloat16)
+    return DecodeRoute(ids, weights, xq, xa, torch.zeros(1, dtype=torch.int32, device=u.device), gate)
 
 
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
-                 layout: dict | None = None) -> DecodeRoute:
+                 layout: dict | None = None, shared_gate: torch.Tensor | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -282,9 +384,11 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
     routing: decode rows and prefill rows take different router kernels, each batch-invariant.
     `logits` (F32 [T, E], unit stride along E): computed by the caller; then one launch.
-    `layout`: the GEMV's, ROUTER_LAYOUT unless given (bench/router_decode.py compares them)."""
+    `layout`: the GEMV's, ROUTER_LAYOUT unless given (bench/router_decode.py compares them).
+    `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
+    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...)."""
     if not use_triton(u, router_weight):
-        return route_decode_reference(u, router_weight, k)
+        return route_decode_reference(u, router_weight, k, shared_gate)
     t, h = u.shape
     e = router_weight.shape[0]
     if router_weight.dtype != torch.float32 or router_weight.stride(1) != 1 or u.stride(1) != 1:
@@ -308,10 +412,17 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     groups = math.ceil(h / fp8_moe.GROUP)
     xa = torch.empty(t, groups, dtype=torch.float32, device=dev)
     num_active = torch.empty(1, dtype=torch.int32, device=dev)
+    gate = None
+    if shared_gate is not None:
+        if shared_gate.shape != (h,) or shared_gate.stride(0) != 1:
+            raise ValueError(f"shared_gate must be [{h}] with unit stride")
+        gate = torch.empty(t, dtype=torch.bfloat16, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
-                              partials.stride(-2), S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
-                              GP=triton.next_power_of_2(groups), num_warps=4)
-    return DecodeRoute(ids, weights, xq, xa, num_active)
+                              partials.stride(-2), shared_gate if gate is not None else u,
+                              gate if gate is not None else weights,
+                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              GP=triton.next_power_of_2(groups), GATE=gate is not None, num_warps=4)
+    return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
 def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
@@ -337,11 +448,18 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Ten
 
 
 def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
-                     config: dict | None = None, route: DecodeRoute | None = None) -> torch.Tensor:
+                     config: dict | None = None, route: DecodeRoute | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None):
     """CUDA only: the weighted per-pair expert outputs w_j·E_{e_j}(x_t), [T, k, H] float32.
     Arguments as fp8_moe.moe_fp8_pairs; no host sync, so a decode step can be graph-captured.
     `route` (route_decode's, whose ids and weights are topk_ids and topk_weights): x is already
-    quantised and num_active zeroed, two launches fewer."""
+    quantised and num_active zeroed, two launches fewer.
+    `shared` = (gate_up [2·I_s, H], down [H, I_s]), BF16, x BF16: the shared expert E_s(x) comes
+    out of the same three launches (one more slot in the expert grids, more row blocks in the
+    reduce), and the result is (pairs, E_s(x) [T, H] F32, unweighted). Its sums are F32 over the
+    same fixed K ranges for every row count, and gate and up are rounded to bf16 before
+    silu(gate)·up as the BF16 linears round theirs, so it stands in for
+    down(silu(gate(x))·up(x)) of three BF16 GEMMs (shared_expert_reference)."""
     t, h, e, i = fp8_moe._check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
     cfg = config or DECODE_CONFIG
     k = topk_ids.shape[1]
@@ -358,21 +476,55 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
     slots = active.numel()
     xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
-    ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(slots, triton.cdiv(i, bn1), split)](
+    dev = x.device
+    if shared is not None:
+        sw_gate_up, sw_down = shared
+        i_s = sw_down.shape[1]
+        if (x.dtype != torch.bfloat16 or sw_gate_up.dtype != torch.bfloat16 or sw_down.dtype != torch.bfloat16
+                or sw_gate_up.shape != (2 * i_s, h) or sw_down.shape != (h, i_s)
+                or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
+            raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
+                             f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
+        wss = torch.empty(split, t, 2 * i_s, dtype=torch.float32, device=dev)
+        hs = torch.empty(t, i_s, dtype=torch.bfloat16, device=dev)
+        shared_out = torch.empty(t, h, dtype=torch.float32, device=dev)
+    else:   # placeholders the kernels never touch (SHARED=False)
+        i_s, sw_gate_up, sw_down, wss, hs, shared_out = 0, w_gate_up, w_down, xa, xa, xa
+    has_shared = shared is not None
+    ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(slots + has_shared, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=x.device)
-    fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
-        ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
-    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
+        x, x.stride(0), sw_gate_up, wss, i_s, slots,
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    if has_shared:
+        pair_blocks = triton.cdiv(n, 16)
+        _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
+            ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, BM=16, num_warps=4)
+    else:
+        fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
+            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
+    out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    _down_kernel[(slots, triton.cdiv(h, bn2))](
+    _down_kernel[(slots + has_shared, triton.cdiv(h, bn2))](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out.view(t, k, h)
+        hs, sw_down, shared_out, i_s, slots,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    pairs = out.view(t, k, h)
+    return (pairs, shared_out) if has_shared else pairs
+
+
+def shared_expert_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """What moe_decode_pairs(shared=...) computes, with torch ops: gate and up as F32 sums rounded
+    to bf16, h = bf16(silu(gate)·up), the down product in F32 (not rounded). [T, H] F32."""
+    i_s = down.shape[1]
+    gu = (x.float() @ gate_up.float().T).to(torch.bfloat16).float()
+    g, up = gu[:, :i_s], gu[:, i_s:]
+    hs = (g * torch.sigmoid(g) * up).to(torch.bfloat16).float()
+    return hs @ down.float().T
