@@ -4,6 +4,9 @@ moe_decode's expert-major split-K path, config by config, one table (issue #7 / 
     python3 bench/moe_decode.py                        full geometry (H 2048, I 512, E 256, k 8) on cuda
     python3 bench/moe_decode.py --rows 1 128 --quick   the default configs only (bf16 and FP8 MMA)
     python3 bench/moe_decode.py --prefill --rows 128 256 1024   tile configs for padded prefill pieces
+    python3 bench/moe_decode.py --shared --rows 1 8 32 128     a decode step's whole MoE front and
+                                                       experts: the shared expert as two GEMMs beside
+                                                       the routed launches, against inside them
 
 Each layer has its own random FP8 experts (32 GB for 40 layers, so L2 holds nothing between
 layers) and its own random router logits; the 40 `moe_*_pairs` calls are captured as one CUDA graph
@@ -66,12 +69,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill", action="store_true",
                         help="sweep configs for padded prefill pieces (many pairs per expert: BM 32/64, "
                              "SPLIT 1/2) instead of the decode sweep; run with --rows 128 256 512 1024")
+    parser.add_argument("--shared", action="store_true",
+                        help="route_decode + routed experts + shared expert per layer: the shared expert "
+                             "as GEMMs (as served before) against inside the routed launches")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; building {args.layers} layers of experts ...", flush=True)
     layers = [layer_weights(i) for i in range(args.layers)]
+    if args.shared:
+        return shared_main(args, layers)
     variants = [("fp8_moe decode", dict(fp8_moe.DECODE_CONFIG), fp8_moe.moe_fp8_pairs),
                 ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs),
                 ("moe_decode fp8 dot", dict(moe_decode.DECODE_CONFIG, FP8_DOT=True), moe_decode.moe_decode_pairs)]
@@ -163,6 +171,71 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def shared_main(args, layers) -> dict:
+    """--shared: per layer, route_decode, the routed experts and the shared expert (I_s = 512, BF16),
+    combined; the shared expert either as SparseMoE's two GEMMs + silu_mul (invariant.linear_rows,
+    padded to 128 rows) or inside moe_decode_pairs' launches. Checks the fused path's rows alone
+    against inside the largest batch, and its shared output against its torch reference."""
+    from services.backbone.kernels import decode_graph as dg
+    from services.backbone.kernels import moe_decode
+    from services.common.invariant import linear_rows
+
+    shared = []
+    for i in range(len(layers)):
+        torch.manual_seed(1000 + i)
+        gate_up = (torch.randn(2 * I + 64, H, device="cuda") / math.sqrt(H)).bfloat16()   # gate, up, scalar gate, pad
+        gate_up[2 * I + 1:] = 0
+        down = (torch.randn(H, I, device="cuda") / math.sqrt(I)).bfloat16()
+        router = torch.randn(E, H, device="cuda") / math.sqrt(H)
+        shared.append((gate_up, down, router))
+
+    def layer_gemms(x, weights, sh):
+        gate_up, down, router = sh
+        route = moe_decode.route_decode(x, router, K)
+        pairs = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route)
+        fused = linear_rows(x, gate_up)
+        out = linear_rows(dg.silu_mul(fused[:, :I], fused[:, I:2 * I]), down)
+        return dg.moe_combine(pairs, x, out, fused[:, 2 * I])
+
+    def layer_fused(x, weights, sh):
+        gate_up, down, router = sh
+        route = moe_decode.route_decode(x, router, K, shared_gate=gate_up[2 * I])
+        pairs, out = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route,
+                                                 shared=(gate_up[:2 * I], down))
+        return dg.moe_combine(pairs, x, out, route.shared_gate_logit)
+
+    results = {"rows": {}}
+    print(f"{'T':>4} {'shared expert':<28} {'ms/40 layers':>12} {'us/layer':>9}")
+    for t in args.rows:
+        x = torch.randn(t, H, device="cuda").bfloat16()
+        for name, layer in (("two GEMMs + silu_mul", layer_gemms), ("in the routed launches", layer_fused)):
+            def run(layer=layer):
+                for weights, sh in zip(layers, shared):
+                    layer(x, weights, sh)
+            ms = do_bench(dg.GraphedStep(run).replay)
+            results["rows"].setdefault(t, {})[name] = ms
+            print(f"{t:>4} {name:<28} {ms:>12.3f} {ms * 1e3 / len(layers):>9.2f}", flush=True)
+    big = max(args.rows)
+    xb = torch.randn(big, H, device="cuda").bfloat16()
+    inside = layer_fused(xb, layers[0], shared[0])
+    same = all(torch.equal(layer_fused(xb[r:r + 1], layers[0], shared[0]), inside[r:r + 1])
+               for r in range(0, big, max(1, big // 16)))
+    gate_up, down, _ = shared[0]
+    got = moe_decode.moe_decode_pairs(xb, *fp8_route(xb, shared[0][2]), *layers[0], shared=(gate_up[:2 * I], down))[1]
+    ref = moe_decode.shared_expert_reference(xb, gate_up[:2 * I], down)
+    err = float((got - ref).norm() / ref.norm())
+    results.update(batch_invariant=same, shared_rel_err=err)
+    print(f"fused: rows alone == inside a batch of {big}: {same}; shared expert vs reference: rel err {err:.2e}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def fp8_route(x, router):
+    from services.backbone.kernels import fp8_moe
+    return fp8_moe.router_topk(x.float() @ router.T, K)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/stage_profile.py                         tower decode step (batch 1, 8) and codec chunk on cuda
     python bench/stage_profile.py --preset tiny --device cpu --cases tower
+    python bench/stage_profile.py --cases tower --graphs --batch 1 128   the served (graphed) tower step
 
 Random weights at the real geometry (MODEL.md §11), made on the device. Prints, per case, the
 wall time per step, the number of kernels launched per step, and the top operators by self
@@ -63,7 +64,10 @@ def tower_case(args, device, batch: int):
     cfg = DramaConfig.from_dict(preset_raw(args.preset))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = random_tower(cfg, device=device, dtype=dtype, seed=0)
-    engine = TowerEngine(model, cfg, max_sessions=batch, max_context=args.context + 64)
+    engine = TowerEngine(model, cfg, max_sessions=batch, max_context=args.context + 64,
+                         graphs=args.graphs and device.type == "cuda")
+    if engine.use_graphs:
+        engine.warm_up()                     # captures the graphs the server replays
     n, d = cfg.num_codebooks, model.hidden_size
     for i in range(batch):
         engine.step([StepEntry(f"s{i}", 0, args.context, draw=True, seed=i)],
@@ -105,6 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=["tower", "codec"], choices=["tower", "codec"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--graphs", action="store_true", help="tower: replay the engine's CUDA graphs "
+                        "(captured by warm_up, as served) instead of eager steps")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if "tower" in args.cases:

@@ -62,7 +62,8 @@ if HAS_TRITON:
 # floor). The conversion of every weight tile to bf16 in registers, not the bytes, was the limit.
 # The products of two FP8 values are exact in F32 either way; the MMA sums each 128-wide K block
 # before the F32 block scales apply (the §4.7 recipe), within 1e-3 of naive_moe_fp8 (tests).
-DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True)
+# SHARED_KX: the shared expert's gate/up (moe_decode_pairs(shared=)) in SPLIT·SHARED_KX K ranges.
+DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -102,35 +103,35 @@ if HAS_TRITON:
         tl.store(active_ptr + slot, e, mask=count > 0)
 
     @triton.jit
-    def _shared_gate_up(u_ptr, stride_u, w_ptr, ws_ptr, T, H, IS, pid_n, k_first, k_last,
+    def _shared_gate_up(u_ptr, stride_u, w_ptr, ws_ptr, T, H, IS, pid_n, r0, k_first, k_last,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """The shared expert's share of _gate_up_kernel: partial gate and up sums of every row t
-        (BN columns each, K blocks k_first..k_last-1) in BF16 -> wss[split, t, n] and
-        wss[split, t, IS + n], F32. w: [2·IS, H] (gate rows, then up rows), unit stride along H."""
+        """The shared expert's share of _gate_up_kernel: partial gate and up sums of rows
+        r0..r0+BM-1 (BN columns each, K blocks k_first..k_last-1) in BF16 -> ws[t, n] and
+        ws[t, IS + n], F32 (ws: this K range's [T, 2·IS]). w: [2·IS, H] (gate rows, then up rows),
+        unit stride along H."""
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < IS
         offs_k = tl.arange(0, 128)
         w_gate = w_ptr + offs_n.to(tl.int64)[:, None] * H
         w_up = w_gate + IS * H
-        for r0 in range(0, T, BM):
-            r = r0 + tl.arange(0, BM)
-            r_ok = r < T
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-            for kb in range(k_first, k_last):
-                kk = kb * 128 + offs_k
-                k_ok = kk < H
-                x = tl.load(u_ptr + r.to(tl.int64)[:, None] * stride_u + kk[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
-                wm = n_ok[:, None] & k_ok[None, :]
-                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(DOT)
-                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(DOT)
-                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
-            out = ws_ptr + r.to(tl.int64)[:, None] * (2 * IS) + offs_n[None, :]
-            mask = r_ok[:, None] & n_ok[None, :]
-            tl.store(out, acc_g, mask=mask)
-            tl.store(out + IS, acc_u, mask=mask)
+        r = r0 + tl.arange(0, BM)
+        r_ok = r < T
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(k_first, k_last):
+            kk = kb * 128 + offs_k
+            k_ok = kk < H
+            x = tl.load(u_ptr + r.to(tl.int64)[:, None] * stride_u + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+            wm = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0).to(DOT)
+            wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0).to(DOT)
+            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+        out = ws_ptr + r.to(tl.int64)[:, None] * (2 * IS) + offs_n[None, :]
+        mask = r_ok[:, None] & n_ok[None, :]
+        tl.store(out, acc_g, mask=mask)
+        tl.store(out + IS, acc_u, mask=mask)
 
     @triton.jit
     def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
@@ -138,22 +139,27 @@ if HAS_TRITON:
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
-        SHARED: the programs of slot `shared_slot` (the grid's last) do the same for the shared
-        expert (BF16 weights sw, rows u) into wss (_shared_gate_up)."""
+        SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
+        shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
+        one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
+        bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.cdiv(H, 128)
+        if SHARED:
+            if slot >= shared_slot:
+                if pid_n * BN < IS:
+                    tile, sub = (slot - shared_slot) // KX, (slot - shared_slot) % KX
+                    per_s = tl.cdiv(G, SPLIT * KX)
+                    first = (pid_k * KX + sub) * per_s
+                    _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + (pid_k * KX + sub) * T * (2 * IS), T, H,
+                                    IS, pid_n, tile * BM, first, tl.minimum(G, first + per_s), BM, BN, DOT, PREC)
+                return
         per = tl.cdiv(G, SPLIT)
         k_first = pid_k * per
         k_last = tl.minimum(G, k_first + per)
-        if SHARED:
-            if slot == shared_slot:
-                if pid_n * BN < IS:
-                    _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + pid_k * T * (2 * IS), T, H, IS,
-                                    pid_n, k_first, k_last, BM, BN, DOT, PREC)
-                return
         if slot >= tl.load(num_active_ptr) or pid_n * BN >= I:
             return
         expert = tl.load(active_ptr + slot)
@@ -192,27 +198,26 @@ if HAS_TRITON:
             tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
-    def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n,
+    def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """The shared expert's share of _down_kernel: out[t, n] = Σ_i hs[t, i]·w[n, i] in F32
-        (BF16 hs [T, IS] and w [H, IS], unweighted) for every row t and BN hidden columns."""
+        (BF16 hs [T, IS] and w [H, IS], unweighted) for rows r0..r0+BM-1 and BN hidden columns."""
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < H
         offs_k = tl.arange(0, 128)
         w_base = w_ptr + offs_n.to(tl.int64)[:, None] * IS
-        for r0 in range(0, T, BM):
-            r = r0 + tl.arange(0, BM)
-            r_ok = r < T
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(IS, 128)):
-                kk = kb * 128 + offs_k
-                k_ok = kk < IS
-                x = tl.load(hs_ptr + r.to(tl.int64)[:, None] * IS + kk[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
-                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-            tl.store(out_ptr + r.to(tl.int64)[:, None] * H + offs_n[None, :], acc,
-                     mask=r_ok[:, None] & n_ok[None, :])
+        r = r0 + tl.arange(0, BM)
+        r_ok = r < T
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(IS, 128)):
+            kk = kb * 128 + offs_k
+            k_ok = kk < IS
+            x = tl.load(hs_ptr + r.to(tl.int64)[:, None] * IS + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+            w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * H + offs_n[None, :], acc,
+                 mask=r_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
@@ -222,12 +227,13 @@ if HAS_TRITON:
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
-        expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the programs of
-        slot `shared_slot` (the grid's last) apply the shared expert's down to hs (_shared_down)."""
+        expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
+        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
         slot, pid_n = tl.program_id(0), tl.program_id(1)
         if SHARED:
-            if slot == shared_slot:
-                _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, BM, BN, DOT, PREC)
+            if slot >= shared_slot:
+                _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM,
+                             BM, BN, DOT, PREC)
                 return
         if slot >= tl.load(num_active_ptr):
             return
@@ -262,7 +268,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
-                                    SPLIT: tl.constexpr, BM: tl.constexpr):
+                                    SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr):
         """fp8_moe._split_reduce_quant_kernel for the routed pairs (row blocks < pair_blocks), and
         for the shared expert's rows (the blocks after them): the same split-order sum and
         bf16(silu(bf16 gate)·bf16 up), stored as BF16 hs [T, IS] (the shared down is BF16: no
@@ -278,7 +284,7 @@ if HAS_TRITON:
                 tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
         else:
             rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
-            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT, BM)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
@@ -477,6 +483,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     slots = active.numel()
     xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
     dev = x.device
+    kx = cfg.get("SHARED_KX", 2)      # the shared expert's gate/up: SPLIT·KX K ranges
     if shared is not None:
         sw_gate_up, sw_down = shared
         i_s = sw_down.shape[1]
@@ -485,32 +492,34 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
             raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
                              f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
-        wss = torch.empty(split, t, 2 * i_s, dtype=torch.float32, device=dev)
+        wss = torch.empty(split * kx, t, 2 * i_s, dtype=torch.float32, device=dev)
         hs = torch.empty(t, i_s, dtype=torch.bfloat16, device=dev)
         shared_out = torch.empty(t, h, dtype=torch.float32, device=dev)
     else:   # placeholders the kernels never touch (SHARED=False)
         i_s, sw_gate_up, sw_down, wss, hs, shared_out = 0, w_gate_up, w_down, xa, xa, xa
     has_shared = shared is not None
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(slots + has_shared, triton.cdiv(max(i, i_s), bn1), split)](
+    shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
+    _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
-        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
         pair_blocks = triton.cdiv(n, 16)
         _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
-            ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, BM=16, num_warps=4)
+            ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
+            num_warps=4)
     else:
         fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
             ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    _down_kernel[(slots + has_shared, triton.cdiv(h, bn2))](
+    _down_kernel[(slots + shared_tiles, triton.cdiv(h, bn2))](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
