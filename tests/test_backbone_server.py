@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -377,6 +378,28 @@ async def test_pipelined_steps_give_each_session_the_frames_of_sequential_steps(
         assert (rec.overlap > 0) == (inflight > 1)
     for sequential, pipelined in zip(runs[1], runs[2]):
         assert torch.equal(sequential, pipelined)
+
+
+async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_frames(stage):
+    """inline_steps (the default while one step at a time is at the tower): the main loop's
+    engine steps run on the event loop's thread, two thread hand-offs fewer per frame, and every
+    session gets exactly the frames the engine thread computes; with two steps in flight the
+    default keeps the engine thread."""
+    runs = {}
+    for inline in (None, False):
+        scheduler, rec = await stage(max_inflight_steps=1, inline_steps=inline)
+        assert scheduler._steps_inline() == (inline is None)
+        threads, engine_step = set(), rec.step
+        rec.step = lambda work: (threads.add(threading.current_thread()), engine_step(work))[1]
+        sessions = [scheduler.submit(_job(f"i{i}", seed=60 + i, turns=("one", "two"), max_new=5))
+                    for i in range(POOL_ROWS)]
+        results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        runs[inline] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
+        assert (threads == {threading.current_thread()}) == (inline is None), threads
+    for inline, thread in zip(runs[None], runs[False]):
+        assert torch.equal(inline, thread)
+    scheduler, _ = await stage(max_inflight_steps=2)
+    assert not scheduler._steps_inline()
 
 
 async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stage):

@@ -381,7 +381,7 @@ class Scheduler:
                  idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
                  prefix_cache: PrefixCache | None = None, model_identity: str = "",
                  prefill_interval_s: float = 0.0, prefill_lane: bool = False,
-                 first_audio_hold_s: float = 0.0):
+                 first_audio_hold_s: float = 0.0, inline_steps: bool | None = None):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
         goes into its keys, so snapshots of different weights or numerics never mix.
 
@@ -402,7 +402,19 @@ class Scheduler:
         GPU, which time-slices between them, so the codec's first chunk, the last thing before
         the first audio byte, ran beside this session's next backbone and tower steps and took
         ~7.5 ms instead of ~3 (bench/timeline.py on the H200). The session's later frames come
-        that much later, far ahead of playback; other sessions' steps go on. 0: no hold."""
+        that much later, far ahead of playback; other sessions' steps go on. 0: no hold.
+
+        inline_steps: run the main loop's engine steps on the event loop's own thread instead of
+        the engine thread. None: inline while one step at a time may be at the tower (the
+        default, API.md §3.5), engine thread otherwise. Why: a frame's round trip is backbone
+        step -> tower step -> backbone step, and each trip through the engine thread is two
+        thread hand-offs (~0.65 ms per frame on the CPU, docs/perf.md), the same cost the tower
+        saved by stepping inline. With one step in flight nothing else needs the loop while a
+        step runs: no response can arrive, a computed lane step waits for the place the step
+        holds anyway; frames already routed go out first (the loop yields once before the
+        step), and a new request waits at most one step for admission. With two steps in
+        flight the loop must read one group's frames while the other's step runs, so that keeps
+        the engine thread. The lane always computes on its own thread."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -418,6 +430,7 @@ class Scheduler:
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
         self.max_inflight_steps = max_inflight_steps
+        self.inline_steps = inline_steps
         self.idle_poll_s = idle_poll_s
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.model_identity = model_identity
@@ -600,6 +613,10 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for session in list(self._active):
                     self._end(session, GenerateError("INTERNAL", "backbone scheduler error"))
+
+    def _steps_inline(self) -> bool:
+        """Does the main loop's next step run on the loop's thread (see inline_steps)?"""
+        return self.inline_steps if self.inline_steps is not None else self._inflight_limit() == 1
 
     def _inflight_limit(self) -> int:
         return max(1, min(self.max_inflight_steps, self.tower.max_inflight_steps))
@@ -930,9 +947,14 @@ class Scheduler:
         slots = {slot for slot, _, _ in work}
         self._computing |= slots
         executor = self._lane_executor if lane else self._executor
+        store_slots = [e.session.slot for e in store]
         try:
-            hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
-                executor, self._compute, work, [e.session.slot for e in store], lane)
+            if not lane and self._steps_inline():
+                await asyncio.sleep(0)         # what the last routing queued (frames out) goes first
+                hidden, snapshots = self._compute(work, store_slots, lane)
+            else:
+                hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
+                    executor, self._compute, work, store_slots, lane)
         except asyncio.CancelledError:
             raise                              # close(): it waits for the thread, then frees
         except Exception as exc:

@@ -296,6 +296,9 @@ class Settings:
     # 721 against 595 ms; docs/perf.md, session 5): the groups ran half-size steps. 2 is for a
     # backbone and a tower on GPUs of their own (not measured yet).
     max_inflight_steps: int = 1
+    # the main loop's engine steps on the event loop's thread (Scheduler.inline_steps). None:
+    # inline while max_inflight_steps is 1 (DRAMA_INLINE_STEPS=0 or 1 forces it)
+    inline_steps: bool | None = None
     # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
     # (prefix_cache.default_capacity_mb); 0: off
     prefix_cache_mb: float | None = None
@@ -518,6 +521,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           session_buffer_frames=settings.session_buffer_frames,
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
+                          inline_steps=settings.inline_steps,
                           prefix_cache=prefix_cache,
                           model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost
