@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -400,6 +401,12 @@ async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_f
         assert torch.equal(inline, thread)
     scheduler, _ = await stage(max_inflight_steps=2)
     assert not scheduler._steps_inline()
+    # with the prefill lane, not while a prompt is prefilling: the lane plans its pieces on the loop
+    scheduler, _ = await stage(max_inflight_steps=1, prefill_lane=True)
+    assert scheduler._steps_inline()
+    scheduler._active.append(types.SimpleNamespace(prefilling=True))
+    assert not scheduler._steps_inline()
+    scheduler._active.pop()
 
 
 async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stage):

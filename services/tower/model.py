@@ -132,11 +132,23 @@ class TowerModel(nn.Module):
         """Allocate every layer's KV pool: [S, K, L, d] keys and values in the weights' dtype.
 
         `torch.empty`, not zeros: a position is always written before it is read, and untouched
-        pages of a large CPU pool are then never committed.
+        pages of a large CPU pool are then never committed. On the GPU path (not batch_invariant,
+        CUDA) the projections are fused first (fuse_projections).
         """
         weight = self.codebook_embeddings.weight
+        if weight.is_cuda and not self.batch_invariant:
+            self.fuse_projections()
         for layer in self.layers():
             layer.self_attn.setup_cache(max_sessions, max_context, weight.dtype, weight.device)
+
+    def fuse_projections(self) -> None:
+        """The GPU path's load-time layout: each layer's q, k and v weights as one [N_q+2·N_kv, D]
+        tensor and gate and up as one [2·I, D] (one GEMM each per step instead of three and two,
+        26 launches fewer per frame step); the checkpoint's parameters become views into them,
+        so the weights are held once. Idempotent."""
+        for layer in self.layers():
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def layers(self) -> list["TowerLayer"]:
         return [*self.shared_layers, *self.residual_layers]
@@ -217,8 +229,8 @@ class TowerLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, batch_invariant)
 
     def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rows)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), rows, residual=x)          # x + attention
+        return self.mlp(self.post_attention_layernorm(h), residual=h)         # h + MLP
 
 
 class ResidualLayer(TowerLayer):
@@ -259,19 +271,31 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNormPlus(hd, cfg.rms_norm_eps)
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.qkv_weight: Tensor | None = None    # fuse_projections: q, k, v stacked
+
+    def fuse_projections(self) -> None:
+        if self.qkv_weight is None:
+            self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def setup_cache(self, max_sessions: int, max_context: int, dtype, device) -> None:
         shape = (max_sessions, self.num_kv_heads, max_context, self.head_dim)
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
+    def forward(self, x: Tensor, rows: RowBatch, residual: Tensor | None = None) -> Tensor:
+        """The attention's output [T, D], plus `residual` when given (on the GPU path added in
+        o_proj's GEMM epilogue, one rounding)."""
         t = x.shape[0]
-        x = padded_input(x)              # CUDA: q, k and v read one padded copy (invariant.linear_rows)
-        q_and_gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
-        q, gate = q_and_gate.split(self.head_dim, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        n_q, n_kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:  # one GEMM; q, k, v are column views of its output
+            qkv = linear_rows(x, self.qkv_weight)
+            q_and_gate, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
+        else:
+            x = padded_input(x)          # CUDA: q, k and v read one padded copy (invariant.linear_rows)
+            q_and_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = q_and_gate.view(t, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rows.rotary(self.rotary_dim, self.rope_theta)
         q = norm_rope(q, self.q_norm, cos, sin)
         k = norm_rope(k, self.k_norm, cos, sin)
@@ -282,7 +306,7 @@ class GatedAttention(nn.Module):
         attend = attend_rowwise if self.batch_invariant else attend_segments
         o = attend(q, self.k_cache, self.v_cache, rows)                     # [T, H, d]
         o = o * torch.sigmoid(gate.float()).to(o.dtype)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), residual)
 
 
 class SwiGLU(nn.Module):
@@ -291,10 +315,22 @@ class SwiGLU(nn.Module):
         self.gate_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
         self.up_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
         self.down_proj = RowLinear(intermediate_size, hidden_size, batch_invariant)
+        self.gate_up_weight: Tensor | None = None    # fuse_projections: gate, up stacked
 
-    def forward(self, x: Tensor) -> Tensor:
+    def fuse_projections(self) -> None:
+        if self.gate_up_weight is None:
+            self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """down(silu(gate(x)) ⊙ up(x)), plus `residual` when given (on the GPU path in down's GEMM)."""
+        if self.gate_up_weight is not None and x.dtype == torch.bfloat16:
+            from services.backbone.kernels.decode_graph import silu_mul   # one kernel: bf16(silu(g)·u)
+
+            inter = self.gate_proj.weight.shape[0]
+            gate_up = linear_rows(x, self.gate_up_weight)
+            return self.down_proj(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), residual)
         x = padded_input(x)              # CUDA: gate and up read one padded copy
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
 
 
 class RMSNormPlus(nn.Module):
@@ -325,12 +361,30 @@ class RowLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.batch_invariant = batch_invariant
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x·Wᵀ, plus `residual` when given: in the GEMM (linear_rows, one rounding) on the GPU
+        path, a separate add in the batch-invariant mode (as the layer did before)."""
         if not self.batch_invariant:
-            return linear_rows(x, self.weight) if x.dim() == 2 else F.linear(x, self.weight)
+            if x.dim() == 2:
+                return linear_rows(x, self.weight, residual)
+            out = F.linear(x, self.weight)
+            return out if residual is None else residual + out
         rows = x.shape[0]
         weight_t = self.weight.t()
-        return torch.bmm(x[:, None, :], weight_t.expand(rows, *weight_t.shape)).squeeze(1)
+        out = torch.bmm(x[:, None, :], weight_t.expand(rows, *weight_t.shape)).squeeze(1)
+        return out if residual is None else residual + out
+
+
+def _fuse_rows(*linears: nn.Linear) -> Tensor:
+    """The linears' weights stacked along the output dim into one tensor; each linear's weight
+    becomes a view of its rows (held once)."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start:start + n], requires_grad=False)
+        start += n
+    return fused
 
 
 # --------------------------------------------------------------------------------------------
