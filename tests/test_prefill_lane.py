@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from services.backbone.engine import BackboneEngine
-from services.backbone.scheduler import ChunkEnd, FramesOut, GenerateError, Scheduler, Usage
+from services.backbone.scheduler import ChunkEnd, FramesOut, GenerateError, Scheduler, TowerResult, Usage
 from test_backbone_server import Recorder, _job, scheduler_factory
 from test_generate_e2e import MAX_CONTEXT, MAX_ROWS, TowerProcess, _start_backbone
 from test_prefix_cache import SEEDS, _Backbone, _rows, _tower, backbone_model, tower_addr  # noqa: F401 (fixtures)
@@ -306,6 +306,65 @@ async def test_a_tower_loss_fails_the_streams_it_held_and_a_lane_prefill_goes_on
         assert rec.engine.free_slots == 4
     finally:
         tower.kill()
+
+
+class _IdleEngine:
+    """Just enough engine for a scheduler without sessions (release-only steps)."""
+
+    max_sessions, max_context, hidden_size, num_codebooks = 2, 16, 8, 2
+    hidden_dtype = torch.float32
+    free_slots = 2
+
+
+class _HeldTower:
+    """A tower whose answers the test gives, when it likes."""
+
+    ready, max_inflight_steps = True, 1
+
+    def __init__(self):
+        self.answers: list[asyncio.Future] = []
+
+    async def send(self, step):
+        self.answers.append(asyncio.get_running_loop().create_future())
+        return self.answers[-1]
+
+
+async def test_close_ends_the_lane_when_the_last_answer_wakes_it_just_before():
+    """The answer to the last step (release-only) is routed just before close() cancels the main
+    loop: `_finish_step` wakes the lane, and close() cancels the lane right after. The lane must
+    end all the same (with asyncio.wait_for in its sleep, Python 3.11 dropped that cancel and
+    close() waited forever: a CI run hung in the voice-prefix test's teardown). The closer wakes
+    0-3 loop callbacks after the answer."""
+    loop = asyncio.get_running_loop()
+    for hops in range(4):
+        tower = _HeldTower()
+        scheduler = Scheduler(_IdleEngine(), tower, semantic_start_token_id=0, prefill_lane=True,
+                              prefill_chunk_tokens=4)
+        scheduler.start()
+        scheduler._release.append("gone")          # a session ended: a release-only step goes out
+        while not tower.answers:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)                  # both coroutines asleep, the step at the tower
+        gate = loop.create_future()
+
+        async def close():
+            await gate
+            await scheduler.close()
+        closing = loop.create_task(close())
+        await asyncio.sleep(0)                     # the closer waits at the gate
+
+        def open_gate(n):
+            if n:
+                loop.call_soon(open_gate, n - 1)
+            else:
+                gate.set_result(None)
+        tower.answers[0].set_result(TowerResult(torch.empty(0, 2, dtype=torch.int64), [], {}))
+        loop.call_soon(open_gate, hops)
+        done, _ = await asyncio.wait([closing], timeout=2)
+        if not done:                               # leave no lane behind in the session's loop
+            scheduler._lane_task.cancel()
+            await asyncio.wait([closing], timeout=2)
+        assert done, f"close() did not end (closer woken {hops} callbacks after the answer)"
 
 
 # --------------------------------------------------------------------------------------------

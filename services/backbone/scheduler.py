@@ -930,10 +930,17 @@ class Scheduler:
                         self._end(e.session, GenerateError("INTERNAL", "backbone scheduler error"))
 
     async def _lane_sleep(self) -> None:
+        """Wait for a wake-up or the poll interval. Not asyncio.wait_for: before Python 3.12 it
+        returns the event's result when a cancel arrives just after the event was set, and the
+        cancel is lost. close() cancels the lane right after the main loop, whose last act may be
+        `_finish_step` waking the lane (the answer to the final release-only step): the lane then
+        polls on and close() waits for it forever (a CI test hung in teardown). asyncio.wait
+        always lets the cancel through, as in `_sleep`."""
+        wake = asyncio.ensure_future(self._lane_wake.wait())
         try:
-            await asyncio.wait_for(self._lane_wake.wait(), self.idle_poll_s)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait([wake], timeout=self.idle_poll_s)
+        finally:
+            wake.cancel()
 
     def _step_span(self, entries: list[_Entry], *, lane: bool):
         """A sampled `backbone.step` span linked to the sessions' Generate spans, or None."""
