@@ -94,6 +94,7 @@ import torch
 from opentelemetry import metrics, propagate, trace
 from torch import Tensor
 
+from services.common import aio
 from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 from .prefix_cache import PrefixCache, prefix_key
@@ -930,17 +931,11 @@ class Scheduler:
                         self._end(e.session, GenerateError("INTERNAL", "backbone scheduler error"))
 
     async def _lane_sleep(self) -> None:
-        """Wait for a wake-up or the poll interval. Not asyncio.wait_for: before Python 3.12 it
-        returns the event's result when a cancel arrives just after the event was set, and the
-        cancel is lost. close() cancels the lane right after the main loop, whose last act may be
-        `_finish_step` waking the lane (the answer to the final release-only step): the lane then
-        polls on and close() waits for it forever (a CI test hung in teardown). asyncio.wait
-        always lets the cancel through, as in `_sleep`."""
-        wake = asyncio.ensure_future(self._lane_wake.wait())
-        try:
-            await asyncio.wait([wake], timeout=self.idle_poll_s)
-        finally:
-            wake.cancel()
+        """Wait for a wake-up or the poll interval. aio.wait_event, not asyncio.wait_for:
+        close() cancels the lane right after the main loop, whose last act may be `_finish_step`
+        waking the lane (the answer to the final release-only step); wait_for then lost the
+        cancel, the lane polled on and close() waited for it forever (a CI test hung in teardown)."""
+        await aio.wait_event(self._lane_wake, self.idle_poll_s)
 
     def _step_span(self, entries: list[_Entry], *, lane: bool):
         """A sampled `backbone.step` span linked to the sessions' Generate spans, or None."""

@@ -20,6 +20,7 @@ import torch
 from opentelemetry import metrics
 
 from services.codec.state import StreamState
+from services.common import aio
 from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,8 @@ class DecodeBatcher:
                 if left <= 0:
                     break
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except asyncio.TimeoutError:
+                # not asyncio.wait_for: it can lose close()'s cancel (aio.wait_event)
+                if not await aio.wait_event(self._wake, left):
                     break
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             batch = [p for p in batch if not p.future.done()]     # cancelled callers
