@@ -352,6 +352,10 @@ def test_norm_kernels_match_references():
     assert_close(gdn.gated_rms_norm(o, z, nw), gdn.naive_gated_rms_norm(o, z, nw), 1e-2, "gated norm")
     g, u = torch.randn(2, 1100, device="cuda").bfloat16()[:, :512], torch.randn(2, 512, device="cuda").bfloat16()
     assert_close(dg.silu_mul(g, u), dg.naive_silu_mul(g, u), 1e-2, "silu_mul")
+    # wider than one column block (the tower's gate|up output, as two column views of one tensor)
+    gu = torch.randn(3, 6000, device="cuda").bfloat16()
+    assert_close(dg.silu_mul(gu[:, :3000], gu[:, 3000:]), dg.naive_silu_mul(gu[:, :3000], gu[:, 3000:]),
+                 1e-2, "silu_mul wide")
 
 
 @cuda

@@ -90,6 +90,41 @@ def test_decode_attention_is_batch_invariant():
         assert torch.equal(alone[0], together[row])
 
 
+@cuda
+def test_decode_attention_applies_the_gate_as_torch_does():
+    """gate=: the output gate in the merge's launch gives gate_output's bits (σ as torch's)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    k_cache = torch.randn(4, 2, 300, 256, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(4, 2, 300, 256, device="cuda", generator=g).bfloat16()
+    q_and_gate = (torch.randn(5, 16, 512, device="cuda", generator=g) * 4).bfloat16()
+    q, gate = q_and_gate.split(256, dim=-1)                              # the model's strided views
+    slots, positions = torch.tensor([1, 0, 3, 2, 1], device="cuda"), torch.tensor([40, 299, 7, 0, 128], device="cuda")
+    plain = kernels.decode_attention(q, k_cache, v_cache, slots, positions)
+    gated = kernels.decode_attention(q, k_cache, v_cache, slots, positions, gate=gate)
+    assert torch.equal(gated, kernels.gate_output(plain, gate))
+    with pytest.raises(ValueError, match="gate"):
+        kernels.decode_attention(q, k_cache, v_cache, slots, positions, gate=gate[:, :8])
+
+
+@cuda
+def test_norm_rope_to_cache_writes_what_norm_rope_and_index_put_write():
+    from services.tower.model import rotary_tables
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    qkv = (torch.randn(6, 16 * 512 + 2 * 2 * 256, device="cuda", generator=g) * 2).bfloat16()
+    k = qkv[:, 8192:8704].view(6, 2, 256)                               # column views of the fused GEMM
+    v = qkv[:, 8704:].view(6, 2, 256)
+    w = torch.randn(256, device="cuda", generator=g) * 0.3
+    slots, positions = torch.tensor([3, 0, 3, 1, 2, 0], device="cuda"), torch.tensor([5, 9, 6, 0, 77, 10], device="cuda")
+    cos, sin = rotary_tables(positions, 64, 1e7)
+    caches = [torch.randn(4, 2, 100, 256, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    want_k[slots, :, positions] = kernels.norm_rope(k, w, 1e-6, cos, sin)
+    want_v[slots, :, positions] = v
+    kernels.norm_rope_to_cache(k, v, w, 1e-6, cos, sin, caches[0], caches[1], slots, positions)
+    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+
+
 # ------------------------------------------------------------------------------------------
 # RMSNorm+ and q/k norm + RoPE
 # ------------------------------------------------------------------------------------------

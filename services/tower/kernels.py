@@ -83,14 +83,17 @@ def attention_splits(max_context: int) -> int:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
-                     splits: int | None = None) -> Tensor:
+                     splits: int | None = None, gate: Tensor | None = None) -> Tensor:
     """o [T, H, d] in q's dtype: row t attends over positions 0..positions[t] of slot slots[t].
 
     q [T, H, d] (any strides with a unit last stride); caches [S, K, L, d] with the row's key and
     value already written at its position. Without Triton/CUDA: the SDPA-free torch reference.
+    gate [T, H, d] (unit last stride): return gate_output(o, gate), the §4.4 output gate, applied
+    in the merge's launch with the same bits as torch's (three launches fewer per layer).
     """
     if not use_triton(q, k_cache, v_cache):
-        return reference_decode_attention(q, k_cache, v_cache, slots, positions)
+        o = reference_decode_attention(q, k_cache, v_cache, slots, positions)
+        return o if gate is None else gate_output(o, gate)
     t, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
@@ -108,10 +111,19 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         head_dim ** -0.5, head_dim, splits,
         G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2)
     out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    has_gate = gate is not None
+    if has_gate and (gate.shape != q.shape or gate.stride(-1) != 1):
+        raise ValueError(f"gate must be {tuple(q.shape)} with a unit last stride")
     _merge_splits_kernel[(t, num_heads)](
-        part_o, part_lse, out, head_dim, splits, G=group, BG=block_g, BD=block_d,
-        BS=max(_MOST_SPLITS, _next_pow2(splits)), num_warps=4)
+        part_o, part_lse, out, gate if has_gate else out, gate.stride(0) if has_gate else 0,
+        gate.stride(1) if has_gate else 0, head_dim, splits, G=group, BG=block_g, BD=block_d,
+        BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4)
     return out
+
+
+def gate_output(o: Tensor, gate: Tensor) -> Tensor:
+    """§4.4's output gate as the layer computes it in torch: o ⊙ bf16(σ(F32 gate)), in o's dtype."""
+    return o * torch.sigmoid(gate.float()).to(o.dtype)
 
 
 def reference_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
@@ -176,8 +188,9 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + piece * BG + g, lse, mask=g_ok)
 
     @triton.jit
-    def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, D, SPLITS, G: tl.constexpr, BG: tl.constexpr,
-                             BD: tl.constexpr, BS: tl.constexpr):
+    def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, stride_gt, stride_gh, D, SPLITS,
+                             G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                             HAS_GATE: tl.constexpr, PRECISE: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         kv = head // G
@@ -191,8 +204,19 @@ if HAS_TRITON:
         o = tl.load(part_o_ptr + (pieces.to(tl.int64)[:, None] * BG + g) * D + d[None, :],
                     mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
         merged = tl.sum(weights[:, None] * o, axis=0) / tl.sum(weights, axis=0)
+        dtype = out_ptr.dtype.element_ty
+        if HAS_GATE:
+            # gate_output bit for bit: σ = 1 / (1 + expf(-g)) in F32 as torch's CUDA sigmoid
+            # (libdevice expf, IEEE division), rounded to o's dtype, then one rounded product
+            g_val = tl.load(gate_ptr + row.to(tl.int64) * stride_gt + head * stride_gh + d,
+                            mask=d < D, other=0.0).to(tl.float32)
+            if PRECISE:
+                sig = tl.math.div_rn(tl.full([BD], 1.0, tl.float32), 1.0 + libdevice.exp(-g_val))
+            else:         # Triton's interpreter has no libdevice (numpy's exp there)
+                sig = 1.0 / (1.0 + tl.exp(-g_val))
+            merged = merged.to(dtype).to(tl.float32) * sig.to(dtype).to(tl.float32)
         tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d,
-                 merged.to(out_ptr.dtype.element_ty), mask=d < D)
+                 merged.to(dtype), mask=d < D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,8 +249,29 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(rows, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), dim, eps,
-                                     HALF=cos.shape[-1], BD=_next_pow2(dim), num_warps=1)
+                                     x, out, 0, 0, x, x, 0, 0, 0,
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=False, num_warps=1)
     return out
+
+
+def norm_rope_to_cache(k: Tensor, v: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                       k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor) -> None:
+    """k_cache[slots[t], :, positions[t]] = norm_rope(k)[t] and v_cache[...] = v[t] for every row t,
+    in one kernel (k, v [T, K, d], any row and head strides, unit last stride; caches [S, K, L, d]).
+    The same values as norm_rope and two index_put writes: three launches become one."""
+    from services.tower.model import apply_rotary, rms_norm_plus as reference
+
+    if (not use_triton(k, v, k_cache) or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[0] == 0
+            or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride()):
+        k_cache[slots, :, positions] = apply_rotary(reference(k, weight, eps), cos, sin)
+        v_cache[slots, :, positions] = v
+        return
+    rows, heads, dim = k.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _norm_rope_kernel[(rows, heads)](k, weight, cos, sin, k_cache, k.stride(0), k.stride(1), dim, eps,
+                                     v, v_cache, v.stride(0), v.stride(1), slots, positions,
+                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=True, num_warps=1)
 
 
 if HAS_TRITON:
@@ -243,7 +288,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, D, eps,
-                          HALF: tl.constexpr, BD: tl.constexpr):
+                          v_ptr, vc_ptr, stride_vt, stride_vh, slot_ptr, pos_ptr, stride_cs, stride_ch, stride_cl,
+                          HALF: tl.constexpr, BD: tl.constexpr, TO_CACHE: tl.constexpr):
+        """out[row, head] = rope(norm(x[row, head])); TO_CACHE: out is the key cache, the row goes
+        to [slot, head, pos] and v[row, head] to the value cache there too."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, BD)
@@ -267,7 +315,14 @@ if HAS_TRITON:
         s = tl.load(sin_ptr + row.to(tl.int64) * HALF + j, mask=rotated, other=0.0)
         out = tl.where(first, y * c - yp * s, y * c + yp * s)
         out = tl.where(rotated, out, y)
-        tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d, out.to(dtype), mask=ok)
+        if TO_CACHE:
+            at = (tl.load(slot_ptr + row).to(tl.int64) * stride_cs + head * stride_ch
+                  + tl.load(pos_ptr + row).to(tl.int64) * stride_cl)
+            tl.store(out_ptr + at + d, out.to(dtype), mask=ok)
+            v = tl.load(v_ptr + row.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
+            tl.store(vc_ptr + at + d, v, mask=ok)
+        else:
+            tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + head) * D + d, out.to(dtype), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------

@@ -298,14 +298,25 @@ class GatedAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rows.rotary(self.rotary_dim, self.rope_theta)
         q = norm_rope(q, self.q_norm, cos, sin)
-        k = norm_rope(k, self.k_norm, cos, sin)
 
         # Write first, then attend: rows of one segment then see each other causally.
-        self.k_cache[rows.slots, :, rows.positions] = k
-        self.v_cache[rows.slots, :, rows.positions] = v
-        attend = attend_rowwise if self.batch_invariant else attend_segments
-        o = attend(q, self.k_cache, self.v_cache, rows)                     # [T, H, d]
-        o = o * torch.sigmoid(gate.float()).to(o.dtype)
+        if not self.batch_invariant and x.is_cuda:   # GPU path: k's norm, RoPE and both writes in one kernel
+            from services.tower import kernels
+
+            kernels.norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
+                                       self.k_cache, self.v_cache, rows.slots, rows.positions)
+        else:
+            self.k_cache[rows.slots, :, rows.positions] = norm_rope(k, self.k_norm, cos, sin)
+            self.v_cache[rows.slots, :, rows.positions] = v
+        if not self.batch_invariant and x.is_cuda and rows.all_decode:
+            from services.tower import kernels     # decode rows: the output gate in the merge's launch
+
+            o = kernels.decode_attention(q, self.k_cache, self.v_cache, rows.decode_slots,
+                                         rows.decode_positions, gate=gate)
+        else:
+            attend = attend_rowwise if self.batch_invariant else attend_segments
+            o = attend(q, self.k_cache, self.v_cache, rows)                 # [T, H, d]
+            o = o * torch.sigmoid(gate.float()).to(o.dtype)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), residual)
 
 

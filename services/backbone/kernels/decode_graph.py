@@ -103,7 +103,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return naive_silu_mul(gate, up)
     m, n = gate.shape
     out = empty_rows(m, n, dtype=torch.bfloat16, device=gate.device)
-    _silu_mul_kernel[(m,)](gate, up, out, n, gate.stride(0), up.stride(0), BN=triton.next_power_of_2(n), num_warps=4)
+    # columns in blocks of at most 1024: the tower's 12288-wide MLP in one program per row took
+    # 6.2 us on the H200 (one SM); elementwise, so the blocking never changes a value
+    block = min(triton.next_power_of_2(n), 1024)
+    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BN=block,
+                                                 num_warps=4)
     return out
 
 
@@ -219,7 +223,7 @@ if HAS_TRITON:
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BN: tl.constexpr):
         row = tl.program_id(0)
-        offs = tl.arange(0, BN)
+        offs = tl.program_id(1) * BN + tl.arange(0, BN)
         ok = offs < N
         g = tl.load(g_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
