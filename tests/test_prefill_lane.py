@@ -203,6 +203,27 @@ async def _codes(scheduler, session) -> list[torch.Tensor]:
                       or [torch.empty(0, 10, dtype=torch.int64)]) for c in chunks]
 
 
+async def test_a_step_the_tower_client_fails_to_send_ends_its_sessions(stage):
+    """A send that raises (not TowerUnavailable: a client bug, or a stream dropped mid-send) for a
+    lane step: its sessions had their rows counted as sent, so they must end with an error, not
+    wait forever for a draw; later sessions are served."""
+    scheduler, rec = await stage(prefill_lane=True, max_sessions=3)
+    send, failed = rec.tower_send, []
+
+    async def flaky_send(step):
+        if not failed and any(e.n_rows > 1 for e in step.entries):     # the first lane step
+            failed.append(step)
+            raise RuntimeError("no stream")
+        return await send(step)
+    rec.tower_send = flaky_send
+    first = scheduler.submit(_job("lost", turns=("one",), max_new=3))
+    with pytest.raises(GenerateError) as ended:
+        await asyncio.wait_for(_codes(scheduler, first), 60)
+    assert failed and ended.value.status == "UNAVAILABLE", ended.value
+    again = await asyncio.wait_for(_codes(scheduler, scheduler.submit(_job("next", turns=("one",), max_new=3))), 60)
+    assert len(again) == 1
+
+
 @pytest.mark.parametrize("piece", [7, 2])
 async def test_frames_are_bit_identical_with_the_lane_on_and_off(stage, piece):
     """Four sessions at once, two chunks each, prompts cut into pieces of at most `piece` rows

@@ -1027,7 +1027,14 @@ class Scheduler:
         step = TowerStep(tower_entries, hidden, targets, release, trace_context)
         try:
             result = await self.tower.send(step)
-        except TowerUnavailable as exc:
+        except Exception as exc:
+            # Any failure to send is the step's: its sessions' rows count as sent and in_step is
+            # cleared, so an exception escaping here would strand them (the lane's handler ends
+            # only sessions still in_step): they would wait forever for a draw. As a failed
+            # step, _finish_step ends every session the tower held (UNAVAILABLE).
+            if not isinstance(exc, TowerUnavailable):
+                log.exception("tower send failed")
+                exc = TowerUnavailable(f"tower send failed: {type(exc).__name__}: {exc}")
             result = asyncio.get_running_loop().create_future()
             result.set_exception(exc)
         self._inflight.append(_InFlight(entries, result, span, lane))

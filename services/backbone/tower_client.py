@@ -151,13 +151,17 @@ class TowerClient:
         TowerUnavailable when the stream breaks first."""
         if not self._ready or self._broken.is_set():
             raise TowerUnavailable("tower not connected")
+        call = self._call
         self._step_id += 1
         request = step_request(step, self._step_id, self.hidden_dtype)
         future = asyncio.get_running_loop().create_future()
         async with self._write_lock:   # the queue order is the wire order
+            # the stream may have broken (and _maintain dropped the call) while we waited
+            if call is None or call is not self._call or self._broken.is_set():
+                raise TowerUnavailable("the Step stream broke")
             self._pending.append((future, request.step_id, len(step.entries)))
             try:
-                await self._call.write(request)
+                await call.write(request)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 self._broken.set()
                 raise TowerUnavailable(f"Step write failed: {exc}") from None
