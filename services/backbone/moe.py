@@ -16,8 +16,10 @@ The kernel path (Backbone.kernels) stacks gate|up at load (`w_gate_up` [E, 2I, H
 the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert kernels (decode
 block table for T·k <= 1024 pairs, grouped prefill above); a decode step instead routes with
 kernels/moe_decode.route_decode (its own F32 router GEMV, then one launch that routes and
-quantises u). The shared expert's gate, up and its scalar gate are one BF16 GEMM, and one combine
-kernel adds everything to the residual (and applies the norm that follows, when given).
+quantises u, and gives the shared expert's gate logit) and computes the BF16 shared expert in the
+routed experts' own launches (moe_decode_pairs(shared=)); elsewhere the shared expert's gate, up
+and its scalar gate are one BF16 GEMM. One combine kernel adds everything to the residual (and
+applies the norm that follows, when given).
 Batch invariance (issue #8): the router, shared-expert and BF16-expert GEMMs of the kernel path go
 through services/common/invariant.linear_rows (router and shared expert on decode steps with
 DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the routed FP8 experts use one kernel config for

@@ -25,6 +25,11 @@ is laid out, because the decode step is bound by how many weight bytes are in fl
 The active-slot order from the atomic add varies from run to run; nothing depends on it: a
 program's results depend on which expert it holds, not on its slot.
 
+The shared expert (BF16, MODEL.md §4.5) can ride along (`moe_decode_pairs(shared=)`): more slots
+in the gate/up and down grids, one 16-row tile each, and more row blocks in the split reduce, so a
+decode step spends no launch of its own on it (three before: bench/moe_decode.py --shared, H200
+2026-11-30, us per layer with routing and combine: T = 1: 46.4 -> 36.5; 128: 299.5 -> 302.7).
+
 In front of these, `route_decode` takes a decode step from u to the experts' inputs in two
 launches: the F32 router GEMV (partial sums over 16 K ranges), then one program per row that adds
 them, routes, quantises u (§4.7) and zeroes the active-expert counter. It replaced six launches
