@@ -382,27 +382,32 @@ async def test_pipelined_steps_give_each_session_the_frames_of_sequential_steps(
 
 
 async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_frames(stage):
-    """inline_steps (the default while one step at a time is at the tower): the main loop's
-    engine steps run on the event loop's thread, two thread hand-offs fewer per frame, and every
-    session gets exactly the frames the engine thread computes; with two steps in flight the
-    default keeps the engine thread."""
+    """inline_steps: the main loop's engine steps run on the event loop's thread, two thread
+    hand-offs fewer per frame, and every session gets exactly the frames the engine thread
+    computes. The default: inline on CUDA with one step in flight and no prompt prefilling on
+    the lane; on the CPU (a step is the compute itself) always the engine thread."""
     runs = {}
-    for inline in (None, False):
+    for inline in (True, False):
         scheduler, rec = await stage(max_inflight_steps=1, inline_steps=inline)
-        assert scheduler._steps_inline() == (inline is None)
         threads, engine_step = set(), rec.step
         rec.step = lambda work: (threads.add(threading.current_thread()), engine_step(work))[1]
         sessions = [scheduler.submit(_job(f"i{i}", seed=60 + i, turns=("one", "two"), max_new=5))
                     for i in range(POOL_ROWS)]
         results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
         runs[inline] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
-        assert (threads == {threading.current_thread()}) == (inline is None), threads
-    for inline, thread in zip(runs[None], runs[False]):
+        assert (threads == {threading.current_thread()}) == inline, threads
+    for inline, thread in zip(runs[True], runs[False]):
         assert torch.equal(inline, thread)
+    scheduler, _ = await stage(max_inflight_steps=1)
+    assert not scheduler._steps_inline()                 # the CPU
+    scheduler._on_cuda = True                             # as on a GPU
+    assert scheduler._steps_inline()
     scheduler, _ = await stage(max_inflight_steps=2)
+    scheduler._on_cuda = True
     assert not scheduler._steps_inline()
     # with the prefill lane, not while a prompt is prefilling: the lane plans its pieces on the loop
     scheduler, _ = await stage(max_inflight_steps=1, prefill_lane=True)
+    scheduler._on_cuda = True
     assert scheduler._steps_inline()
     scheduler._active.append(types.SimpleNamespace(prefilling=True))
     assert not scheduler._steps_inline()

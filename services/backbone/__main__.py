@@ -11,8 +11,8 @@ decode groups: on by default on CUDA, off on the CPU; 1 or 0 forces it),
 DRAMA_SESSION_BUFFER_FRAMES (1024), DRAMA_STEP_SPAN_SAMPLE (0.01), DRAMA_MAX_INFLIGHT_STEPS (1:
 Step requests at the tower at once, capped by the tower's own; 2 pipelines two groups of sessions,
 for a backbone and a tower on separate GPUs, see server.Settings), DRAMA_INLINE_STEPS (the decode
-steps on the event loop's thread, two thread hand-offs fewer per frame: on by default with one
-step in flight; 1 or 0 forces it), DRAMA_PREFIX_CACHE_MB (voice-prefix
+steps on the event loop's thread, two thread hand-offs fewer per frame: on by default on CUDA
+with one step in flight; 1 or 0 forces it), DRAMA_PREFIX_CACHE_MB (voice-prefix
 cache; 64 on CPU, 1024 on GPU, 0 off), DRAMA_DECODE_GRAPHS (CUDA graphs for the decode rows of each
 step on the kernel path, captured before SERVING: on by default on CUDA, 0 turns them off),
 DRAMA_PREFILL_GRAPHS (the prefill pieces of a step as padded pieces replayed from CUDA graphs,

@@ -406,8 +406,8 @@ class Scheduler:
         that much later, far ahead of playback; other sessions' steps go on. 0: no hold.
 
         inline_steps: run the main loop's engine steps on the event loop's own thread instead of
-        the engine thread. None: inline while one step at a time may be at the tower (the
-        default, API.md §3.5), engine thread otherwise. Why: a frame's round trip is backbone
+        the engine thread. None: inline on a CUDA device while one step at a time may be at the
+        tower (the default, API.md §3.5), engine thread otherwise. Why: a frame's round trip is backbone
         step -> tower step -> backbone step, and each trip through the engine thread is two
         thread hand-offs (~0.65 ms per frame on the CPU, docs/perf.md), the same cost the tower
         saved by stepping inline. With one step in flight nothing else needs the loop while a
@@ -416,7 +416,9 @@ class Scheduler:
         step), and a new request waits at most one step for admission. With two steps in
         flight the loop must read one group's frames while the other's step runs, so that keeps
         the engine thread; so does a step while the prefill lane has prompts to prefill (the
-        lane plans each piece on the loop). The lane always computes on its own thread."""
+        lane plans each piece on the loop), and every step on the CPU, where a step is the
+        compute itself (seconds for a real-size model: health checks, new requests and cancels
+        would wait that long). The lane always computes on its own thread."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -467,6 +469,7 @@ class Scheduler:
         # GPU schedules the decode step's blocks first, so the lane's prefill costs the running
         # streams as little device time as possible.
         device = torch.device(getattr(getattr(engine, "model", None), "device", "cpu"))
+        self._on_cuda = device.type == "cuda"
         on_cuda = prefill_lane and device.type == "cuda"
         self._lane_stream = torch.cuda.Stream(device) if on_cuda else None
         self._main_stream = torch.cuda.Stream(device, priority=-1) if on_cuda else None
@@ -620,7 +623,7 @@ class Scheduler:
         """Does the main loop's next step run on the loop's thread (see inline_steps)?"""
         if self.inline_steps is not None:
             return self.inline_steps
-        if self._inflight_limit() != 1:
+        if not self._on_cuda or self._inflight_limit() != 1:
             return False
         # The lane plans its next piece on the loop: while prompts are prefilling, a step on the
         # loop's thread would hold the lane's next piece back for a whole step (at 128 streams

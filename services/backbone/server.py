@@ -297,7 +297,7 @@ class Settings:
     # backbone and a tower on GPUs of their own (not measured yet).
     max_inflight_steps: int = 1
     # the main loop's engine steps on the event loop's thread (Scheduler.inline_steps). None:
-    # inline while max_inflight_steps is 1 (DRAMA_INLINE_STEPS=0 or 1 forces it)
+    # inline on CUDA while max_inflight_steps is 1 (DRAMA_INLINE_STEPS=0 or 1 forces it)
     inline_steps: bool | None = None
     # voice-prefix cache budget in MiB; None: DRAMA_PREFIX_CACHE_MB, else the device's default
     # (prefix_cache.default_capacity_mb); 0: off
