@@ -125,6 +125,25 @@ def test_norm_rope_to_cache_writes_what_norm_rope_and_index_put_write():
     assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
 
 
+@cuda
+def test_fusion_input_is_the_fusions_gather_norms_and_concat():
+    """kernels.fusion_input (the GPU path of model.fuse_codes) gives the bits of the unfused ops:
+    the codebook row (zeros where there is no target), each half's RMSNorm+, the concat."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    rows, dim, vocab = 9, 2048, 64
+    table = torch.randn(4 * vocab, dim, device="cuda", generator=g).bfloat16()
+    codes = torch.randint(-1, vocab, (rows, 5), device="cuda", generator=g)[:, 2]    # a strided column
+    codes[3] = -1
+    hidden = (torch.randn(rows, dim + 64, device="cuda", generator=g) * 3).bfloat16()[:, :dim]
+    w_e, w_h = (torch.randn(dim, device="cuda", generator=g) * 0.3 for _ in range(2))
+    got = kernels.fusion_input(codes, table, 2 * vocab, hidden, w_e, w_h, 1e-6)
+    e = table[2 * vocab + codes.clamp(min=0)]
+    e = torch.where((codes >= 0)[:, None], e, torch.zeros_like(e))
+    want = torch.cat([kernels.rms_norm_plus(e, w_e, 1e-6), kernels.rms_norm_plus(hidden.contiguous(), w_h, 1e-6)], -1)
+    assert torch.equal(got, want)
+    assert not got[3, :dim].any()
+
+
 # ------------------------------------------------------------------------------------------
 # RMSNorm+ and q/k norm + RoPE
 # ------------------------------------------------------------------------------------------

@@ -254,6 +254,27 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -
     return out
 
 
+def fusion_input(codes: Tensor, table: Tensor, offset: int, hidden: Tensor, w_embedding: Tensor,
+                 w_hidden: Tensor, eps: float) -> Tensor:
+    """[RMSNorm⁺(e) | RMSNorm⁺(h)] [T, 2D], the fusion's fc input (model.fuse), in one kernel:
+    e = table[offset + codes[t]] (exact zeros where codes[t] < 0, whose norm is zero too), h =
+    hidden [T, D]. One program per row, the norms as `rms_norm_plus` computes them. It replaces
+    ~9 launches per residual layer (the code's index arithmetic, the gather, the zero mask, two
+    norms and the concat)."""
+    from services.tower.model import rms_norm_plus as reference
+
+    rows, dim = hidden.shape
+    if not use_triton(codes, table, hidden) or hidden.stride(-1) != 1 or table.stride(-1) != 1 or rows == 0:
+        known = codes >= 0
+        e = table[offset + codes.clamp(min=0)]
+        e = torch.where(known[:, None], e, torch.zeros_like(e))
+        return torch.cat([reference(e, w_embedding, eps), reference(hidden, w_hidden, eps)], dim=-1)
+    out = invariant.empty_rows(rows, 2 * dim, dtype=hidden.dtype, device=hidden.device)   # fc's GEMM input
+    _fusion_input_kernel[(rows,)](codes, codes.stride(0), table, table.stride(0), offset, hidden, hidden.stride(0),
+                                  w_embedding, w_hidden, out, dim, eps, BD=_next_pow2(dim), num_warps=4)
+    return out
+
+
 def norm_rope_to_cache(k: Tensor, v: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
                        k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor) -> None:
     """k_cache[slots[t], :, positions[t]] = norm_rope(k)[t] and v_cache[...] = v[t] for every row t,
@@ -285,6 +306,25 @@ if HAS_TRITON:
         w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         tl.store(out_ptr + row.to(tl.int64) * D + d, (normed * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _fusion_input_kernel(codes_ptr, stride_c, table_ptr, stride_table, offset, h_ptr, stride_h, we_ptr, wh_ptr,
+                             out_ptr, D, eps, BD: tl.constexpr):
+        row = tl.program_id(0)
+        d = tl.arange(0, BD)
+        ok = d < D
+        dtype = out_ptr.dtype.element_ty
+        code = tl.load(codes_ptr + row.to(tl.int64) * stride_c)
+        index = (offset + tl.maximum(code, 0)).to(tl.int64)
+        e = tl.load(table_ptr + index * stride_table + d, mask=ok, other=0.0).to(tl.float32)
+        e = tl.where(code >= 0, e, 0.0)                # no target: exact zeros (the row read is unused)
+        we = tl.load(we_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        normed = e * tl.rsqrt(tl.sum(e * e, axis=0) / D + eps)
+        tl.store(out_ptr + row.to(tl.int64) * 2 * D + d, (normed * (1.0 + we)).to(dtype), mask=ok)
+        h = tl.load(h_ptr + row.to(tl.int64) * stride_h + d, mask=ok, other=0.0).to(tl.float32)
+        wh = tl.load(wh_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+        tl.store(out_ptr + row.to(tl.int64) * 2 * D + D + d, (normed * (1.0 + wh)).to(dtype), mask=ok)
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, D, eps,

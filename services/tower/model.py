@@ -197,7 +197,7 @@ def forward_rows(model: TowerModel, hidden: Tensor, targets: Tensor, rows: RowBa
         stopped = semantic == model.semantic_codebook_size
         codes[draw_rows, 0] = torch.where(stopped, torch.full_like(semantic, -1), semantic)
     for j, layer in enumerate(model.residual_layers):
-        h = layer(fuse(layer, model.embed_codes(j, codes[:, j]), h), rows)
+        h = layer(fuse_codes(model, layer, j, codes[:, j], h), rows)
         if num_draws:
             drawn = sample(j + 1, layer.codebook_logits(h[draw_rows]))
             codes[draw_rows, j + 1] = torch.where(stopped, torch.full_like(drawn, -1), drawn)
@@ -212,6 +212,19 @@ def fuse(layer: "ResidualLayer", embedding: Tensor, hidden: Tensor) -> Tensor:
     """
     return layer.fc(torch.cat([layer.pre_fc_norm_embedding(embedding),
                                layer.pre_fc_norm_hidden(hidden)], dim=-1))
+
+
+def fuse_codes(model: TowerModel, layer: "ResidualLayer", j: int, codes: Tensor, hidden: Tensor) -> Tensor:
+    """fuse(layer, model.embed_codes(j, codes), hidden); on the GPU path the embedding, both norms
+    and the concat are one kernel (kernels.fusion_input: the same values), then fc."""
+    if model.batch_invariant or not hidden.is_cuda:
+        return fuse(layer, model.embed_codes(j, codes), hidden)
+    from services.tower import kernels
+
+    fc_input = kernels.fusion_input(codes, model.codebook_embeddings.weight, j * model.codebook_vocab_size,
+                                    hidden, layer.pre_fc_norm_embedding.weight, layer.pre_fc_norm_hidden.weight,
+                                    layer.pre_fc_norm_hidden.eps)
+    return layer.fc(fc_input)
 
 
 # --------------------------------------------------------------------------------------------
