@@ -149,6 +149,8 @@ class TowerModel(nn.Module):
         for layer in self.layers():
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        if self.codebook_embeddings.weight.is_cuda:
+            torch.cuda.empty_cache()     # the replaced weights' blocks: not kept reserved (nvidia-smi)
 
     def layers(self) -> list["TowerLayer"]:
         return [*self.shared_layers, *self.residual_layers]
