@@ -279,15 +279,11 @@ if HAS_TRITON:
         bf16(silu(bf16 gate)·bf16 up), stored as BF16 hs [T, IS] (the shared down is BF16: no
         quantisation)."""
         pid_m, g = tl.program_id(0), tl.program_id(1)
-        cols = g * 128 + tl.arange(0, 128)
         if pid_m < pair_blocks:
             if g * 128 < I:
-                rows = pid_m * BM + tl.arange(0, BM)
-                act, ok = fp8_moe._split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
-                xq, a = fp8_moe._quant_tile(act)
-                tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
-                tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
+                fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT, BM)
         else:
+            cols = g * 128 + tl.arange(0, 128)
             rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
             act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
@@ -484,12 +480,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
         x = x.contiguous()
-    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
-    slots = active.numel()
-    xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
-    dev = x.device
-    kx = cfg.get("SHARED_KX", 2)      # the shared expert's gate/up: SPLIT·KX K ranges
-    if shared is not None:
+    if shared is not None:   # checked before any launch (expert_lists consumes route.num_active)
         sw_gate_up, sw_down = shared
         i_s = sw_down.shape[1]
         if (x.dtype != torch.bfloat16 or sw_gate_up.dtype != torch.bfloat16 or sw_down.dtype != torch.bfloat16
@@ -497,6 +488,12 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
             raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
                              f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
+    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
+    slots = active.numel()
+    xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
+    dev = x.device
+    kx = cfg.get("SHARED_KX", 2)      # the shared expert's gate/up: SPLIT·KX K ranges
+    if shared is not None:
         wss = torch.empty(split * kx, t, 2 * i_s, dtype=torch.float32, device=dev)
         hs = torch.empty(t, i_s, dtype=torch.bfloat16, device=dev)
         shared_out = torch.empty(t, h, dtype=torch.float32, device=dev)
