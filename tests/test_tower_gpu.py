@@ -23,7 +23,7 @@ import torch
 from services.common.config import DramaConfig
 from services.tower import kernels
 from services.tower.engine import StepEntry, TowerEngine
-from services.tower.model import RowBatch, attend_rowwise
+from services.tower.model import RowBatch, attend_rowwise, gate_output
 from services.tower.weights import random_tower
 from tests.test_tower_graphs import _params
 
@@ -101,7 +101,7 @@ def test_decode_attention_applies_the_gate_as_torch_does():
     slots, positions = torch.tensor([1, 0, 3, 2, 1], device="cuda"), torch.tensor([40, 299, 7, 0, 128], device="cuda")
     plain = kernels.decode_attention(q, k_cache, v_cache, slots, positions)
     gated = kernels.decode_attention(q, k_cache, v_cache, slots, positions, gate=gate)
-    assert torch.equal(gated, kernels.gate_output(plain, gate))
+    assert torch.equal(gated, gate_output(plain, gate))
     with pytest.raises(ValueError, match="gate"):
         kernels.decode_attention(q, k_cache, v_cache, slots, positions, gate=gate[:, :8])
 

@@ -88,10 +88,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
 
     q [T, H, d] (any strides with a unit last stride); caches [S, K, L, d] with the row's key and
     value already written at its position. Without Triton/CUDA: the SDPA-free torch reference.
-    gate [T, H, d] (unit last stride): return gate_output(o, gate), the §4.4 output gate, applied
+    gate [T, H, d] (unit last stride): return model.gate_output(o, gate), the §4.4 output gate, applied
     in the merge's launch with the same bits as torch's (three launches fewer per layer).
     """
     if not use_triton(q, k_cache, v_cache):
+        from services.tower.model import gate_output
+
         o = reference_decode_attention(q, k_cache, v_cache, slots, positions)
         return o if gate is None else gate_output(o, gate)
     t, num_heads, head_dim = q.shape
@@ -119,11 +121,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         gate.stride(1) if has_gate else 0, head_dim, splits, G=group, BG=block_g, BD=block_d,
         BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4)
     return out
-
-
-def gate_output(o: Tensor, gate: Tensor) -> Tensor:
-    """§4.4's output gate as the layer computes it in torch: o ⊙ bf16(σ(F32 gate)), in o's dtype."""
-    return o * torch.sigmoid(gate.float()).to(o.dtype)
 
 
 def reference_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,

@@ -315,7 +315,8 @@ class GatedAttention(nn.Module):
         q = norm_rope(q, self.q_norm, cos, sin)
 
         # Write first, then attend: rows of one segment then see each other causally.
-        if not self.batch_invariant and x.is_cuda:   # GPU path: k's norm, RoPE and both writes in one kernel
+        gpu_path = not self.batch_invariant and x.is_cuda
+        if gpu_path:                     # k's norm, RoPE and both writes in one kernel
             from services.tower import kernels
 
             kernels.norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
@@ -323,15 +324,12 @@ class GatedAttention(nn.Module):
         else:
             self.k_cache[rows.slots, :, rows.positions] = norm_rope(k, self.k_norm, cos, sin)
             self.v_cache[rows.slots, :, rows.positions] = v
-        if not self.batch_invariant and x.is_cuda and rows.all_decode:
-            from services.tower import kernels     # decode rows: the output gate in the merge's launch
-
+        if gpu_path and rows.all_decode:  # decode rows: the output gate in the merge's launch
             o = kernels.decode_attention(q, self.k_cache, self.v_cache, rows.decode_slots,
                                          rows.decode_positions, gate=gate)
         else:
             attend = attend_rowwise if self.batch_invariant else attend_segments
-            o = attend(q, self.k_cache, self.v_cache, rows)                 # [T, H, d]
-            o = o * torch.sigmoid(gate.float()).to(o.dtype)
+            o = gate_output(attend(q, self.k_cache, self.v_cache, rows), gate)   # [T, H, d]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), residual)
 
 
@@ -416,6 +414,12 @@ def _fuse_rows(*linears: nn.Linear) -> Tensor:
 # --------------------------------------------------------------------------------------------
 # math
 # --------------------------------------------------------------------------------------------
+
+def gate_output(o: Tensor, gate: Tensor) -> Tensor:
+    """§4.4's output gate: o ⊙ bf16(σ(F32 gate)), in o's dtype (kernels.decode_attention(gate=)
+    gives these bits in its merge launch)."""
+    return o * torch.sigmoid(gate.float()).to(o.dtype)
+
 
 def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * (mean(x^2) + eps)^(-1/2) * (1 + weight), over the last dim, in float32."""

@@ -323,15 +323,20 @@ if HAS_TRITON:
         return tl.where(ok, act, 0.0), ok
 
     @triton.jit
-    def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
-        """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
-        pid_m, g = tl.program_id(0), tl.program_id(1)
+    def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT: tl.constexpr,
+                                 BM: tl.constexpr):
+        """Rows pid_m·BM.. and 128-group g: _split_swiglu, then §4.7-quantise h into hq, ha."""
         rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
         act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
         xq, a = _quant_tile(act)
         tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
         tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
+
+    @triton.jit
+    def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
+        """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
+        _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, tl.program_id(0), tl.program_id(1), SPLIT, BM)
 
     @triton.jit
     def _moe_down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, block_expert_ptr, block_rows_ptr,
