@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-decode", type=int, nargs="+", metavar="BATCH",
                         help="print the top kernels of a decode step at each of these batch sizes (graph replay "
                              "with --decode-graphs): where the step's device time goes, kernel by kernel")
+    parser.add_argument("--profile-rows", type=int, default=30, metavar="N",
+                        help="rows of each profiler table (the top N kernels or ops)")
     parser.add_argument("--prefill-sessions", type=int, nargs="+", default=[1], metavar="P",
                         help="time each prefill length also with P sessions' prompts in one step (one "
                              "packed prefill-graph replay when they fit one: what a lane step does)")
@@ -288,7 +290,7 @@ def main(argv=None) -> dict:
             print(f"{n:>12} {sessions:>8} {r['first_ms']:>10.1f} {r['ms']:>10.1f} {r['rows_per_s']:>10.1f} "
                   f"{_fmt(r['peak_gib']):>9}")
     if args.profile_prefill:
-        print(profile_prefill(engine, args.profile_prefill, gen, device))
+        print(profile_prefill(engine, args.profile_prefill, gen, device, rows=args.profile_rows))
     print(f"{'batch':>5} {'graphs':>6} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
     for batch in args.batch:
         for graphs in ((False, True) if model.decode_graphs else (False,)):   # eager, then graphed
@@ -299,7 +301,7 @@ def main(argv=None) -> dict:
             print(f"{batch:>5} {str(graphs):>6} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} "
                   f"{_fmt(r['peak_gib']):>9}")
     for batch in args.profile_decode or ():
-        print(profile_decode(engine, batch, args, gen, device))
+        print(profile_decode(engine, batch, args, gen, device, rows=args.profile_rows))
     if args.peer:
         del engine, model
         if device.type == "cuda":
