@@ -34,8 +34,9 @@ The kernel path (`Backbone.kernels`: CUDA, Triton, BF16) is the batched path on 
 of services/backbone/kernels/gdn.py: one fused [qkv | z | b | a] GEMM; a decode step (one row per
 session) runs the conv update and the in-place recurrence on the slot pool directly (conv state
 [S, c, K_c−1] BF16, state [S, H, K, V] F32); any other step packs all sessions' rows into one
-varlen conv (`varlen_causal_conv`) and one fla chunk call, with cu_seqlens eagerly, or one fla
-sequence per piece for the padded pieces of the prefill graphs (StepPlan.row_mask).
+GDN front (`kernels.gdn.prefill_front`: conv, silu, gates and the new conv states in two
+launches) and one fla chunk call, with cu_seqlens eagerly, or one fla sequence per piece for the
+padded pieces of the prefill graphs (StepPlan.row_mask).
 Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows (on
 decode steps with DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the
 conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
@@ -60,7 +61,7 @@ from services.common.config import TextConfig
 
 from .kernels import decode_gemm
 from .kernels import gdn as kgdn
-from .layers import Linear, RowBatch, Segment, StepPlan, Weight, fuse_linears, per_row, rms_norm
+from .layers import Linear, RowBatch, Segment, Weight, fuse_linears, per_row, rms_norm
 
 CHUNK = 64
 L2_EPS = 1e-6   # fixed in the kernel, whatever rms_norm_eps is (§4.2)
@@ -233,31 +234,6 @@ def naive_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_siz
             out[rows, h] = torch.exp(gamma)[:, None] * (Q @ state[h]) + ((Q @ K.T) * Gam) @ Vp
             state[h] = torch.exp(gamma[-1]) * state[h] + (torch.exp(gamma[-1] - gamma)[:, None] * K).T @ Vp
     return out, state
-
-
-def varlen_causal_conv(m: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, plan: StepPlan
-                       ) -> torch.Tensor:
-    """The §4.3 step-2 conv + silu for the rows of all segments of a step at once (kernel path).
-
-    m [R, c] pre-activation inputs (segments packed in order); weight [c, K_c]; conv_state
-    [S, c, K_c−1] slot pool, read for each segment's slot and replaced by its last K_c−1 inputs.
-    Rows are laid out in a packed buffer, per segment its K_c−1 state rows then its new rows, so
-    tap j of row r is packed row conv_base[r] + j. F32 math, taps summed in order (as
-    kernels.gdn.causal_conv1d). Returns [R, c] in m's dtype.
-    """
-    rows, channels = m.shape
-    taps = weight.shape[1]
-    segs = plan.seg_slots.shape[0]
-    packed = m.new_empty(rows + segs * (taps - 1), channels)
-    packed[plan.conv_state_rows] = conv_state[plan.seg_slots].transpose(1, 2).reshape(-1, channels).to(m.dtype)
-    packed[plan.conv_base + taps - 1] = m
-    w = weight.float()
-    out = packed[plan.conv_base].float() * w[:, 0]
-    for j in range(1, taps):
-        out = out + packed[plan.conv_base + j].float() * w[:, j]
-    tail = packed[plan.conv_tail_rows].view(segs, taps - 1, channels).transpose(1, 2)
-    conv_state[plan.seg_slots] = tail.to(conv_state.dtype)
-    return F.silu(out).to(m.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,23 +412,22 @@ class GatedDeltaNet(nn.Module):
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)
             o = kgdn.gdn_decode_inplace(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, slots=plan.seg_slots)
-        else:                 # all sessions' rows packed: one varlen conv, one varlen chunk call
-            mixed = varlen_causal_conv(proj[:, :channels], self.conv_weight, cache.conv, plan)
-            q, k, v = self._heads(mixed)
-            g, beta = kgdn.gdn_gates(a, b, self.A_log, self.dt_bias)
+        else:                 # all sessions' rows packed: the front in two launches, one fla call
+            # padded pieces (row_mask): a padding row's gates are zeroed, and decay exp(0) = 1 with
+            # β = 0 makes its update S ← (I − 0·kkᵀ)·S + 0·kvᵀ = S: the state leaves a piece as
+            # after its last real row
+            front = kgdn.prefill_front(proj, self.conv_weight, cache.conv, self.A_log, self.dt_bias,
+                                       plan.seg_slots, plan.seg_first, plan.seg_rows, plan.row_seg,
+                                       (hk, dk, hv, dv), row_mask=plan.row_mask)
             if plan.row_mask is None:       # segments packed along one sequence (fla's varlen)
-                o, state = kgdn.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None].to(v.dtype),
+                o, state = kgdn.chunk_gated_delta_rule(*(t[None] for t in front),
                                                        initial_state=cache.state[plan.seg_slots],
                                                        cu_seqlens=plan.cu_seqlens)
                 o = o[0]
             else:                           # padded pieces: one sequence per piece, fla's batch
-                # padding rows: decay exp(0) = 1 and β = 0 make the update S ← (I − 0·kkᵀ)·S +
-                # 0·kvᵀ = S, so the state leaves a piece as after its last row
-                g, beta = g * plan.row_mask[:, None], beta * plan.row_mask[:, None]
                 pieces = (plan.seg_slots.shape[0], rows // plan.seg_slots.shape[0])
-                o, state = kgdn.chunk_gated_delta_rule(
-                    *(t.unflatten(0, pieces) for t in (q, k, v, g, beta.to(v.dtype))),
-                    initial_state=cache.state[plan.seg_slots])
+                o, state = kgdn.chunk_gated_delta_rule(*(t.unflatten(0, pieces) for t in front),
+                                                       initial_state=cache.state[plan.seg_slots])
                 o = o.flatten(0, 1)
             cache.state[plan.seg_slots] = state
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place

@@ -156,10 +156,10 @@ class StepPlan:
     cu_seqlens: torch.Tensor | None
     decode: bool
     context: int
-    # non-decode steps only (the packed varlen conv, see gated_deltanet.varlen_causal_conv):
-    conv_base: torch.Tensor | None = None        # int64 [R]: packed row of each row's first conv tap
-    conv_state_rows: torch.Tensor | None = None  # int64 [N·(K_c−1)]: where each segment's conv state goes
-    conv_tail_rows: torch.Tensor | None = None   # int64 [N·(K_c−1)]: each segment's new conv state
+    # non-decode steps only (the GDN front of all rows at once, kernels/gdn.prefill_front):
+    seg_first: torch.Tensor | None = None        # int64 [N]: each segment's first row in the step
+    seg_rows: torch.Tensor | None = None         # int64 [N]: each segment's real rows (padded pieces: fewer than its rows)
+    row_seg: torch.Tensor | None = None          # int64 [R]: each row's segment
     # padded prefill pieces (Backbone._prefill_graphed): N pieces of one bucket each, R = N x
     # bucket, rows past a piece's length are padding. F32 [R], 1 on the pieces' rows, 0 on
     # padding rows. Set, the mixers take their row-wise kernels (attention per row over the pool,

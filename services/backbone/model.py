@@ -379,19 +379,17 @@ class Backbone(nn.Module):
         of each piece slot), built with device ops only (inside the capture, so each replay derives
         it from the index it finds). Piece j's row i is the slot's position start + i; padding rows
         (i >= rows) go to the spare slot at position i (clamped to the pool): their keys are
-        written there and their GDN gates zeroed (row_mask). The packed conv holds per piece its
-        K_c−1 state rows, then its `bucket` rows (see gated_deltanet.varlen_causal_conv)."""
+        written there and their GDN gates zeroed (row_mask). Each piece is a segment of `bucket`
+        rows in the GDN front (kernels/gdn.prefill_front), `rows` of them real."""
         slot, start, rows = index[0], index[1], index[2]
         dev = index.device
         i = torch.arange(bucket, dtype=torch.int64, device=dev)
         valid = i < rows[:, None]                                            # [P, bucket]
         row_slots = torch.where(valid, slot[:, None], caches.slots).flatten()
         positions = torch.where(valid, start[:, None] + i, i.clamp(max=caches.max_context - 1)).flatten()
-        taps = torch.arange(self.config.linear_conv_kernel_dim - 1, dtype=torch.int64, device=dev)
-        base = torch.arange(index.shape[1], dtype=torch.int64, device=dev)[:, None] * (bucket + taps.numel())
+        pieces = torch.arange(index.shape[1], dtype=torch.int64, device=dev)
         return StepPlan(row_slots, positions, slot, None, decode=False, context=caches.max_context,
-                        conv_base=(base + i).flatten(), conv_state_rows=(base + taps).flatten(),
-                        conv_tail_rows=(base + rows[:, None] + taps).flatten(),
+                        seg_first=pieces * bucket, seg_rows=rows, row_seg=pieces.repeat_interleave(bucket),
                         row_mask=valid.flatten().to(torch.float32), moe_config=moe_decode.piece_config(bucket))
 
     def _prefill_graph(self, bucket: int, slots: int, caches: BackboneCaches):
@@ -470,20 +468,14 @@ class Backbone(nn.Module):
                  torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]),
                  torch.tensor([s.slot for s in segments], dtype=torch.int64),
                  torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)]
-        if not decode:    # packed conv rows: per segment K_c−1 state rows, then its rows
-            taps = self.config.linear_conv_kernel_dim - 1
-            base, state_rows, tail_rows, packed = [], [], [], 0
-            for s in segments:
-                state_rows.append(torch.arange(packed, packed + taps))
-                base.append(torch.arange(packed, packed + s.count))
-                tail_rows.append(torch.arange(packed + s.count, packed + s.count + taps))
-                packed += s.count + taps
-            parts += [torch.cat(base), torch.cat(state_rows), torch.cat(tail_rows)]
+        if not decode:    # the GDN front's segment table (kernels/gdn.prefill_front)
+            parts += [parts[3][:-1], torch.tensor(counts, dtype=torch.int64),
+                      torch.arange(len(segments)).repeat_interleave(torch.tensor(counts))]
         sizes = [p.numel() for p in parts]
         tensors = torch.cat(parts).to(self.device).split(sizes)
         context = max(s.start + s.count for s in segments) if context is None else context
         return StepPlan(*tensors[:4], decode=decode, context=context, **dict(zip(
-            ("conv_base", "conv_state_rows", "conv_tail_rows"), tensors[4:])))
+            ("seg_first", "seg_rows", "row_seg"), tensors[4:])))
 
     def _decode_graphed(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         """A decode step replayed from the CUDA graph of its batch bucket (captured on first use,

@@ -24,10 +24,12 @@ row, reading strided views of the projection output and updating the state where
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, INTERPRET, use_triton
 
 L2_EPS = 1e-6
 
@@ -110,6 +112,107 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         x, weight, conv_state, out, slots if slots is not None else x, c, x.stride(0), out.stride(0),
         TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, num_warps=4)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# prefill front: the packed rows' conv, silu and gates in two launches
+# --------------------------------------------------------------------------------------------
+
+class PrefillFront(NamedTuple):
+    """What fla's chunk kernel takes, for R packed rows: q, k [R, Hk, K] and v [R, Hv, V]
+    (contiguous, so fla's input guard copies nothing), g [R, Hv] F32 and beta [R, Hv] in v's dtype."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+def _front_split(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int):
+    rows, key_dim = y.shape[0], hk * dk
+    return (y[:, :key_dim].reshape(rows, hk, dk).contiguous(),
+            y[:, key_dim:2 * key_dim].reshape(rows, hk, dk).contiguous(),
+            y[:, 2 * key_dim:].reshape(rows, hv, dv).contiguous())
+
+
+def prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows, row_seg,
+                            heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
+    """`prefill_front` with torch ops (any device): the taps gathered row by row, summed in order
+    in F32 with separate multiplies and adds (the CPU kernel path's arithmetic), silu, the gates."""
+    hk, dk, hv, dv = heads
+    rows, channels, taps = proj.shape[0], weight.shape[0], weight.shape[1]
+    m = proj[:, :channels]
+    idx = torch.arange(rows, device=proj.device)
+    local = idx - seg_first[row_seg]                       # each row's index in its segment
+    slot = seg_slots[row_seg][:, None]
+    chans = torch.arange(channels, device=proj.device)[None, :]
+    w = weight.float()
+    out = None
+    for j in range(taps):
+        back = taps - 1 - j                                # tap j reads the row `back` rows earlier
+        from_rows = m[(idx - back).clamp(min=0)]
+        from_state = conv_state[slot, chans, (local + j).clamp(max=taps - 2)[:, None]]
+        x = torch.where((local >= back)[:, None], from_rows, from_state.to(m.dtype)).float()
+        out = x * w[:, j] if out is None else out + x * w[:, j]
+    # each segment's new state: its last K_c−1 inputs (older ones from the old state when shorter)
+    t = torch.arange(taps - 1, device=proj.device)
+    last = seg_rows[:, None] - (taps - 1) + t              # [N, K_c−1] positions in the segment
+    from_rows = m[(seg_first[:, None] + last).clamp(min=0)]                       # [N, K_c−1, c]
+    from_state = conv_state[seg_slots[:, None], :, (seg_rows[:, None] + t).clamp(max=taps - 2)]
+    tail = torch.where((last >= 0)[..., None], from_rows, from_state.to(m.dtype))
+    conv_state[seg_slots] = tail.transpose(1, 2).to(conv_state.dtype)
+    q, k, v = _front_split(F.silu(out).to(m.dtype), hk, dk, hv, dv)
+    b = proj[:, channels + hv * dv:channels + hv * dv + hv]
+    a = proj[:, channels + hv * dv + hv:]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    if row_mask is not None:
+        g, beta = g * row_mask[:, None], beta * row_mask[:, None]
+    return PrefillFront(q, k, v, g, beta.to(v.dtype))
+
+
+def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows, row_seg,
+                  heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
+    """The GDN front of a non-decode step (§4.3 steps 2-3) for R rows of N segments packed in order.
+
+    proj [R, c + Hv·V + 2·Hv] (unit stride along columns) = [m | z | b | a], the fused
+    projection; weight [c, K_c]; conv_state [S, c, K_c−1] slot pool, read for each segment's
+    slot and replaced by its last K_c−1 inputs; seg_slots, seg_first, seg_rows int [N]: each
+    segment's slot, first row in R and real rows (a padded piece has more rows in R than real
+    ones; its padding rows are computed and ignored); row_seg int [R]: each row's segment;
+    heads = (Hk, K, Hv, V); row_mask F32 [R] (padded pieces): 0 zeroes a padding row's gates.
+
+    Row r's taps are the K_c−1 inputs before it in its segment, from the old state where the
+    segment has none yet: per row the same F32 sum in tap order as the decode step's
+    `causal_conv1d_update`, so a row's bits do not depend on the other rows of the step. Two
+    launches (conv + silu + gates, then the new states, which the first reads the old values of),
+    where the torch ops took about 30 per layer (the prefill profile's gathers and elementwise
+    kernels)."""
+    hk, dk, hv, dv = heads
+    if not (HAS_TRITON and (proj.is_cuda or INTERPRET)):    # the interpreter runs the kernels on the CPU (tests)
+        return prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows,
+                                       row_seg, heads, row_mask)
+    rows, channels, taps = proj.shape[0], weight.shape[0], weight.shape[1]
+    if proj.stride(1) != 1 or not conv_state.is_contiguous() or not weight.is_contiguous():
+        raise ValueError("prefill_front needs proj with unit column stride, a contiguous conv state and weight")
+    if channels != 2 * hk * dk + hv * dv or proj.shape[1] != channels + hv * dv + 2 * hv:
+        raise ValueError(f"proj [{rows}, {proj.shape[1]}] does not hold m [{channels}] | z | b | a for heads {heads}")
+    dev, dtype = proj.device, proj.dtype
+    q = torch.empty(rows, hk, dk, dtype=dtype, device=dev)
+    k = torch.empty(rows, hk, dk, dtype=dtype, device=dev)
+    v = torch.empty(rows, hv, dv, dtype=dtype, device=dev)
+    g = torch.empty(rows, hv, dtype=torch.float32, device=dev)
+    beta = torch.empty(rows, hv, dtype=dtype, device=dev)
+    block = 1024
+    b_col = channels + hv * dv
+    _prefill_conv_kernel[(rows, triton.cdiv(channels, block) + 1)](
+        proj, proj.stride(0), weight, conv_state, seg_slots, seg_first, row_seg, q, k, v,
+        proj[:, b_col:], proj[:, b_col + hv:], A_log, dt_bias, row_mask if row_mask is not None else g, g, beta,
+        channels, hk * dk, hv, TAPS=taps, BLOCK=block, BH=triton.next_power_of_2(hv),
+        HAS_MASK=row_mask is not None, num_warps=4)
+    _conv_tail_kernel[(seg_slots.shape[0], triton.cdiv(channels, block))](
+        proj, proj.stride(0), conv_state, seg_slots, seg_first, seg_rows, channels,
+        TAPS=taps, TP=triton.next_power_of_2(taps - 1), BLOCK=block, num_warps=4)
+    return PrefillFront(q, k, v, g, beta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,6 +388,69 @@ if HAS_TRITON:
         tl.store(s_base + TAPS - 2, x_new.to(state_ptr.dtype.element_ty), mask=ok)
         y = acc * tl.sigmoid(acc)
         tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _prefill_conv_kernel(x_ptr, stride_x, w_ptr, state_ptr, slot_ptr, first_ptr, seg_ptr, q_ptr, k_ptr, v_ptr,
+                             b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, mask_ptr, g_ptr, beta_ptr, C, KD, HV,
+                             TAPS: tl.constexpr, BLOCK: tl.constexpr, BH: tl.constexpr, HAS_MASK: tl.constexpr):
+        """Row r, channel block cb: silu(Σ_j x[r − (TAPS−1−j)]·w[:, j]) with the taps before the
+        segment's first row from its slot's conv state, into q | k | v. The block after the last
+        channel block: the row's gates (as _gdn_decode_kernel computes them)."""
+        r, cb = tl.program_id(0), tl.program_id(1)
+        if cb == tl.cdiv(C, BLOCK):
+            h = tl.arange(0, BH)
+            ok = h < HV
+            x = (tl.load(a_ptr + r * stride_x + h, mask=ok, other=0.0).to(tl.float32)
+                 + tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32))
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+            g = -tl.exp(tl.load(A_log_ptr + h, mask=ok, other=0.0).to(tl.float32)) * softplus
+            beta = tl.sigmoid(tl.load(b_ptr + r * stride_x + h, mask=ok, other=0.0).to(tl.float32))
+            if HAS_MASK:
+                keep = tl.load(mask_ptr + r)
+                g, beta = g * keep, beta * keep
+            tl.store(g_ptr + r * HV + h, g, mask=ok)
+            tl.store(beta_ptr + r * HV + h, beta.to(beta_ptr.dtype.element_ty), mask=ok)
+            return
+        seg = tl.load(seg_ptr + r)
+        local = r - tl.load(first_ptr + seg)
+        slot = tl.load(slot_ptr + seg).to(tl.int64)
+        ch = cb * BLOCK + tl.arange(0, BLOCK)
+        ok = ch < C
+        local = tl.zeros([BLOCK], dtype=tl.int64) + local      # as a vector: masks of one shape
+        s_base = state_ptr + (slot * C + ch) * (TAPS - 1)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            back = TAPS - 1 - j
+            in_rows = local >= back
+            xr = tl.load(x_ptr + (r - back).to(tl.int64) * stride_x + ch, mask=ok & in_rows, other=0.0)
+            xs = tl.load(s_base + local + j, mask=ok & ~in_rows, other=0.0)
+            x = tl.where(in_rows, xr.to(tl.float32), xs.to(tl.float32))
+            acc += x * tl.load(w_ptr + ch * TAPS + j, mask=ok, other=0.0).to(tl.float32)
+        y = (acc * tl.sigmoid(acc)).to(q_ptr.dtype.element_ty)
+        row = r.to(tl.int64)
+        tl.store(q_ptr + row * KD + ch, y, mask=ok & (ch < KD))
+        tl.store(k_ptr + row * KD + ch - KD, y, mask=ok & (ch >= KD) & (ch < 2 * KD))
+        tl.store(v_ptr + row * (C - 2 * KD) + ch - 2 * KD, y, mask=ok & (ch >= 2 * KD))
+
+    @triton.jit
+    def _conv_tail_kernel(x_ptr, stride_x, state_ptr, slot_ptr, first_ptr, rows_ptr, C,
+                          TAPS: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr):
+        """Segment s's new conv state: its last TAPS−1 inputs, older ones from its old state when
+        it has fewer rows (all loaded before any store: the old state is overwritten)."""
+        s, cb = tl.program_id(0), tl.program_id(1)
+        ch = cb * BLOCK + tl.arange(0, BLOCK)
+        t = tl.arange(0, TP)
+        slot = tl.load(slot_ptr + s).to(tl.int64)
+        first = tl.load(first_ptr + s)
+        n = tl.load(rows_ptr + s)
+        last = n - (TAPS - 1) + t                                      # position in the segment
+        ok = (ch[None, :] < C) & (t[:, None] < TAPS - 1)
+        in_rows = last[:, None] >= 0
+        xr = tl.load(x_ptr + (first + last).to(tl.int64)[:, None] * stride_x + ch[None, :], mask=ok & in_rows, other=0.0)
+        s_base = state_ptr + (slot * C + ch[None, :]) * (TAPS - 1)
+        xs = tl.load(s_base + (n + t)[:, None], mask=ok & ~in_rows, other=0.0)
+        new = tl.where(in_rows, xr.to(state_ptr.dtype.element_ty), xs)
+        tl.store(s_base + t[:, None], new, mask=ok)
 
     @triton.jit
     def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, slot_ptr, scale,
