@@ -14,7 +14,7 @@ dequantised on the fly, once per step for each expert the step routes to.
 The kernel path (Backbone.kernels) stacks gate|up at load (`w_gate_up` [E, 2I, H] FP8 +
 `s_gate_up`, kernels/fp8_moe.pack_gate_up; gate_proj/up_proj become views into it), routes with
 the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert kernels (decode
-block table for T·k <= 1024 pairs, grouped prefill above); a decode step instead routes with
+block table for T·k <= 1024 pairs, grouped prefill above); a decode step (and a padded prefill piece) instead routes with
 kernels/moe_decode.route_decode (its own F32 router GEMV, then one launch that routes and
 quantises u, and gives the shared expert's gate logit) and computes the BF16 shared expert in the
 routed experts' own launches (moe_decode_pairs(shared=)); elsewhere the shared expert's gate, up
@@ -222,17 +222,21 @@ class SparseMoE(nn.Module):
 
         `decode` (a step whose every segment is one row: a decode step, graphed or not; and
         padded prefill pieces, which must not sync with the host) takes kernels/moe_decode.py's
-        expert-major split-K kernels, every other (eager prefill) step fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
+        router and expert-major split-K kernels, every other (eager prefill) step cuBLAS's router
+        and fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
         so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
         config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
         `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
         i_s = self.shared_down.shape[1]
-        if self.fp8_kernels and dense_decode and use_triton(u, self.w_gate_up):
-            # a decode step: router GEMV, top-k, u's quantisation and the shared expert's gate logit
-            # in two launches (moe_decode.route_decode), then the routed experts and, with BF16
-            # weights, the shared expert in the same three launches (moe_decode_pairs(shared=))
+        if self.fp8_kernels and decode and use_triton(u, self.w_gate_up):
+            # a decode step or padded prefill pieces: router GEMV, top-k, u's quantisation and the
+            # shared expert's gate logit in two launches (moe_decode.route_decode), then the routed
+            # experts and, with BF16 weights, the shared expert in the same three launches
+            # (moe_decode_pairs(shared=)). For a 256-row piece that replaced 11 launches per layer
+            # (u's F32 copy, two 128-row F32 router GEMMs, top-k, the quantiser, a zeroed counter,
+            # the shared expert's two GEMMs, their split-K reduces and silu·up)
             fuse_shared = u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
