@@ -214,6 +214,15 @@ class SparseMoE(nn.Module):
         shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         return shared, fused[:, 2 * i_s]
 
+    def _router_logits(self, u: torch.Tensor, dense_decode: bool) -> torch.Tensor:
+        """F32 router logits [R, E] (§4.6) through the dense GEMM path."""
+        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        if decode_gemm.enabled(dense_decode, u):
+            # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
+            return linear(u, self.gate.weight)
+        u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
+        return linear(u32.copy_(u), self.gate.weight)
+
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
                         config: dict | None = None, dense_decode: bool = False,
                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -231,14 +240,18 @@ class SparseMoE(nn.Module):
         `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
         i_s = self.shared_down.shape[1]
         if self.fp8_kernels and decode and use_triton(u, self.w_gate_up):
-            # a decode step or padded prefill pieces: router GEMV, top-k, u's quantisation and the
-            # shared expert's gate logit in two launches (moe_decode.route_decode), then the routed
-            # experts and, with BF16 weights, the shared expert in the same three launches
-            # (moe_decode_pairs(shared=)). For a 256-row piece that replaced 11 launches per layer
-            # (u's F32 copy, two 128-row F32 router GEMMs, top-k, the quantiser, a zeroed counter,
-            # the shared expert's two GEMMs, their split-K reduces and silu·up)
+            # a decode step or padded prefill pieces: top-k, u's quantisation and the shared
+            # expert's gate logit in one launch (moe_decode.route_decode), then the routed experts
+            # and, with BF16 weights, the shared expert in the same launches
+            # (moe_decode_pairs(shared=)). A decode step computes its router logits in
+            # route_decode's own GEMV; a piece takes the cuBLAS logits an eager prefill takes
+            # (the GEMV does not scale to 256 rows: 44 µs per layer against 17, H200), so a prompt
+            # routes the same whichever prefill path it takes. For a 256-row piece this replaced
+            # 8 launches per layer (top-k, the quantiser, a zeroed counter, the shared expert's two
+            # GEMMs, their split-K reduces, silu·up).
             fuse_shared = u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
-            route = moe_decode.route_decode(u, self.gate.weight, self.top_k,
+            logits = None if dense_decode else self._router_logits(u, dense_decode)
+            route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
             if fuse_shared:
@@ -249,13 +262,7 @@ class SparseMoE(nn.Module):
             shared, gate_logit = self._shared_kernels(u, dense_decode)
             return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
         shared, gate_logit = self._shared_kernels(u, dense_decode)
-        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
-        if decode_gemm.enabled(dense_decode, u):
-            # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
-            logits = linear(u, self.gate.weight)
-        else:
-            u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
-            logits = linear(u32.copy_(u), self.gate.weight)              # router in F32 (§4.6)
+        logits = self._router_logits(u, dense_decode)
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
