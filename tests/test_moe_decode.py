@@ -20,6 +20,15 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON) a
                                 reason="needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 with Triton)")
 
 
+@pytest.fixture(autouse=True)
+def kernels_in_the_interpreter(monkeypatch):
+    """On the CPU route_decode and fp8_moe.router_topk take their torch references; under
+    TRITON_INTERPRET=1 make them launch their kernels (in the interpreter) so the tests check those."""
+    if INTERPRET and not torch.cuda.is_available():
+        monkeypatch.setattr(moe_decode, "use_triton", lambda *tensors: True)
+        monkeypatch.setattr(fp8_moe, "use_triton", lambda *tensors: True)
+
+
 def experts(e, i, h, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w_gate = (torch.randn(e, i, h, generator=gen) * 0.5).to(torch.float8_e4m3fn)
@@ -87,6 +96,16 @@ def test_rows_do_not_depend_on_the_batch():
         assert torch.equal(alone, together[r:r + 1])
 
 
+# route_decode as it was before the keyed top-k and the unrolled GEMV (the same bits)
+LOOP_LAYOUT = dict(moe_decode.ROUTER_LAYOUT, UNROLL=False)
+ARGMAX = dict(KEYED_TOPK=False)
+
+
+def bits(x):
+    """x as integers of its width: equal bits compare equal, NaN included."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
 def router_case(t, e, h, seed=2):
     gen = torch.Generator().manual_seed(seed)
     u = torch.randn(t, h, generator=gen).to(torch.bfloat16)
@@ -104,23 +123,85 @@ def test_route_decode_matches_reference(t, e, h, k):
     # renormalised weights up to one bf16 rounding
     assert torch.equal(got.ids, ref.ids)
     torch.testing.assert_close(got.weights.float(), ref.weights.float(), rtol=2 ** -7, atol=0)
-    # u's §4.7 quantisation is the reference's, bit for bit
+    # u's §4.7 quantisation is the reference's, bit for bit (xq on the GPU only: the interpreter's
+    # F32 -> e4m3 cast rounds some values just below a power of two down to the one below it)
     assert torch.equal(got.xa, ref.xa)
-    assert torch.equal(got.xq.view(torch.uint8), ref.xq.view(torch.uint8))
+    assert INTERPRET or torch.equal(got.xq.view(torch.uint8), ref.xq.view(torch.uint8))
     assert int(got.num_active) == 0
     # the caller's logits instead of the GEMV: the same routing
     given = moe_decode.route_decode(u, router, k, logits=(u.float() @ router.T).contiguous())
-    assert torch.equal(given.ids, ref.ids) and torch.equal(given.xq.view(torch.uint8), ref.xq.view(torch.uint8))
+    assert torch.equal(given.ids, ref.ids) and torch.equal(given.xq.view(torch.uint8), got.xq.view(torch.uint8))
 
 
-def test_route_decode_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("layout,route_config", [(None, None), (LOOP_LAYOUT, ARGMAX)], ids=["default", "today"])
+def test_route_decode_rows_do_not_depend_on_the_batch(layout, route_config):
     u, router = router_case(40, 64, 384)
-    together = moe_decode.route_decode(u, router, 8)
+    u[17, 5] = float("nan")                              # a NaN row routes like any other
+    together = moe_decode.route_decode(u, router, 8, layout=layout, route_config=route_config)
+    assert ((together.ids >= 0) & (together.ids < 64)).all()
     for r in (0, 17, 39):
-        alone = moe_decode.route_decode(u[r:r + 1], router, 8)
+        alone = moe_decode.route_decode(u[r:r + 1], router, 8, layout=layout, route_config=route_config)
         for a, b in zip(alone[:4], together[:4]):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               (b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)[r:r + 1])
+            assert torch.equal(bits(a), bits(b)[r:r + 1])
+
+
+def awkward_logits(e, seed=4):
+    """Rows that stress the top-k's order: random; exact ties (a coarse grid); every logit equal;
+    a NaN; +inf (softmax NaN everywhere); -inf for all but three (k > 3 then picks p = 0 by index);
+    a tie across the k-th place."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(e, generator=gen),
+            torch.randint(0, 4, (e,), generator=gen).float(),
+            torch.full((e,), 0.25),
+            torch.randn(e, generator=gen),
+            torch.randn(e, generator=gen),
+            torch.full((e,), -float("inf")),
+            torch.randn(e, generator=gen)]
+    rows[3][e // 3] = float("nan")
+    rows[4][e - 1] = float("inf")
+    rows[5][[1, e // 2, e - 2]] = torch.tensor([0.5, 2.0, 1.0])
+    rows[6][[3, 9, e - 1]] = 5.0                 # three equal leaders: with k = 2 the third is out
+    rows[6][[4, 7]] = 4.0
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("e,k", [(256, 8), (200, 8), (16, 2)])
+def test_topk_matches_reference_ids_exactly(e, k):
+    """fp8_moe._softmax_topk (one int64 max per pick) gives router_topk_reference's ids on every
+    row, ties (lower index first) and NaN rows included, through both kernels that use it; and on
+    every non-NaN row the same ids and weight bits as the two-reduction form it replaced."""
+    logits = awkward_logits(e).to(DEVICE)
+    finite = ~torch.isnan(torch.softmax(logits.float(), -1)).any(-1)
+    ref_ids, ref_w = fp8_moe.router_topk_reference(logits, k)
+    u = torch.zeros(logits.shape[0], 128, dtype=torch.bfloat16, device=DEVICE)
+    router = torch.zeros(e, 128, device=DEVICE)
+    keyed = moe_decode.route_decode(u, router, k, logits=logits.contiguous())
+    argmax = moe_decode.route_decode(u, router, k, logits=logits.contiguous(), route_config=ARGMAX)
+    prefill_ids, prefill_w = fp8_moe.router_topk(logits, k)
+    for ids, w in ((keyed.ids, keyed.weights), (prefill_ids, prefill_w)):
+        assert torch.equal(ids, ref_ids)
+        assert torch.isnan(w[~finite].float()).all()
+        # p from the kernel's own exp and division: one bf16 rounding of the reference's (the
+        # interpreter's bf16 cast truncates: two)
+        torch.testing.assert_close(w[finite].float(), ref_w[finite].float(), rtol=2 ** -7, atol=0)
+    assert torch.equal(keyed.ids[finite], argmax.ids[finite])
+    assert torch.equal(bits(keyed.weights[finite]), bits(argmax.weights[finite]))
+    assert torch.equal(bits(prefill_w[finite]), bits(keyed.weights[finite]))
+    # the two-reduction form's NaN rows match no expert (they take E-1 k times), but stay in range
+    assert ((argmax.ids >= 0) & (argmax.ids < e)).all()
+
+
+def test_route_decode_new_launches_equal_today():
+    """The unrolled GEMV and the keyed top-k change when loads are issued and how many reductions
+    a pick takes, not the arithmetic: every output bit for bit as the loop GEMV with the
+    two-reduction top-k (the same num_warps)."""
+    h, e, k, t = 384, 64, 8, 9
+    u, router = router_case(t, e, h)
+    _, _, gate = shared_expert(128, h)
+    new = moe_decode.route_decode(u, router, k, shared_gate=gate)
+    today = moe_decode.route_decode(u, router, k, shared_gate=gate, layout=LOOP_LAYOUT, route_config=ARGMAX)
+    for name, a, b in zip(new._fields, new, today):
+        assert torch.equal(bits(a), bits(b)), name
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter's standalone quantiser rounds some bf16 -> fp8 casts down")

@@ -373,13 +373,20 @@ if HAS_TRITON:
                  mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _softmax_topk(logit, offs, ok, E, K, KP: tl.constexpr, BE: tl.constexpr):
-        """One row's routing (§4.5): softmax over the E logits (F32; `ok` masks the padding of
-        BE), the k largest (lowest index on ties), renormalised -> (ids [KP] int32, weights [KP] F32)."""
+    def _softmax(logit, ok):
+        """One row's softmax over its E logits in F32 (`ok` masks the padding of BE, whose p is 0)."""
         logit = tl.where(ok, logit, -float("inf"))
         m = tl.max(logit, axis=0)
         e = tl.where(ok, tl.exp(logit - m), 0.0)
-        p = e / tl.sum(e, axis=0)
+        return e / tl.sum(e, axis=0)
+
+    @triton.jit
+    def _softmax_topk_argmax(logit, offs, ok, E, K, KP: tl.constexpr, BE: tl.constexpr):
+        """_softmax_topk as first written, two block reductions per pick (the largest p, then the
+        lowest index holding it). Kept as the plain form the keyed one must equal bit for bit
+        (moe_decode.route_decode(route_config=dict(KEYED_TOPK=False)), bench/router_decode.py).
+        A NaN row matches nothing and takes id E-1 k times."""
+        p = _softmax(logit, ok)
         slots = tl.arange(0, KP)
         ids = tl.zeros([KP], dtype=tl.int32)
         ws = tl.zeros([KP], dtype=tl.float32)
@@ -390,6 +397,37 @@ if HAS_TRITON:
             ids = tl.where(slots == j, idx, ids)
             ws = tl.where(slots == j, best, ws)
             p = tl.where(offs == idx, -1.0, p)
+        return ids, ws / tl.sum(ws, axis=0)
+
+    @triton.jit
+    def _softmax_topk(logit, offs, ok, E, K, KP: tl.constexpr, BE: tl.constexpr):
+        """One row's routing (§4.5): softmax over the E logits (F32; `ok` masks the padding of
+        BE), the k largest (lowest index on ties), renormalised -> (ids [KP] int32, weights [KP] F32).
+
+        One block reduction per pick, where _softmax_topk_argmax takes two: p >= 0, and the bits
+        of a non-negative float read as an int32 order as the floats do, so the int64 key
+        bits(p) << 32 | (BE-1-e) orders by p, then by the lower index e, and one max of it gives
+        the pick and its p (the same p bits, so the same ids and weights as the argmax form).
+        The key's low half always holds BE-1-e: a picked entry or the padding gets a negative
+        high half, below every live key, and still names its index (so a pick is in range even
+        for k > E). A NaN (or +inf) logit makes the whole row NaN: every p gets one NaN key above
+        +inf, and the row takes experts 0, 1, .., k-1 with NaN weights, as router_topk_reference's
+        stable sort puts NaN first. p = -0.0 does not arise (e >= +0); it would key as +0."""
+        p = _softmax(logit, ok)
+        low = (BE - 1 - offs).to(tl.int64)
+        bits = tl.where(p > 0.0, p.to(tl.int32, bitcast=True), 0)
+        bits = tl.where(p != p, 0x7FC00000, bits)                 # a quiet NaN's bits: above +inf
+        dead = low - (1 << 32)
+        key = tl.where(ok, (bits.to(tl.int64) << 32) | low, dead)
+        slots = tl.arange(0, KP)
+        ids = tl.zeros([KP], dtype=tl.int32)
+        ws = tl.zeros([KP], dtype=tl.float32)
+        for j in range(0, K):
+            best = tl.max(key, axis=0)
+            idx = BE - 1 - best.to(tl.int32)                      # the low half (truncation)
+            ids = tl.where(slots == j, idx, ids)
+            ws = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), ws)
+            key = tl.where(offs == idx, dead, key)
         return ids, ws / tl.sum(ws, axis=0)
 
     @triton.jit

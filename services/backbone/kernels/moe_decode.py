@@ -292,12 +292,31 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u, KR,
-                               RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    def _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, k0, H, stride_u,
+                     BK: tl.constexpr, DOT: tl.constexpr):
+        """One BK step of _router_partial_kernel at K offset k0: acc + u[rows, k0:k0+BK]·W[experts, ..]."""
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < H
+        u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT:
+            acc = tl.dot(u, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc += u[:, None, :] * w[None, :, :]
+        return acc
+
+    @triton.jit
+    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
+                               KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                               DOT: tl.constexpr, UNROLL: tl.constexpr):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
-        same instructions on the same values whichever program and tile it lands in."""
+        same instructions on the same values whichever program and tile it lands in.
+        UNROLL: the KR/BK steps written out (tl.static_range), so every step's loads can be in
+        flight at once; the loop form may wait for each step's load in turn. The same products
+        and sums in the same order either way."""
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rg * RB + tl.arange(0, RB)
         r_ok = rows < M
@@ -306,16 +325,12 @@ if HAS_TRITON:
         # DOT: an IEEE F32 tl.dot (an FMA chain over k); else products accumulated lane by lane
         # over the K steps and summed across the BK lanes once
         acc = tl.zeros([RB, BE], dtype=tl.float32) if DOT else tl.zeros([RB, BE, BK], dtype=tl.float32)
-        for k0 in range(s * KR, s * KR + KR, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_ok = ks < H
-            u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT:
-                acc = tl.dot(u, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc += u[:, None, :] * w[None, :, :]
+        if UNROLL:
+            for i in tl.static_range(0, KR, BK):
+                acc = _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, s * KR + i, H, stride_u, BK, DOT)
+        else:
+            for k0 in range(s * KR, s * KR + KR, BK):
+                acc = _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, k0, H, stride_u, BK, DOT)
         logits = acc if DOT else tl.sum(acc, axis=2)
         tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], logits,
                  mask=r_ok[:, None] & e_ok[None, :])
@@ -323,9 +338,10 @@ if HAS_TRITON:
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
                             stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            GP: tl.constexpr, GATE: tl.constexpr):
+                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
-        themselves) added in order 0, 1, ..; fp8_moe._softmax_topk -> ids, bf16 weights; its §4.7
+        themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
+        form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
         quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
         GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
         bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
@@ -338,7 +354,10 @@ if HAS_TRITON:
         logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, S):
             logit += tl.load(ws_ptr + (s * M + t) * stride_ws + offs, mask=ok, other=0.0)
-        ids, ws = fp8_moe._softmax_topk(logit, offs, ok, E, K, KP, BE)
+        if KEYED_TOPK:
+            ids, ws = fp8_moe._softmax_topk(logit, offs, ok, E, K, KP, BE)
+        else:
+            ids, ws = fp8_moe._softmax_topk_argmax(logit, offs, ok, E, K, KP, BE)
         slots = tl.arange(0, KP)
         tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
         tl.store(w_ptr + t * K + slots, ws.to(tl.bfloat16), mask=slots < K)
@@ -355,9 +374,20 @@ if HAS_TRITON:
             tl.store(gl_ptr + t, gate.to(tl.bfloat16))
 
 
-# The decode router's GEMV layout: RB rows x BE experts per program over one of ROUTER_SPLIT K
-# ranges (BK per step). One layout for every row count (issue #8).
-ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16)
+# The decode router's GEMV layout: RB rows x BE experts per program over one of SPLIT K ranges
+# (BK per step; UNROLL: the steps written out, see _router_partial_kernel). One layout for every
+# row count (issue #8). UNROLL changes when loads are issued, not the arithmetic: the same logits
+# bits as the loop form (bench/router_decode.py checks them against it on the GPU).
+ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
+
+# The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
+# per pick (fp8_moe._softmax_topk) instead of two (_softmax_topk_argmax); the same ids and weights
+# bit for bit on every row that is not NaN. num_warps: fewer warps make each block reduction warp
+# shuffles without shared memory and barriers, but may sum the softmax's denominator, the
+# renormalisation and the shared gate's dot in another order (the last bit of weights and gate
+# logit; ids only where two experts' p are within a rounding). One value for every row count
+# (issue #8); bench/router_decode.py --route-warps 4 2 1 times them and prints which bits differ.
+ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
 
 
 class DecodeRoute(NamedTuple):
@@ -381,7 +411,8 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
 
 
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
-                 layout: dict | None = None, shared_gate: torch.Tensor | None = None) -> DecodeRoute:
+                 layout: dict | None = None, shared_gate: torch.Tensor | None = None,
+                 route_config: dict | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -391,7 +422,8 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
     routing: decode rows and prefill rows take different router kernels, each batch-invariant.
     `logits` (F32 [T, E], unit stride along E): computed by the caller; then one launch.
-    `layout`: the GEMV's, ROUTER_LAYOUT unless given (bench/router_decode.py compares them).
+    `layout`: the GEMV's, ROUTER_LAYOUT unless given; `route_config`: the routing launch's, keys
+    given override ROUTE_CONFIG's (bench/router_decode.py compares them).
     `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
     routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...)."""
     if not use_triton(u, router_weight):
@@ -401,14 +433,16 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     if router_weight.dtype != torch.float32 or router_weight.stride(1) != 1 or u.stride(1) != 1:
         raise ValueError("route_decode needs an F32 router [E, H] and u with unit stride along H")
     dev = u.device
+    route = {**ROUTE_CONFIG, **(route_config or {})}
     if logits is None:
         lay = layout or ROUTER_LAYOUT
         k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
         split = triton.cdiv(h, k_range)
         partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
-            u, router_weight, partials, t, h, e, u.stride(0), k_range,
-            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), num_warps=lay.get("num_warps", 4))
+            u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
+            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
+            num_warps=lay.get("num_warps", 4))
     else:
         if logits.shape != (t, e) or logits.stride(1) != 1 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be F32 [{t}, {e}] with unit stride along E")
@@ -428,7 +462,8 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
                               partials.stride(-2), shared_gate if gate is not None else u,
                               gate if gate is not None else weights,
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
-                              GP=triton.next_power_of_2(groups), GATE=gate is not None, num_warps=4)
+                              GP=triton.next_power_of_2(groups), GATE=gate is not None,
+                              KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"])
     return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
