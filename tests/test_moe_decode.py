@@ -287,3 +287,66 @@ def test_shared_expert_arguments_are_checked():
     with pytest.raises(ValueError, match="shared expert"):
         moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
                                     shared=(gate_up[:, :128], down))
+
+
+def same_bits(a, b):
+    """Bit for bit, NaNs included (an unwritten workspace can hold any bits)."""
+    if a is None or b is None:
+        return a is None and b is None
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def expected_tickets(ids, e, i, i_s, t, cfg):
+    """The fused reduce's ticket count per unit, counted from the grid: an expert slot's unit
+    (slot < number of distinct experts, 128-group g inside I) gets a ticket from each of its
+    column stripes inside I in each K range; a shared row tile's, the same over I_s and SPLIT·KX."""
+    bn, split, kx = cfg["BN_GU"], cfg["SPLIT"], cfg.get("SHARED_KX", 2)
+    slots = min(e, ids.numel())
+    tiles = -(-t // cfg["BM"]) if i_s else 0
+    groups = -(-max(i, i_s) // 128)
+    want = torch.zeros(slots + tiles, groups, dtype=torch.int32)
+    active = len(set(ids.flatten().tolist()))
+    for g in range(groups):
+        if g * 128 < i:
+            want[:active, g] = split * -(-min(128, i - g * 128) // bn)
+        if g * 128 < i_s:
+            want[slots:, g] = split * kx * -(-min(128, i_s - g * 128) // bn)
+    return want
+
+
+@pytest.mark.parametrize("h,i,i_s,config", [
+    (256, 160, 0, "decode"), (256, 128, 256, "decode"), (384, 160, 96, "large_piece")])
+def test_fused_reduce_equals_unfused(h, i, i_s, config):
+    """FUSED_REDUCE (the split reduce inside the gate/up launch) against its own launch: hq, ha,
+    hs, the pairs and the shared output bit for bit, for 1, 3 and 40 rows; every unit took exactly
+    its tickets; and a row alone has the bits it has inside the 40-row batch.
+    (I = 160: a partial last 128-group; I_s > I and I_s < I: column stripes that return early.)"""
+    e, k, t = 8, 4, 40           # 20 pairs per expert on average at 40 rows: more than one BM block
+    base = moe_decode.DECODE_CONFIG if config == "decode" else moe_decode.LARGE_PIECE_CONFIG
+    fused, unfused = dict(base, FUSED_REDUCE=True), dict(base, FUSED_REDUCE=False)
+    weights = experts(e, i, h)
+    u, router = router_case(t, e, h)
+    gate_up, down, _ = shared_expert(i_s, h) if i_s else (None, None, None)
+
+    def run(rows, cfg):
+        route = moe_decode.route_decode(rows, router, k)
+        return route.ids, moe_decode.moe_decode_parts(rows, route.ids, route.weights, *weights, config=cfg,
+                                                      route=route, shared=(gate_up, down) if i_s else None)
+
+    batch = None
+    for lo, hi in ((0, 1), (5, 8), (0, t)):
+        ids, got = run(u[lo:hi], fused)
+        _, ref = run(u[lo:hi], unfused)
+        assert ref.tickets is None
+        for name in ("hq", "ha", "hs", "pairs", "shared_out"):
+            assert same_bits(getattr(got, name), getattr(ref, name)), (name, hi - lo)
+        assert torch.equal(got.tickets.cpu(), expected_tickets(ids.cpu(), e, i, i_s, hi - lo, fused))
+        if hi - lo == t:
+            batch = got
+    for lo, hi in ((0, 1), (5, 8), (39, 40)):
+        _, alone = run(u[lo:hi], fused)
+        assert same_bits(alone.pairs, batch.pairs[lo:hi])
+        assert same_bits(alone.hq, batch.hq[lo * k:hi * k]) and same_bits(alone.ha, batch.ha[lo * k:hi * k])
+        if i_s:
+            assert same_bits(alone.shared_out, batch.shared_out[lo:hi]) and same_bits(alone.hs, batch.hs[lo:hi])
