@@ -7,10 +7,6 @@ moe_decode's expert-major split-K path, config by config, one table (issue #7 / 
     python3 bench/moe_decode.py --shared --rows 1 8 32 128     a decode step's whole MoE front and
                                                        experts: the shared expert as two GEMMs beside
                                                        the routed launches, against inside them
-                                                       (with the fused split reduce and without)
-
-Every mode also times moe_decode's split reduce fused into the gate/up launch (FUSED_REDUCE, the
-default) against its own launch ("unfused"), and checks that both give the same bits.
 
 Each layer has its own random FP8 experts (32 GB for 40 layers, so L2 holds nothing between
 layers) and its own random router logits; the 40 `moe_*_pairs` calls are captured as one CUDA graph
@@ -86,12 +82,10 @@ def main(argv=None) -> dict:
         return shared_main(args, layers)
     variants = [("fp8_moe decode", dict(fp8_moe.DECODE_CONFIG), fp8_moe.moe_fp8_pairs),
                 ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs),
-                ("moe_decode unfused", dict(moe_decode.DECODE_CONFIG, FUSED_REDUCE=False), moe_decode.moe_decode_pairs),
                 ("moe_decode fp8 dot", dict(moe_decode.DECODE_CONFIG, FP8_DOT=True), moe_decode.moe_decode_pairs)]
     if args.prefill:
-        for name, piece in (("small piece", moe_decode.SMALL_PIECE_CONFIG), ("large piece", moe_decode.LARGE_PIECE_CONFIG)):
-            variants += [(name, dict(piece), moe_decode.moe_decode_pairs),
-                         (name + " unfused", dict(piece, FUSED_REDUCE=False), moe_decode.moe_decode_pairs)]
+        if hasattr(moe_decode, "PREFILL_CONFIG"):
+            variants.append(("moe_decode prefill", dict(moe_decode.PREFILL_CONFIG), moe_decode.moe_decode_pairs))
         for bm, split, bn1, bn2, warps, stages in [
                 (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (32, 1, 64, 64, 4, 3), (64, 1, 64, 64, 4, 3),
                 (64, 1, 128, 128, 8, 3), (64, 2, 64, 64, 4, 3)]:
@@ -168,15 +162,6 @@ def main(argv=None) -> dict:
         results["same_bits_across_tiles"][f"SPLIT={split},FP8_DOT={fp8}"] = same
         print(f"SPLIT={split} FP8_DOT={fp8}: {len(outs)} tile configs give the same bits at {big} rows: {same}")
 
-    # the fused split reduce against its own launch, default config, the big batch: the same bits?
-    configs = [moe_decode.DECODE_CONFIG] + ([moe_decode.SMALL_PIECE_CONFIG, moe_decode.LARGE_PIECE_CONFIG]
-                                            if args.prefill else [])
-    same = all(torch.equal(moe_decode.moe_decode_pairs(xb, idsb, wb, *layers[0], config=dict(c, FUSED_REDUCE=True)),
-                           moe_decode.moe_decode_pairs(xb, idsb, wb, *layers[0], config=dict(c, FUSED_REDUCE=False)))
-               for c in configs)
-    results["fused_reduce_same_bits"] = same
-    print(f"fused reduce == its own launch at {big} rows ({len(configs)} configs): {same}")
-
     # batch invariance of moe_decode at its default config: each row alone == inside the big batch
     inside = moe_decode.moe_decode_pairs(xb, idsb, wb, *layers[0])
     same = all(torch.equal(moe_decode.moe_decode_pairs(xb[r:r + 1], idsb[r:r + 1], wb[r:r + 1], *layers[0]),
@@ -214,36 +199,29 @@ def shared_main(args, layers) -> dict:
         out = linear_rows(dg.silu_mul(fused[:, :I], fused[:, I:2 * I]), down)
         return dg.moe_combine(pairs, x, out, fused[:, 2 * I])
 
-    def layer_fused(x, weights, sh, config=None):
+    def layer_fused(x, weights, sh):
         gate_up, down, router = sh
         route = moe_decode.route_decode(x, router, K, shared_gate=gate_up[2 * I])
         pairs, out = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route,
-                                                 shared=(gate_up[:2 * I], down), config=config)
+                                                 shared=(gate_up[:2 * I], down))
         return dg.moe_combine(pairs, x, out, route.shared_gate_logit)
 
-    def layer_unfused(x, weights, sh):     # the split reduce in a launch of its own
-        return layer_fused(x, weights, sh, dict(moe_decode.DECODE_CONFIG, FUSED_REDUCE=False))
-
     results = {"rows": {}}
-    print(f"{'T':>4} {'shared expert':<32} {'ms/40 layers':>12} {'us/layer':>9}")
+    print(f"{'T':>4} {'shared expert':<28} {'ms/40 layers':>12} {'us/layer':>9}")
     for t in args.rows:
         x = torch.randn(t, H, device="cuda").bfloat16()
-        for name, layer in (("two GEMMs + silu_mul", layer_gemms), ("in the routed launches", layer_fused),
-                            ("in the routed, unfused reduce", layer_unfused)):
+        for name, layer in (("two GEMMs + silu_mul", layer_gemms), ("in the routed launches", layer_fused)):
             def run(layer=layer):
                 for weights, sh in zip(layers, shared):
                     layer(x, weights, sh)
             ms = do_bench(dg.GraphedStep(run).replay)
             results["rows"].setdefault(t, {})[name] = ms
-            print(f"{t:>4} {name:<32} {ms:>12.3f} {ms * 1e3 / len(layers):>9.2f}", flush=True)
+            print(f"{t:>4} {name:<28} {ms:>12.3f} {ms * 1e3 / len(layers):>9.2f}", flush=True)
     big = max(args.rows)
     xb = torch.randn(big, H, device="cuda").bfloat16()
     inside = layer_fused(xb, layers[0], shared[0])
     same = all(torch.equal(layer_fused(xb[r:r + 1], layers[0], shared[0]), inside[r:r + 1])
                for r in range(0, big, max(1, big // 16)))
-    fused_same = torch.equal(inside, layer_unfused(xb, layers[0], shared[0]))
-    results["fused_reduce_same_bits"] = fused_same
-    print(f"fused reduce == its own launch at {big} rows (shared expert included): {fused_same}")
     gate_up, down, _ = shared[0]
     got = moe_decode.moe_decode_pairs(xb, *fp8_route(xb, shared[0][2]), *layers[0], shared=(gate_up[:2 * I], down))[1]
     ref = moe_decode.shared_expert_reference(xb, gate_up[:2 * I], down)

@@ -306,33 +306,29 @@ if HAS_TRITON:
             tl.store(ws + I, acc_u, mask=out_mask)
 
     @triton.jit
-    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr,
-                      CACHE: tl.constexpr):
+    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr):
         """(h, ok) for the tile rows x cols: the split-K partials ws [SPLIT, n_rows, 2I] (gate
         columns, then up) summed in split order, h = bf16(silu(bf16 gate)·bf16 up) as F32 values,
-        0 outside the tile's valid part (rows n_rows and up are padding). CACHE: the partials'
-        load cache modifier ("": default; ".cg": from L2, for partials other programs of the same
-        launch wrote, moe_decode's fused reduce)."""
+        0 outside the tile's valid part."""
         ok = (rows[:, None] < n_rows) & (cols[None, :] < I)
         base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
         gate = tl.zeros([BM, 128], dtype=tl.float32)
         up = tl.zeros([BM, 128], dtype=tl.float32)
         for j in tl.static_range(SPLIT):
-            gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0, cache_modifier=CACHE)
-            up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0, cache_modifier=CACHE)
+            gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
+            up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
         gate = gate.to(tl.bfloat16).to(tl.float32)
         up = up.to(tl.bfloat16).to(tl.float32)
         act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
         return tl.where(ok, act, 0.0), ok
 
     @triton.jit
-    def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, rows, g, SPLIT: tl.constexpr,
-                                 BM: tl.constexpr, CACHE: tl.constexpr):
-        """The BM pairs `rows` (any order; n_pairs or more: padding) and 128-group g:
-        _split_swiglu, then §4.7-quantise h into hq, ha. Every row's bits are its own: amax and
-        the quantisation are per row, so which rows share a tile does not matter."""
+    def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT: tl.constexpr,
+                                 BM: tl.constexpr):
+        """Rows pid_m·BM.. and 128-group g: _split_swiglu, then §4.7-quantise h into hq, ha."""
+        rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
-        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM, CACHE)
+        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
         xq, a = _quant_tile(act)
         tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
         tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
@@ -340,8 +336,7 @@ if HAS_TRITON:
     @triton.jit
     def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
         """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, rows, tl.program_id(1), SPLIT, BM, "")
+        _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, tl.program_id(0), tl.program_id(1), SPLIT, BM)
 
     @triton.jit
     def _moe_down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, block_expert_ptr, block_rows_ptr,

@@ -18,22 +18,16 @@ is laid out, because the decode step is bound by how many weight bytes are in fl
    at once; fp8_moe's K loop of 16 dependent steps per program left the decode step latency-bound
    (25 µs per layer for 16.8 MB of gate/up weights).
 3. The K split is a fixed constant (4), not chosen by batch size, and partial sums are reduced in
-   split order by fp8_moe's split-reduce helpers (which also §4.7-quantise h for the down GEMM):
-   a pair's bits depend on its own row only, whatever the step's batch (issue #8; a config that
-   changed with T would be a different summation order). The reduce runs inside the gate/up
-   launch (FUSED_REDUCE): the last program to finish its partials for an expert's 128-column
-   group, known by an atomic ticket, reduces that group for all the expert's pairs (see
-   `_last_ticket` for why it sees every partial). That saves the reduce's launch and its gap
-   (~4.2 us per layer at 1 row on the H200, 9.6 at 128); `fp8_moe._split_reduce_quant_kernel`
-   and `_split_reduce_shared_kernel`, the reduce in a launch of its own, stay as the reference
-   (FUSED_REDUCE=False), bit for bit the same (tests/test_moe_decode.py).
+   split order by `fp8_moe._split_reduce_quant_kernel` (which also §4.7-quantises h for the down
+   GEMM): a pair's bits depend on its own row only, whatever the step's batch (issue #8; a
+   config that changed with T would be a different summation order).
 
 The active-slot order from the atomic add varies from run to run; nothing depends on it: a
 program's results depend on which expert it holds, not on its slot.
 
 The shared expert (BF16, MODEL.md §4.5) can ride along (`moe_decode_pairs(shared=)`): more slots
-in the gate/up and down grids, one 16-row tile each, and more units (row tiles) in the split
-reduce, so a decode step spends no launch of its own on it (three before: bench/moe_decode.py --shared, H200
+in the gate/up and down grids, one 16-row tile each, and more row blocks in the split reduce, so a
+decode step spends no launch of its own on it (three before: bench/moe_decode.py --shared, H200
 2026-11-30, us per layer with routing and combine: T = 1: 46.4 -> 36.5; 128: 299.5 -> 302.7).
 
 In front of these, `route_decode` takes a decode step from u to the experts' inputs in two
@@ -74,10 +68,7 @@ if HAS_TRITON:
 # The products of two FP8 values are exact in F32 either way; the MMA sums each 128-wide K block
 # before the F32 block scales apply (the §4.7 recipe), within 1e-3 of naive_moe_fp8 (tests).
 # SHARED_KX: the shared expert's gate/up (moe_decode_pairs(shared=)) in SPLIT·SHARED_KX K ranges.
-# FUSED_REDUCE: the split reduce inside the gate/up launch (module docstring, item 3); False: its
-# own launch, the reference (the same bits: tests/test_moe_decode.py; bench/moe_decode.py times both).
-DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
-                     FUSED_REDUCE=True)
+DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -88,10 +79,8 @@ DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stag
 # BM 64 is not used: with FP8 operands it runs on Hopper's warpgroup MMA, whose FP8 accumulation
 # is not exact F32 (tests/test_moe_decode.py on the H200: 1e-2 of the largest output against 1e-7
 # for BM 16 and 32, which take the exact per-warp MMA).
-SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
-                          FUSED_REDUCE=True)
-LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
-                          FUSED_REDUCE=True)
+SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
+LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
 
 
@@ -104,15 +93,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_lists_kernel(ids_ptr, counts_ptr, lists_ptr, active_ptr, num_active_ptr, n, T,
-                             tickets_ptr, n_tickets, NP: tl.constexpr):
+                             NP: tl.constexpr):
         """Program e: pair indices p (ascending) with ids[p] == e -> lists[e, :count], counts[e];
-        a non-empty expert appends itself to `active` (num_active must be 0 before the launch).
-        The programs also zero the n_tickets int32 counters at `tickets` (the fused reduce's,
-        _gate_up_kernel(FUSED=True), whose launch comes next), 16 at a time in turn."""
+        a non-empty expert appends itself to `active` (num_active must be 0 before the launch)."""
         e = tl.program_id(0)
-        for c0 in range(e * 16, n_tickets, tl.num_programs(0) * 16):
-            c = c0 + tl.arange(0, 16)
-            tl.store(tickets_ptr + c, tl.zeros([16], dtype=tl.int32), mask=c < n_tickets)
         p = tl.arange(0, NP)
         ids = tl.load(ids_ptr + p, mask=p < n, other=-1)
         hit = ids == e
@@ -122,44 +106,6 @@ if HAS_TRITON:
         tl.store(counts_ptr + e, count)
         slot = tl.atomic_add(num_active_ptr, 1, mask=count > 0)
         tl.store(active_ptr + slot, e, mask=count > 0)
-
-    # The fused reduce (_gate_up_kernel(FUSED=True)): a unit is the set of programs whose partials
-    # one 128-column group of h needs (an expert slot's or a shared row tile's: SPLIT K ranges
-    # (·KX for the shared expert) x the 128/BN column stripes of the group, those inside I). Each
-    # program of a unit stores its partials, then takes a ticket; the one that takes the last
-    # ticket sums the unit's partials and quantises h, exactly as the split-reduce kernels do.
-    # Why the last one sees every partial:
-    # - debug_barrier first: Triton performs a scalar atomic in one thread, so the barrier orders
-    #   the other threads' partial stores before that thread's atomic;
-    # - the atomic is acq_rel at GPU scope: its release publishes those stores (the barrier makes
-    #   them the thread's to publish), and the acquire of the last ticket sees every earlier
-    #   ticket's release, hence every partial of the unit; Triton broadcasts the ticket to the
-    #   program's threads through shared memory behind a barrier, so every thread's loads come
-    #   after the acquire;
-    # - the partials are then loaded with ".cg" (L2, the GPU's point of coherence, never a stale L1
-    #   line; the acquire alone should already guarantee this, the modifier costs nothing here).
-    # The counters are zeroed per call by the expert_lists launch just before (a graph replays that
-    # launch too), so nothing needs to reset them, and calls on different streams (the prefill
-    # pieces' and the decode steps' graphs may replay at once) never share one. Programs that
-    # return early (slot >= num_active, columns past I or I_s) take no ticket and are not counted:
-    # `expected` counts the same programs. The interpreter runs programs one at a time, so tests
-    # check the results and the ticket counts (moe_decode_parts().tickets), not the race.
-
-    @triton.jit
-    def _last_ticket(counter_ptr, expected):
-        """Take a ticket on *counter_ptr; True in the program that takes the `expected`-th."""
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        return ticket == expected - 1
-
-    @triton.jit
-    def _shared_swiglu_tile(wss_ptr, hs_ptr, rows, g, T, IS, SPLIT: tl.constexpr, BM: tl.constexpr,
-                            CACHE: tl.constexpr):
-        """The shared expert's rows x 128-group g: fp8_moe._split_swiglu over its SPLIT partials
-        wss [SPLIT, T, 2·IS] -> bf16 hs [T, IS] (the shared down is BF16: no quantisation)."""
-        cols = g * 128 + tl.arange(0, 128)
-        act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT, BM, CACHE)
-        tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
     @triton.jit
     def _shared_gate_up(u_ptr, stride_u, w_ptr, ws_ptr, T, H, IS, pid_n, r0, k_first, k_last,
@@ -197,20 +143,14 @@ if HAS_TRITON:
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
-                        hq_ptr, ha_ptr, hs_ptr, tickets_ptr, GC,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        FUSED: tl.constexpr):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
-        bytes of an FP8 expert's, so KX = 2 evens the programs out).
-        FUSED: the split reduce too (see above _last_ticket): the last program of a unit turns
-        its partials into hq, ha (an expert's pairs, BM at a time) or hs (a shared row tile), 128
-        columns; tickets: int32 [slots + shared tiles, GC] zeroed, a unit's counter at
-        [slot or shared_slot + tile, group]."""
+        bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.cdiv(H, 128)
         if SHARED:
@@ -221,13 +161,6 @@ if HAS_TRITON:
                     first = (pid_k * KX + sub) * per_s
                     _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + (pid_k * KX + sub) * T * (2 * IS), T, H,
                                     IS, pid_n, tile * BM, first, tl.minimum(G, first + per_s), BM, BN, DOT, PREC)
-                    if FUSED:
-                        g = (pid_n * BN) // 128
-                        # the group's stripes inside IS, each in SPLIT·KX K ranges
-                        expected = SPLIT * KX * tl.cdiv(tl.minimum(IS - g * 128, 128), BN)
-                        if _last_ticket(tickets_ptr + (shared_slot + tile) * GC + g, expected):
-                            _shared_swiglu_tile(wss_ptr, hs_ptr, tile * BM + tl.arange(0, BM), g, T, IS,
-                                                SPLIT * KX, BM, ".cg")
                 return
         per = tl.cdiv(G, SPLIT)
         k_first = pid_k * per
@@ -268,15 +201,6 @@ if HAS_TRITON:
             mask = r_ok[:, None] & n_ok[None, :]
             tl.store(out, acc_g, mask=mask)
             tl.store(out + I, acc_u, mask=mask)
-        if FUSED:
-            g = (pid_n * BN) // 128
-            # the group's stripes inside I, each in SPLIT K ranges
-            if _last_ticket(tickets_ptr + slot * GC + g, SPLIT * tl.cdiv(tl.minimum(I - g * 128, 128), BN)):
-                # not pipelined: every load here must come after the ticket
-                for r0 in tl.range(0, count, BM, num_stages=1):
-                    r = r0 + tl.arange(0, BM)
-                    rows = tl.load(lists_ptr + expert * T + r, mask=r < count, other=n_pairs)   # n_pairs: padding
-                    fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, rows, g, SPLIT, BM, ".cg")
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -357,11 +281,12 @@ if HAS_TRITON:
         pid_m, g = tl.program_id(0), tl.program_id(1)
         if pid_m < pair_blocks:
             if g * 128 < I:
-                fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m * BM + tl.arange(0, BM),
-                                                 g, SPLIT, BM, "")
+                fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT, BM)
         else:
-            _shared_swiglu_tile(wss_ptr, hs_ptr, (pid_m - pair_blocks) * BM + tl.arange(0, BM), g, T, IS,
-                                SHARED_SPLIT, BM, "")
+            cols = g * 128 + tl.arange(0, 128)
+            rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
+            tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
 if HAS_TRITON:
@@ -542,14 +467,12 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
-def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None,
-                 tickets: torch.Tensor | None = None
+def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (counts [E], lists [E, T] pair indices ascending, active [min(E, n)] expert ids
     in slot order, num_active [1]) for topk_ids [T, k] int32 on CUDA. Entries past an expert's count
     and slots past num_active are left unwritten. `num_active`: an int32 [1] already zeroed
-    (route_decode's), else a zeroed one is allocated (one more launch). `tickets`: a contiguous
-    int32 tensor the same launch zeroes (the fused reduce's counters)."""
+    (route_decode's), else a zeroed one is allocated (one more launch)."""
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
@@ -558,27 +481,12 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Ten
     active = torch.empty(min(num_experts, n), dtype=torch.int32, device=dev)
     if num_active is None:
         num_active = torch.zeros(1, dtype=torch.int32, device=dev)
-    if tickets is not None and (tickets.dtype != torch.int32 or not tickets.is_contiguous()):
-        raise ValueError("tickets must be a contiguous int32 tensor")
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
     _expert_lists_kernel[(num_experts,)](ids, counts, lists, active, num_active, n, t,
-                                         counts if tickets is None else tickets,
-                                         0 if tickets is None else tickets.numel(),
                                          NP=max(16, triton.next_power_of_2(n)), num_warps=4)
     return counts, lists, active, num_active
-
-
-class DecodeMoE(NamedTuple):
-    """moe_decode_parts' result: the outputs and what the launches between them left."""
-    pairs: torch.Tensor                 # F32 [T, k, H]: w_j·E_{e_j}(x_t)
-    shared_out: torch.Tensor | None     # F32 [T, H]: E_s(x), unweighted (with shared=)
-    hq: torch.Tensor                    # float8_e4m3fn [T·k, I]: h of each pair, §4.7-quantised
-    ha: torch.Tensor                    # F32 [T·k, ⌈I/128⌉]: its scales
-    hs: torch.Tensor | None             # bf16 [T, I_s]: the shared expert's h
-    tickets: torch.Tensor | None        # int32 [slots + shared tiles, groups]: the fused reduce's
-                                        # counters, each unit's ticket count after the launch
 
 
 def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
@@ -589,29 +497,16 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     `route` (route_decode's, whose ids and weights are topk_ids and topk_weights): x is already
     quantised and num_active zeroed, two launches fewer.
     `shared` = (gate_up [2·I_s, H], down [H, I_s]), BF16, x BF16: the shared expert E_s(x) comes
-    out of the same launches (one more slot in the expert grids, more row blocks in the
+    out of the same three launches (one more slot in the expert grids, more row blocks in the
     reduce), and the result is (pairs, E_s(x) [T, H] F32, unweighted). Its sums are F32 over the
     same fixed K ranges for every row count, and gate and up are rounded to bf16 before
     silu(gate)·up as the BF16 linears round theirs, so it stands in for
-    down(silu(gate(x))·up(x)) of three BF16 GEMMs (shared_expert_reference).
-    config["FUSED_REDUCE"]: the split reduce inside the gate/up launch (default), else a launch
-    of its own (the reference; the same bits)."""
-    parts = moe_decode_parts(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
-                             config=config, route=route, shared=shared)
-    return (parts.pairs, parts.shared_out) if shared is not None else parts.pairs
-
-
-def moe_decode_parts(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
-                     config: dict | None = None, route: DecodeRoute | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeMoE:
-    """moe_decode_pairs, with what its launches leave between them (DecodeMoE), for tests and
-    benches that compare the fused and the unfused reduce."""
+    down(silu(gate(x))·up(x)) of three BF16 GEMMs (shared_expert_reference)."""
     t, h, e, i = fp8_moe._check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
     cfg = config or DECODE_CONFIG
     k = topk_ids.shape[1]
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
-    fused = bool(cfg.get("FUSED_REDUCE", False))
     # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
     # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
@@ -620,48 +515,43 @@ def moe_decode_parts(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
         x = x.contiguous()
-    has_shared = shared is not None
-    i_s = shared[1].shape[1] if has_shared else 0
-    if has_shared:   # checked before any launch (expert_lists consumes route.num_active)
+    if shared is not None:   # checked before any launch (expert_lists consumes route.num_active)
         sw_gate_up, sw_down = shared
+        i_s = sw_down.shape[1]
         if (x.dtype != torch.bfloat16 or sw_gate_up.dtype != torch.bfloat16 or sw_down.dtype != torch.bfloat16
                 or sw_gate_up.shape != (2 * i_s, h) or sw_down.shape != (h, i_s)
                 or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
             raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
                              f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
-    dev = x.device
-    slots = min(e, n)                                            # expert_lists' active slots
-    shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
-    groups = triton.cdiv(max(i, i_s), fp8_moe.GROUP)
-    # the fused reduce's counters, one per (slot or shared tile, 128-column group), zeroed by
-    # expert_lists' launch (see _last_ticket)
-    tickets = torch.empty(slots + shared_tiles, groups, dtype=torch.int32, device=dev) if fused else None
-    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None, tickets)
+    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
+    slots = active.numel()
     xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
+    dev = x.device
     kx = cfg.get("SHARED_KX", 2)      # the shared expert's gate/up: SPLIT·KX K ranges
-    if has_shared:
+    if shared is not None:
         wss = torch.empty(split * kx, t, 2 * i_s, dtype=torch.float32, device=dev)
         hs = torch.empty(t, i_s, dtype=torch.bfloat16, device=dev)
         shared_out = torch.empty(t, h, dtype=torch.float32, device=dev)
     else:   # placeholders the kernels never touch (SHARED=False)
-        sw_gate_up, sw_down, wss, hs, shared_out = w_gate_up, w_down, xa, xa, xa
+        i_s, sw_gate_up, sw_down, wss, hs, shared_out = 0, w_gate_up, w_down, xa, xa, xa
+    has_shared = shared is not None
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
     _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
-        hq, ha, hs, counts if tickets is None else tickets, groups,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        FUSED=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if not fused and has_shared:      # (fused: the gate/up launch reduced its own partials)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    if has_shared:
         pair_blocks = triton.cdiv(n, 16)
-        _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), groups)](
+        _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
             ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
             num_warps=4)
-    elif not fused:
+    else:
         fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
             ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
@@ -672,8 +562,8 @@ def moe_decode_parts(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return DecodeMoE(out.view(t, k, h), shared_out if has_shared else None, hq, ha,
-                     hs if has_shared else None, tickets)
+    pairs = out.view(t, k, h)
+    return (pairs, shared_out) if has_shared else pairs
 
 
 def shared_expert_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
