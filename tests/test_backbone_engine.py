@@ -185,6 +185,44 @@ def test_bad_work_is_refused_before_any_cache_changes(model, engine):
     assert torch.equal(torch.cat([first, second]), expected[:30])
 
 
+def test_rows_are_checked_all_at_once_as_entry_by_entry(model, engine):
+    """_bad_rows (one pass over a step's rows) flags exactly the rows _check_rows refuses, and a
+    step with a bad row names the first bad entry."""
+    tokens, frames = make_prompt(model, 40, seed=9)
+    spec = model.audio
+    gen = torch.Generator().manual_seed(3)
+    rows_t, rows_f = tokens.clone(), frames.clone()
+    for r in torch.randperm(40, generator=gen)[:16].tolist():       # corrupt 16 rows, 4 ways
+        kind = r % 4
+        if kind == 0:
+            rows_t[r] = model.config.vocab_size + r
+        elif kind == 1 and rows_f[r, 0] >= 0:
+            rows_f[r, 1 + r % (spec.num_codebooks - 1)] = -2
+        elif kind == 2 and rows_f[r, 0] >= 0:
+            rows_t[r] += 1
+        else:
+            rows_f[r, 0] = spec.semantic_codebook_size
+            rows_t[r] = spec.semantic_start_token_id + spec.semantic_codebook_size
+    flagged = engine._bad_rows(rows_t, rows_f)
+    for r in range(40):
+        try:
+            engine._check_rows(0, rows_t[r:r + 1], rows_f[r:r + 1])
+            refused = False
+        except ValueError:
+            refused = True
+        assert bool(flagged[r]) == refused, r
+    assert 0 < int(flagged.sum()) < 40
+    bad = int(flagged.nonzero()[0])
+    slots = [engine.open() for _ in range(3)]
+    work = [(slots[0], tokens[:bad], frames[:bad]) if bad else (slots[0], tokens[:1], frames[:1]),
+            (slots[1], rows_t[bad:bad + 1], rows_f[bad:bad + 1]), (slots[2], tokens[:2], frames[:2])]
+    with pytest.raises(ValueError, match=r"work\[1\]"):
+        engine.step(work)
+    for slot in slots:
+        assert engine.length(slot) == 0
+        engine.release(slot)
+
+
 def test_memory_bytes_reports_weights_and_cache_pool(engine):
     mem = engine.memory_bytes()
     assert mem["weights"] > 0 and mem["cache"] > 0 and mem["total"] == mem["weights"] + mem["cache"]
