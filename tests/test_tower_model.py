@@ -300,6 +300,25 @@ def test_malformed_entries_are_invalid(problem):
     assert codes == ({"OUT_OF_RANGE"} if problem == "context" else {"INVALID_ARGUMENT"}), result.row_errors
 
 
+@pytest.mark.parametrize("problem", ["draw_target", "mixed_target", "code_range"])
+def test_a_bad_target_fails_only_the_entry_holding_it(problem):
+    """The step's target checks run once over all rows: each flag lands on its own entry."""
+    engine = _engine(context=16)
+    entries = [_entry("a", 0, 3), _entry("b", 0, 2, draw=True), _entry("c", 0, 2, draw=True)]
+    targets = _no_targets(7)
+    row = {"draw_target": 4, "mixed_target": 3, "code_range": 3}[problem]      # b's rows are 3 and 4
+    if problem == "code_range":
+        targets[row] = 0
+        targets[row, 1] = TINY.residual_codebook_size
+    elif problem == "draw_target":
+        targets[row] = 0                       # a whole valid frame, on b's draw row
+    else:
+        targets[row, 0] = 1
+    result = engine.step(entries, torch.randn(7, 64), targets)
+    assert [(e.row_index, e.code) for e in result.row_errors] == [(1, "INVALID_ARGUMENT")]
+    assert result.codes[2].min() >= 0 and result.codes[1].tolist() == [-1] * TINY.num_codebooks
+
+
 def test_mismatched_payload_fails_every_entry():
     engine = _engine()
     result = engine.step([_entry("a", 0, 3), _entry("b", 0, 2)], torch.randn(4, 64), _no_targets(4))

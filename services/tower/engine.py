@@ -114,6 +114,24 @@ class _EntryError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class _TargetFlags:
+    """Per target row of a step, as Python bools: whether the frame mixes -1 and codes, has a
+    code past its codebook, has any code. Computed once per step over all rows: checked entry
+    by entry with torch ops, the targets took ~17 µs per entry of the host's time (2.1 ms of a
+    128-session step on the 2-core dev CPU; 0.05 ms now)."""
+    mixed: list[bool]
+    out_of_range: list[bool]
+    known: list[bool]
+
+    @classmethod
+    def of(cls, targets: Tensor, limits: Tensor) -> "_TargetFlags":
+        known = targets >= 0
+        any_known = known.any(dim=1)
+        return cls((any_known & ~known.all(dim=1)).tolist(), (targets >= limits).any(dim=1).tolist(),
+                   any_known.tolist())
+
+
 class TowerEngine:
     def __init__(self, model: TowerModel, cfg: DramaConfig, *, max_sessions: int, max_context: int,
                  prefix_cache_mb: float | None = None, graphs: bool | None = None):
@@ -204,6 +222,7 @@ class TowerEngine:
             return StepResult.all_failed(num_entries, n, "INVALID_ARGUMENT", message)
 
         targets = targets.to(torch.int64)
+        flags = _TargetFlags.of(targets, self._code_limits)
         errors: list[RowError] = []
         accepted: list[tuple[int, StepEntry, _Session, int]] = []   # (entry index, entry, session, row offset)
         seen: set[str] = set()
@@ -213,7 +232,7 @@ class TowerEngine:
                 if entry.session_id in seen:
                     raise _EntryError("INVALID_ARGUMENT", f"session {entry.session_id!r} has two entries in one step")
                 seen.add(entry.session_id)
-                self._check_entry(entry, targets[offset:offset + entry.n_rows])
+                self._check_entry(entry, flags, offset)
                 session = self._admit(entry, owner)
                 accepted.append((index, entry, session, offset))
             except _EntryError as exc:
@@ -232,7 +251,8 @@ class TowerEngine:
                     self.prefixes.put(entry.snapshot_key, self._snapshot(session))
         return StepResult(codes, stop, errors, _elapsed_us(started))
 
-    def _check_entry(self, entry: StepEntry, entry_targets: Tensor) -> None:
+    def _check_entry(self, entry: StepEntry, flags: "_TargetFlags", offset: int) -> None:
+        """An entry's fields, and its target rows (offset.. in the step) through the step's flags."""
         if entry.n_rows <= 0:
             raise _EntryError("INVALID_ARGUMENT", f"n_rows must be positive, got {entry.n_rows}")
         if entry.first_row < 0:
@@ -240,10 +260,10 @@ class TowerEngine:
         if entry.first_row + entry.n_rows > self.max_context:
             raise _EntryError("OUT_OF_RANGE", f"rows up to {entry.first_row + entry.n_rows} exceed the "
                                               f"tower's max_context_tokens {self.max_context}")
-        known = entry_targets >= 0
-        if (known.any(dim=1) & ~known.all(dim=1)).any():
+        rows = slice(offset, offset + entry.n_rows)
+        if any(flags.mixed[rows]):
             raise _EntryError("INVALID_ARGUMENT", "a target frame mixes -1 and codes")
-        if (entry_targets >= self._code_limits).any():
+        if any(flags.out_of_range[rows]):
             raise _EntryError("INVALID_ARGUMENT", "a target code is out of its codebook's range")
         if entry.prefix_key and entry.prefix_rows != entry.first_row:
             raise _EntryError("INVALID_ARGUMENT", f"a restore starts at prefix_rows ({entry.prefix_rows}), "
@@ -251,7 +271,7 @@ class TowerEngine:
         if entry.snapshot_key and entry.draw:
             raise _EntryError("INVALID_ARGUMENT", "a draw entry cannot store a prefix snapshot")
         if entry.draw:
-            if known[-1].any():
+            if flags.known[offset + entry.n_rows - 1]:
                 raise _EntryError("INVALID_ARGUMENT", "the draw row's target must be -1")
             if not (math.isfinite(entry.temperature) and math.isfinite(entry.top_p)):
                 raise _EntryError("INVALID_ARGUMENT", "temperature and top_p must be finite")
