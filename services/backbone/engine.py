@@ -286,24 +286,18 @@ class BackboneEngine:
             bad |= audio & wrong
         return bad
 
-    def _check_rows(self, index: int, token_ids: torch.Tensor, frames: torch.Tensor | None):
-        """One entry's checks with the message naming it (the slow path of `_check_work`)."""
+    def _check_rows(self, index: int, token_ids: torch.Tensor, frames: torch.Tensor | None) -> None:
+        """One entry's values, with the message naming it (the slow path of `_check_work`, after
+        `_check_shapes` has passed every entry)."""
         where = f"work[{index}]"
-        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
-            raise ValueError(f"{where}: token_ids must be an int64 tensor [n]")
-        n, vocab = token_ids.shape[0], self.model.config.vocab_size
-        if n < 1:
-            raise ValueError(f"{where}: needs at least one row")
+        vocab = self.model.config.vocab_size
+        token_ids = token_ids.cpu()
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
             raise ValueError(f"{where}: token ids must lie in [0, {vocab})")
-        width = self.num_codebooks
         if frames is None:
-            return token_ids.cpu(), torch.full((n, width), -1, dtype=torch.int64)
-        if not isinstance(frames, torch.Tensor) or frames.dtype != torch.int64 or tuple(frames.shape) != (n, width):
-            raise ValueError(f"{where}: frames must be an int64 tensor [{n}, {width}]")
-        token_ids, frames = token_ids.cpu(), frames.cpu()
-        text = (frames == -1).all(dim=1)
-        audio = ~text
+            return
+        frames = frames.cpu()
+        audio = ~(frames == -1).all(dim=1)
         if audio.any():
             spec = self.model.audio
             codes = frames[audio]
@@ -315,7 +309,6 @@ class BackboneEngine:
                                  "(a row is text only when all its codes are -1)")
             if not torch.equal(token_ids[audio], spec.semantic_start_token_id + codes[:, 0]):
                 raise ValueError(f"{where}: an audio row's token id must be semantic_start_token_id + c_0")
-        return token_ids, frames
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warm_up(self, prefill_rows: int | None = None, decode_steps: int = 2) -> list[int]:

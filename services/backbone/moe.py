@@ -14,11 +14,12 @@ dequantised on the fly, once per step for each expert the step routes to.
 The kernel path (Backbone.kernels) stacks gate|up at load (`w_gate_up` [E, 2I, H] FP8 +
 `s_gate_up`, kernels/fp8_moe.pack_gate_up; gate_proj/up_proj become views into it), routes with
 the one-launch top-k kernel on F32 router logits and runs the §4.7 FP8 expert kernels (decode
-block table for T·k <= 1024 pairs, grouped prefill above); a decode step (and a padded prefill piece) instead routes with
+block table for T·k <= 1024 pairs, grouped prefill above); a decode step instead routes with
 kernels/moe_decode.route_decode (its own F32 router GEMV, then one launch that routes and
 quantises u, and gives the shared expert's gate logit) and computes the BF16 shared expert in the
-routed experts' own launches (moe_decode_pairs(shared=)); elsewhere the shared expert's gate, up
-and its scalar gate are one BF16 GEMM. One combine kernel adds everything to the residual (and
+routed experts' own launches (moe_decode_pairs(shared=)); a padded prefill piece routes and
+quantises in route_decode's one launch from the eager prefill's cuBLAS logits; elsewhere the
+shared expert's gate, up and its scalar gate are one BF16 GEMM. One combine kernel adds everything to the residual (and
 applies the norm that follows, when given).
 Batch invariance (issue #8): the router, shared-expert and BF16-expert GEMMs of the kernel path go
 through services/common/invariant.linear_rows (router and shared expert on decode steps with
@@ -231,9 +232,9 @@ class SparseMoE(nn.Module):
 
         `decode` (a step whose every segment is one row: a decode step, graphed or not; and
         padded prefill pieces, which must not sync with the host) takes kernels/moe_decode.py's
-        router and expert-major split-K kernels, every other (eager prefill) step cuBLAS's router
-        and fp8_moe's block tables. The choice follows the kind of a session's rows, never the other sessions' rows,
-        so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
+        routing launch and expert-major split-K kernels, every other (eager prefill) step
+        fp8_moe's top-k and block tables. The choice follows the kind of a session's rows, never
+        the other sessions' rows, so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
         config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).

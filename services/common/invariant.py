@@ -159,19 +159,18 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
             res = residual.new_empty(padded, n) if residual.is_cuda else residual.new_zeros(padded, n)
             res[:rows].copy_(residual)
     wt = weight.T
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
-        # autograd refuses out= forms (the tower's nn.Linear weights require grad)
-        pieces = [torch.mm(a[i:i + TILE], wt) if res is None else torch.addmm(res[i:i + TILE], a[i:i + TILE], wt)
-                  for i in range(0, padded, TILE)]
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[:rows]
     # each tile's GEMM writes its rows of the result in place (a torch.cat of the tiles copied
-    # every output once more: 200 copy kernels in a 256-row prefill)
-    out = torch.empty(padded, n, dtype=torch.result_type(x, weight), device=x.device)
+    # every output once more: 200 copy kernels in a 256-row prefill), except under autograd,
+    # which refuses out= forms (the tower's nn.Linear weights require grad)
+    autograd = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual))
+    out = None if autograd else torch.empty(padded, n, dtype=torch.result_type(x, weight), device=x.device)
+    pieces = []
     for i in range(0, padded, TILE):
-        if res is None:
-            torch.mm(a[i:i + TILE], wt, out=out[i:i + TILE])
-        else:
-            torch.addmm(res[i:i + TILE], a[i:i + TILE], wt, out=out[i:i + TILE])
+        tile = None if out is None else out[i:i + TILE]
+        pieces.append(torch.mm(a[i:i + TILE], wt, out=tile) if res is None
+                      else torch.addmm(res[i:i + TILE], a[i:i + TILE], wt, out=tile))
+    if out is None:
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out[:rows]
 
 
