@@ -10,7 +10,8 @@
 # Environment: OUT (default ./bench-out), DEVICE (cuda), PRESET (full), SWEEP (1,8,32,64,128),
 # DURATION (15 s per level), FRAMES (100 per request); SKIP_E2E=1 / SKIP_VOICE=1 / SKIP_INVARIANCE=1 /
 # SKIP_MICRO=1 leave out bench.e2e's requests, the voice-prefix run, the batch-invariance run, or the
-# in-process stage timings. Stage settings pass through the
+# in-process stage timings; SPY_CONCURRENCY=N adds bench.host_profile (py-spy on every process, carry
+# its wheel) over N streams at a time after the sweep, SPY_REQUESTS (2N) requests of FRAMES frames. Stage settings pass through the
 # environment, e.g. DRAMA_PREFILL_LANE=0 (the prefill lane, on by default on CUDA), DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
 # sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
@@ -64,6 +65,9 @@ if [[ $part == all ]]; then
   run python3 -m bench.load --url "$url" --sweep "${SWEEP:-1,8,32,64,128}" --duration "${DURATION:-15}" \
       --max-new-tokens "${FRAMES:-100}" --formats pcm --sample-rate 44100 --ramp-s 2 --json "$OUT/load.json"
   run python3 -m bench.stage_metrics "$OUT/stack-logs" --load "$OUT/load.json" --json "$OUT/stage_metrics.json"
+  [[ -z ${SPY_CONCURRENCY:-} ]] || run python3 -m bench.host_profile --stack-info "$info" \
+      --concurrency "$SPY_CONCURRENCY" --requests "${SPY_REQUESTS:-$((2 * SPY_CONCURRENCY))}" \
+      --frames "${FRAMES:-100}" --max-seconds 180 --rate 200 --top 45 --out "$OUT/spy" --json "$OUT/host_profile.json"
   [[ ${SKIP_VOICE:-0} == 1 ]] || run python3 -m bench.voice_prefix --url "$url" --reference-s 20 --repeats 5 \
       --frames 4 --json "$OUT/voice_prefix.json"
   [[ ${SKIP_INVARIANCE:-0} == 1 ]] || run python3 -m bench.batch_invariance --url "$url" --batches 8 32 \

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -63,8 +64,10 @@ def frame_name(frame: str) -> str:
     return f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]})" if where else name
 
 
-def summarise(raw: Path, rate: float, requests: int, top: int) -> dict:
-    """Per thread: CPU ms per request; per function: inclusive ms per request (top ones)."""
+def summarise(raw: Path, rate: float, requests: int, top: int, wall_s: float) -> dict:
+    """Per thread: CPU ms per request and GIL share of the wall time; per function: inclusive ms
+    per request (top ones). With many streams the share says how close a process is to being
+    bound by its one GIL."""
     threads: Counter = Counter()
     functions: Counter = Counter()
     if raw.is_file():
@@ -81,13 +84,21 @@ def summarise(raw: Path, rate: float, requests: int, top: int) -> dict:
                     functions[name] += n
     per_request = 1000.0 / rate / max(1, requests)
     return {"threads_ms_per_request": {t: n * per_request for t, n in threads.most_common()},
+            "gil_share_of_wall": sum(threads.values()) / rate / max(wall_s, 1e-9),
             "functions_ms_per_request": {f: n * per_request for f, n in functions.most_common(top)}}
 
 
-def run_requests(url: str, requests: int, frames: int) -> list[float]:
-    """TTFA ms of `requests` sequential requests (bench.voice_prefix's sentence, voice alloy)."""
-    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-        return [ttfa_ms(client, url, "alloy", frames, seed=7) for _ in range(requests)]
+def run_requests(url: str, requests: int, frames: int, concurrency: int = 1) -> list[float]:
+    """TTFA ms of `requests` requests (bench.voice_prefix's sentence, voice alloy), `concurrency` of
+    them in flight at a time (each of that many threads sends its share one after another)."""
+    def one_stream(count: int) -> list[float]:
+        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+            return [ttfa_ms(client, url, "alloy", frames, seed=7) for _ in range(count)]
+    if concurrency <= 1:
+        return one_stream(requests)
+    shares = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return [ms for stream in pool.map(one_stream, [n for n in shares if n]) for ms in stream]
 
 
 def profile(url: str, pids: dict[str, int], args) -> dict:
@@ -102,7 +113,7 @@ def profile(url: str, pids: dict[str, int], args) -> dict:
              for name, pid in pids.items()}
     time.sleep(1.0)                                        # py-spy attaches
     started = time.perf_counter()
-    ttfa = run_requests(url, args.requests, args.frames)
+    ttfa = run_requests(url, args.requests, args.frames, args.concurrency)
     wall = time.perf_counter() - started
     for process in spies.values():                         # stop sampling now: SIGINT writes the file
         process.send_signal(2)
@@ -116,22 +127,25 @@ def profile(url: str, pids: dict[str, int], args) -> dict:
         if not (out / f"{name}.txt").is_file():
             errors[name] = err.decode(errors="replace")[-300:]
     ttfa.sort()
-    return {"requests": args.requests, "frames": args.frames, "wall_s": wall, "rate": args.rate,
+    return {"requests": args.requests, "frames": args.frames, "concurrency": args.concurrency,
+            "wall_s": wall, "rate": args.rate,
             "ttfa_ms_median": ttfa[len(ttfa) // 2], "raw_dir": str(out), "errors": errors,
             "note": "sampling started ~1 s before the requests and stopped right after them",
-            "processes": {name: summarise(out / f"{name}.txt", args.rate, args.requests, args.top)
+            "processes": {name: summarise(out / f"{name}.txt", args.rate, args.requests, args.top, wall)
                           for name in pids}}
 
 
 def print_report(result: dict) -> None:
-    print(f"{result['requests']} requests of {result['frames']} frames in {result['wall_s']:.1f} s, "
+    print(f"{result['requests']} requests of {result['frames']} frames, {result['concurrency']} at a time, "
+          f"in {result['wall_s']:.1f} s, "
           f"TTFA median {result['ttfa_ms_median']:.1f} ms; py-spy at {result['rate']:g} Hz, raw samples in "
           f"{result['raw_dir']}")
     for name, error in result["errors"].items():
         print(f"{name}: py-spy failed: {error}")
     for name, summary in result["processes"].items():
         threads = ", ".join(f"{t} {ms:.1f}" for t, ms in summary["threads_ms_per_request"].items())
-        print(f"\n== {name}: CPU ms per request by thread: {threads or '-'}")
+        print(f"\n== {name}: GIL held {summary['gil_share_of_wall']:.0%} of the wall time; "
+              f"CPU ms per request by thread: {threads or '-'}")
         for function, ms in summary["functions_ms_per_request"].items():
             print(f"  {ms:8.2f}  {function}")
 
@@ -142,6 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="without --stack-info: start a tiny stack here")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--frames", type=int, default=4, help="max_new_tokens per request")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at a time")
     parser.add_argument("--rate", type=float, default=1000, help="py-spy samples per second")
     parser.add_argument("--max-seconds", type=int, default=120, help="py-spy's own time limit")
     parser.add_argument("--top", type=int, default=40, help="functions listed per process")

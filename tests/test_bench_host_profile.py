@@ -15,8 +15,9 @@ def test_summary_per_thread_and_function(tmp_path):
         "thread (12): engine_0;Thread.run (threading.py:9);step (engine.py:5);step (engine.py:7) 60\n"
         "garbage line without a count\n")
     # 1000 Hz over 2 requests: a sample is 1 ms, so ms per request = samples / 2
-    summary = host_profile.summarise(raw, rate=1000, requests=2, top=10)
+    summary = host_profile.summarise(raw, rate=1000, requests=2, top=10, wall_s=0.4)
     assert summary["threads_ms_per_request"] == {"engine_0": 30.0, "MainThread": 20.0}
+    assert summary["gil_share_of_wall"] == 0.25               # 100 samples of 1 ms over 0.4 s
     functions = summary["functions_ms_per_request"]
     assert functions["step (engine.py)"] == 30.0             # counted once per sample, not per frame
     assert functions["parse_job (server.py)"] == 20.0         # two lines, one function
@@ -27,5 +28,5 @@ def test_summary_per_thread_and_function(tmp_path):
 
 
 def test_missing_file_is_an_empty_summary(tmp_path):
-    summary = host_profile.summarise(tmp_path / "none.txt", rate=100, requests=1, top=5)
-    assert summary == {"threads_ms_per_request": {}, "functions_ms_per_request": {}}
+    summary = host_profile.summarise(tmp_path / "none.txt", rate=100, requests=1, top=5, wall_s=1.0)
+    assert summary == {"threads_ms_per_request": {}, "gil_share_of_wall": 0.0, "functions_ms_per_request": {}}
