@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--frames", type=int, default=4, help="max_new_tokens per request")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at a time")
-    parser.add_argument("--rate", type=float, default=1000, help="py-spy samples per second")
+    parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     parser.add_argument("--max-seconds", type=int, default=120, help="py-spy's own time limit")
     parser.add_argument("--top", type=int, default=40, help="functions listed per process")
     parser.add_argument("--py-spy", default=None, help="path of the py-spy binary")

@@ -172,6 +172,19 @@ def test_padded_path_works_with_grad_enabled_weights():
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [1, 7, 256])
+def test_any_tile_gives_the_float64_product(tile):
+    """tile (rows per GEMM call: prefill graphs of large pieces pass 256) changes the calls, not
+    the product."""
+    gen = torch.Generator().manual_seed(4)
+    x, weight, res = torch.randn(300, 64, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(300, 48, generator=gen)
+    got = linear_rows(x, weight, res, force=True, tile=tile)
+    assert got.shape == (300, 48)
+    torch.testing.assert_close(got.double(), linear_rows_reference(x, weight, res), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tile"):
+        linear_rows(x, weight, force=True, tile=0)
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="x \\[M, K\\]"):
         linear_rows(torch.zeros(3, 4), torch.zeros(5, 6))

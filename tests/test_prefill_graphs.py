@@ -18,8 +18,8 @@ import torch
 
 import services.backbone.model as backbone_model
 from services.backbone.engine import BackboneEngine
-from services.backbone.model import (PREFILL_BUCKETS, PREFILL_GRAPH_ROWS, graph_pieces, prefill_cuts,
-                                     prefill_groups)
+from services.backbone.model import (PREFILL_BUCKETS, PREFILL_GRAPH_ROWS, graph_pieces, piece_gemm_rows,
+                                     prefill_cuts, prefill_groups)
 from services.backbone.weights import random_backbone
 from test_backbone_gpu import MID, copy_to
 
@@ -36,7 +36,8 @@ def test_prefill_cuts():
         assert b == min(x for x in PREFILL_BUCKETS if x >= n)                   # the rest padded
     assert prefill_cuts(70) == [(70, 96)]
     assert prefill_cuts(134) == [(134, 160)]           # a 20-word prompt: 26 padding rows, not 122
-    assert prefill_cuts(600) == [(512, 512), (88, 96)]
+    assert prefill_cuts(600) == [(600, 768)]
+    assert prefill_cuts(1100) == [(1024, 1024), (76, 96)]
     assert prefill_cuts(5, (8, 32)) == [(5, 8)]
 
 
@@ -50,6 +51,9 @@ def test_prefill_groups():
         assert len({i for i, _, _ in group.pieces}) == len(group.pieces)       # a segment once per group
         for i, first, rows in group.pieces:
             assert rows <= group.bucket
+            own = prefill_cuts(lengths[i])[len(seen[i])][1]
+            # the dense GEMMs see a piece's rows as its own graph would (batch invariance)
+            assert piece_gemm_rows(own) == piece_gemm_rows(group.bucket)
             seen[i].append((first, rows))
     for i, n in enumerate(lengths):       # every segment's pieces in order, as its own cut says
         assert [rows for _, rows in seen[i]] == [rows for rows, _ in prefill_cuts(n)]
@@ -60,6 +64,11 @@ def test_prefill_groups():
     assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([100] * 10)] == \
         [(128, 8, 8), (128, 2, 2)]
     assert graph_pieces(512) == (1, 2) and graph_pieces(16)[-1] == 16
+    # GEMMs of 256 rows for buckets 256, 512, 768, 1024, of 128 for the others: a 200-row piece
+    # (bucket 256) joins a 512-row one, a 100-row piece (128) does not
+    assert [piece_gemm_rows(b) for b in PREFILL_BUCKETS] == [128] * 7 + [256, 128, 256, 256, 256]
+    assert [(g.bucket, g.slots, [i for i, _, _ in g.pieces]) for g in prefill_groups([200, 500, 100])] == \
+        [(512, 2, [1, 0]), (128, 1, [2])]
     assert prefill_groups([]) == []
 
 
@@ -151,6 +160,16 @@ def test_graph_replay_is_batch_invariant(weights):
     beside = engine.step([(b, third[:1], None), (a, prompt, None), (c, other, None)])
     assert engine.model.prefill_replays == replays + 1           # both prompts in one replay
     assert torch.equal(beside[1], alone[0]) and torch.equal(beside[2], alone[1])
+    # pieces of 256-row GEMMs (model.piece_gemm_rows): 200 rows alone in a 256-row graph, and
+    # packed behind a 500-row piece in a 512-row graph of two
+    big, small = _ids(500, 8), _ids(200, 9)
+    slot = engine.open()
+    small_alone = engine.step([(slot, small, None)])[0].clone()
+    engine.release(slot)
+    replays = engine.model.prefill_replays
+    packed = engine.step([(engine.open(), big, None), (engine.open(), small, None)])
+    assert engine.model.prefill_replays == replays + 1
+    assert torch.equal(packed[1], small_alone)
 
     eager = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=False)
     ref = eager.step([(eager.open(), prompt, None)])[0]

@@ -223,7 +223,7 @@ class GatedAttention(nn.Module):
         """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
-        linear = decode_gemm.dense_linear(plan.decode, u)                # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # linear_rows unless DRAMA_DECODE_GEMM=triton
         qkv = linear(u, self.qkv_fused)                                  # [R, 2·n_q·d + 2·n_kv·d]
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,

@@ -403,7 +403,7 @@ class GatedDeltaNet(nn.Module):
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
-        linear = decode_gemm.dense_linear(plan.decode, u)                # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # linear_rows unless DRAMA_DECODE_GEMM=triton
         proj = linear(u, self.in_proj_fused)                             # [R, c + n_v·d_v + 2·n_v]
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]

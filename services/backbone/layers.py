@@ -169,6 +169,9 @@ class StepPlan:
     # padded prefill pieces: the decode MoE's tile config for the piece bucket
     # (kernels/moe_decode.piece_config); None: its DECODE_CONFIG
     moe_config: dict | None = None
+    # rows per dense GEMM call (invariant.linear_rows' tile): padded pieces, model.piece_gemm_rows
+    # of their bucket; None: invariant.TILE
+    gemm_rows: int | None = None
 
 
 @dataclass(frozen=True)

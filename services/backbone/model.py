@@ -59,8 +59,10 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured d
 # 1.25-1.5x, not 2x: a piece's time grows with its rows past the expert read (~10 ms on the H200
 # at any size), ~0.056 ms per row between 128 and 192 rows (18.8 / 22.4 ms with the serving pool);
 # a 20-word prompt of ~134 rows (the byte-level test tokenizer) padded to 256 ran 23.8 ms, to 192
-# 22.4, and 160 cuts that padding again where most short prompts fall.
-PREFILL_BUCKETS = (16, 32, 64, 96, 128, 160, 192, 256, 384, 512)
+# 22.4, and 160 cuts that padding again where most short prompts fall. 768 and 1024: a longer
+# prompt (a voice reference of 10-20 s is 450-900 rows) in one piece reads the ~32 GB of experts
+# once, where pieces of 512 read them once per piece.
+PREFILL_BUCKETS = (16, 32, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024)
 # Piece counts with a prefill graph per bucket, at most PREFILL_GRAPH_ROWS rows in all. Why 1024:
 # on the H200 a packed replay costs ~75 µs per row from ~1000 rows on (13.4k rows/s at 1024 and at
 # 2048 rows; bench/backbone.py --prefill-sessions), so larger graphs only hold the GPU longer
@@ -85,6 +87,20 @@ def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[
     return cuts
 
 
+# Rows per dense GEMM call in a prefill graph whose bucket is a multiple of it (else
+# invariant.TILE = 128): a 1024-row piece ran each projection as 8 GEMMs of 128 rows, each
+# reading the weight, at ~1.4x the time of one GEMM per 256 rows (cuBLAS is compute-bound there).
+PIECE_GEMM_ROWS = 256
+
+
+def piece_gemm_rows(bucket: int) -> int:
+    """Rows per dense GEMM call in a prefill graph of `bucket` rows per piece. A piece sits at a
+    multiple of its graph's bucket, so with the bucket a multiple of this each GEMM holds rows of
+    one piece, at their positions in the piece: a row's GEMM shape and position are the same in
+    any graph of the same GEMM rows (prefill_groups packs pieces only there)."""
+    return PIECE_GEMM_ROWS if bucket % PIECE_GEMM_ROWS == 0 else invariant.TILE
+
+
 def graph_pieces(bucket: int) -> tuple[int, ...]:
     """The piece counts with a prefill graph of `bucket` rows per piece (at least one piece)."""
     return tuple(n for n in PREFILL_GRAPH_PIECES if n == 1 or n * bucket <= PREFILL_GRAPH_ROWS)
@@ -103,9 +119,10 @@ def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKET
     """The replays that run prefill segments of these lengths, in order. Each segment is cut by
     `prefill_cuts`; round r holds every segment's r-th piece (a segment's pieces run one after
     another), and a round's pieces are packed into graphs, the largest buckets first, each graph
-    taking pieces of its first piece's bucket or smaller (a piece padded further is the same bits,
-    tests/test_prefill_graphs.py). Why pack: a piece of any size reads nearly every expert of
-    every layer (~32 GB), so pieces of many sessions in one replay share that read."""
+    taking pieces of its first piece's bucket or smaller with the same GEMM rows (a piece padded
+    further is the same bits, tests/test_prefill_graphs.py; `piece_gemm_rows`). Why pack: a piece
+    of any size reads nearly every expert of every layer (~32 GB), so pieces of many sessions in
+    one replay share that read."""
     cuts = [prefill_cuts(n, buckets) for n in lengths]
     groups = []
     for r in range(max((len(c) for c in cuts), default=0)):
@@ -113,7 +130,9 @@ def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKET
         while todo:
             bucket = todo[0][0]
             most = graph_pieces(bucket)[-1]
-            members, todo = todo[:most], todo[most:]
+            same = [t for t in todo if piece_gemm_rows(t[0]) == piece_gemm_rows(bucket)]
+            members = same[:most]
+            todo = [t for t in todo if t not in members]
             slots = next(n for n in graph_pieces(bucket) if n >= len(members))
             pieces = tuple((i, sum(n for n, _ in cuts[i][:r]), cuts[i][r][0]) for _, i in members)
             groups.append(PrefillGroup(bucket, slots, pieces))
@@ -193,7 +212,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
                                         decode=batch.plan.decode or batch.plan.row_mask is not None,
                                         config=batch.plan.moe_config, dense_decode=batch.plan.decode,
-                                        norm_weight=next_norm, eps=self.eps)
+                                        gemm_rows=batch.plan.gemm_rows, norm_weight=next_norm, eps=self.eps)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:
@@ -390,7 +409,8 @@ class Backbone(nn.Module):
         pieces = torch.arange(index.shape[1], dtype=torch.int64, device=dev)
         return StepPlan(row_slots, positions, slot, None, decode=False, context=caches.max_context,
                         seg_first=pieces * bucket, seg_rows=rows, row_seg=pieces.repeat_interleave(bucket),
-                        row_mask=valid.flatten().to(torch.float32), moe_config=moe_decode.piece_config(bucket))
+                        row_mask=valid.flatten().to(torch.float32), moe_config=moe_decode.piece_config(bucket),
+                        gemm_rows=piece_gemm_rows(bucket))
 
     def _prefill_graph(self, bucket: int, slots: int, caches: BackboneCaches):
         """(step with .replay(), static rows [slots·bucket, H], static index [3, slots]) of a group

@@ -206,18 +206,19 @@ class SparseMoE(nn.Module):
         self.shared_fused = torch.cat([fused, fused.new_zeros(rows - fused.shape[0], fused.shape[1])])
         self.shared_down = shared.down_proj.dense_weight()
 
-    def _shared_kernels(self, u: torch.Tensor, dense_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shared_kernels(self, u: torch.Tensor, dense_decode: bool,
+                        gemm_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(E_s(u) [R, H], its gate logit [R]) from two GEMMs: gate, up and the scalar gate in
         one, then silu(gate)·up and the down projection."""
         i_s = self.shared_down.shape[1]
-        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # linear_rows unless DRAMA_DECODE_GEMM=triton
         fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
         shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         return shared, fused[:, 2 * i_s]
 
-    def _router_logits(self, u: torch.Tensor, dense_decode: bool) -> torch.Tensor:
+    def _router_logits(self, u: torch.Tensor, dense_decode: bool, gemm_rows: int | None = None) -> torch.Tensor:
         """F32 router logits [R, E] (§4.6) through the dense GEMM path."""
-        linear = decode_gemm.dense_linear(dense_decode, u)               # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # linear_rows unless DRAMA_DECODE_GEMM=triton
         if decode_gemm.enabled(dense_decode, u):
             # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             return linear(u, self.gate.weight)
@@ -225,7 +226,7 @@ class SparseMoE(nn.Module):
         return linear(u32.copy_(u), self.gate.weight)
 
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
-                        config: dict | None = None, dense_decode: bool = False,
+                        config: dict | None = None, dense_decode: bool = False, gemm_rows: int | None = None,
                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
@@ -238,6 +239,7 @@ class SparseMoE(nn.Module):
         config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
+        `gemm_rows`: rows per dense GEMM call (StepPlan.gemm_rows; None: invariant.TILE).
         `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
         i_s = self.shared_down.shape[1]
         if self.fp8_kernels and decode and use_triton(u, self.w_gate_up):
@@ -252,7 +254,7 @@ class SparseMoE(nn.Module):
             # took graphed against eager decode rows to a cosine of 0.9995
             # (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
-            logits = None if dense_decode else self._router_logits(u, dense_decode)
+            logits = None if dense_decode else self._router_logits(u, dense_decode, gemm_rows)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
@@ -261,10 +263,10 @@ class SparseMoE(nn.Module):
                     *args, config=config, route=route, shared=(self.shared_fused[:2 * i_s], self.shared_down))
                 return dg.moe_combine(pairs, h, shared, route.shared_gate_logit, norm_weight, eps)
             pairs = moe_decode.moe_decode_pairs(*args, config=config, route=route)
-            shared, gate_logit = self._shared_kernels(u, dense_decode)
+            shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
             return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
-        shared, gate_logit = self._shared_kernels(u, dense_decode)
-        logits = self._router_logits(u, dense_decode)
+        shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
+        logits = self._router_logits(u, dense_decode, gemm_rows)
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)

@@ -23,9 +23,10 @@ The padded buffer costs nothing when the input's producer allocated it (`empty_r
 backbone's norms, gated norm, SwiGLU and attention output do) or when the input is itself an
 output of linear_rows; any other input is copied once (`padded_input` shares one copy among
 several projections of the same input: the tower's q/k/v and gate/up). A decode step (buckets 1..128 in CUDA
-graphs) is one GEMM per projection, as before; a prefill step of R rows is ⌈R/128⌉ GEMMs that
-each read the weight (weights are streamed once per 128 rows, which the prefill's arithmetic
-intensity absorbs; the extra launches cost host time in eager prefill). Everything is shapes
+graphs) is one GEMM per projection, as before; an eager prefill step of R rows is ⌈R/128⌉ GEMMs
+that each read the weight (weights are streamed once per 128 rows, which the prefill's
+arithmetic intensity absorbs; the extra launches cost host time in eager prefill). Padded
+prefill pieces of 256, 512, .. rows run GEMMs of 256 rows instead (`tile`, below). Everything is shapes
 known on the host: no sync, capturable in a CUDA graph.
 
 Why 128: the largest decode bucket, so a decode step never reads a weight twice; and 128 rows
@@ -125,24 +126,30 @@ def _padded_view(t: torch.Tensor, padded: int) -> torch.Tensor | None:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                force: bool | None = None) -> torch.Tensor:
+                force: bool | None = None, tile: int = TILE) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ, plus residual [M, N] when given (added in the GEMM's epilogue,
     as torch.addmm: one rounding). Same dtype rules as torch.mm / addmm.
 
     force=None pads when `active(x)`; True pads on any device (tests); False never pads.
-    Returns a [M, N] tensor; when padded, the leading rows of a [padded_rows(M), N] buffer (so a
-    following linear_rows, or a residual, is read in place).
+    tile: rows per GEMM call when padded (default TILE). Prefill graphs of large pieces pass 256
+    (StepPlan.gemm_rows, backbone/model.piece_gemm_rows): each GEMM then holds rows of one piece
+    at their positions in it, whatever else the replay holds, so a row's bits still depend on its
+    session's own cut only, and the weight is read once per 256 rows rather than per 128.
+    Returns a [M, N] tensor; when padded, the leading rows of a [M rounded up to `tile`, N] buffer
+    (so a following linear_rows, or a residual, is read in place).
     Padding rows are not zeroed: each GEMM output row depends on its own input row only.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_rows wants x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if tile < 1:
+        raise ValueError(f"linear_rows: tile must be at least 1 row, got {tile}")
     pad = active(x) if force is None else force
     rows, n = x.shape[0], weight.shape[0]
     if residual is not None and tuple(residual.shape) != (rows, n):
         raise ValueError(f"residual {tuple(residual.shape)}: expected {(rows, n)}")
     if not pad or rows == 0:
         return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.T)
-    padded = padded_rows(rows)
+    padded = -(-rows // tile) * tile
     # On the CPU (tests only: serving never pads there) the padding rows are zeros in a fresh
     # buffer: oneDNN's bf16 GEMM on some x86 CPUs let NaN in a padding row reach the other rows
     # (seen on the H200 host's CPU), which cuBLAS never does (the GPU tests put NaN/Inf there).
@@ -165,10 +172,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     autograd = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual))
     out = None if autograd else torch.empty(padded, n, dtype=torch.result_type(x, weight), device=x.device)
     pieces = []
-    for i in range(0, padded, TILE):
-        tile = None if out is None else out[i:i + TILE]
-        pieces.append(torch.mm(a[i:i + TILE], wt, out=tile) if res is None
-                      else torch.addmm(res[i:i + TILE], a[i:i + TILE], wt, out=tile))
+    for i in range(0, padded, tile):
+        target = None if out is None else out[i:i + tile]
+        pieces.append(torch.mm(a[i:i + tile], wt, out=target) if res is None
+                      else torch.addmm(res[i:i + tile], a[i:i + tile], wt, out=target))
     if out is None:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out[:rows]

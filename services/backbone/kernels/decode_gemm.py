@@ -64,6 +64,7 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -98,10 +99,13 @@ def enabled(decode: bool, x: torch.Tensor) -> bool:
     return decode and BACKEND == "triton" and HAS_TRITON and x.is_cuda
 
 
-def dense_linear(decode: bool, x: torch.Tensor):
+def dense_linear(decode: bool, x: torch.Tensor, gemm_rows: int | None = None):
     """The dense GEMM for a step's projections of x: decode_linear when `enabled`, else
-    invariant.linear_rows. Both take (x, weight, residual=None)."""
-    return decode_linear if enabled(decode, x) else invariant.linear_rows
+    invariant.linear_rows, with `gemm_rows` rows per GEMM call when given (StepPlan.gemm_rows).
+    Both take (x, weight, residual=None)."""
+    if enabled(decode, x):
+        return decode_linear
+    return invariant.linear_rows if gemm_rows is None else functools.partial(invariant.linear_rows, tile=gemm_rows)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
