@@ -79,19 +79,13 @@ DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stag
 # BM 64 is not used: with FP8 operands it runs on Hopper's warpgroup MMA, whose FP8 accumulation
 # is not exact F32 (tests/test_moe_decode.py on the H200: 1e-2 of the largest output against 1e-7
 # for BM 16 and 32, which take the exact per-warp MMA).
-# HUGE_PIECE_CONFIG: BM 64 on the warpgroup MMA with its FP8 partial sums added to F32 every 32
-# products (FP8_ACC, moe_decode_pairs), for pieces of 768 and 1024 rows (32+ pairs per expert).
 SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
-HUGE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True, FP8_ACC=32)
 LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
-HUGE_PIECE_ROWS = 768        # and 24+
 
 
 def piece_config(bucket: int) -> dict:
     """The moe_decode config of a padded prefill piece of `bucket` rows (see above)."""
-    if bucket >= HUGE_PIECE_ROWS:
-        return HUGE_PIECE_CONFIG
     return LARGE_PIECE_CONFIG if bucket >= LARGE_PIECE_ROWS else SMALL_PIECE_CONFIG
 
 
@@ -150,8 +144,7 @@ if HAS_TRITON:
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        FP8_ACC: tl.constexpr = None):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
@@ -202,8 +195,8 @@ if HAS_TRITON:
                     xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
                 sg = tl.load(s_base + kb).to(tl.float32)
                 su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
-                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC, max_num_imprecise_acc=FP8_ACC) * a[:, None] * sg
-                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC, max_num_imprecise_acc=FP8_ACC) * a[:, None] * su
+                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
+                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
             out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
             mask = r_ok[:, None] & n_ok[None, :]
             tl.store(out, acc_g, mask=mask)
@@ -237,8 +230,7 @@ if HAS_TRITON:
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
-                     FP8_ACC: tl.constexpr = None):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
@@ -273,7 +265,7 @@ if HAS_TRITON:
                 if not FP8_DOT:
                     hq, w = hq.to(DOT), w.to(DOT)
                 s = tl.load(s_base + kb).to(tl.float32)
-                acc += tl.dot(hq, tl.trans(w), input_precision=PREC, max_num_imprecise_acc=FP8_ACC) * a[:, None] * s
+                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
             rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
                      mask=r_ok[:, None] & n_ok[None, :])
@@ -522,12 +514,6 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
     fp8_dot = bool(cfg.get("FP8_DOT", False)) and bf16_dot_args()["DOT"] == tl.bfloat16
-    # FP8_ACC: K products an FP8 MMA may sum in its reduced-precision accumulator before they are
-    # added to the F32 one (tl.dot's max_num_imprecise_acc). Hopper's warpgroup MMA (BM 64) sums
-    # FP8 products in fewer bits than F32, and Triton's sm90 default lets it sum all 128 of a scale
-    # block there (1e-2 of the largest output off naive_moe_fp8); 32 adds each instruction's
-    # partial sum in F32. None: Triton's default (the per-warp MMA of BM 16/32 is exact anyway).
-    fp8_acc = cfg.get("FP8_ACC") if fp8_dot else None
     if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
@@ -560,7 +546,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        FP8_ACC=fp8_acc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
@@ -577,7 +563,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, FP8_ACC=fp8_acc,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
