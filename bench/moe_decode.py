@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     big = max(args.rows)
     xb = torch.randn(big, H, device="cuda").bfloat16()
     idsb, wb = fp8_moe.router_topk(torch.randn(big, E, device="cuda"), K)
-    print(f"{'T':>4} {'variant':<18} {'config':<84} {'ms/40 layers':>12} {'x floor':>8} {'TB/s':>6}")
+    print(f"{'T':>4} {'variant':<18} {'config':<84} {'ms/40 layers':>12} {'x floor':>8} {'TB/s':>6} {'rel err':>8}")
     for t in args.rows:
         x = torch.randn(t, H, device="cuda").bfloat16()
         routes = [fp8_moe.router_topk(torch.randn(t, E, device="cuda"), K) for _ in layers]
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
                              rel_err=cfg["rel_err_vs_naive"]))
             short = ",".join(f"{k}={v}" for k, v in kernel_cfg.items())
             print(f"{t:>4} {name:<18} {short:<84} {ms:>12.3f} {ms / floor_ms:>8.2f} "
-                  f"{expert_bytes(unique) / (ms * 1e-3) / 1e12:>6.2f}", flush=True)
+                  f"{expert_bytes(unique) / (ms * 1e-3) / 1e12:>6.2f} {cfg['rel_err_vs_naive']:>8.1e}", flush=True)
         results["rows"][t] = dict(floor_ms=floor_ms, unique_per_layer=unique / len(layers), variants=rows)
 
     # Does a row's result depend on the tile shape? Configs with the same K split (the summation

@@ -163,6 +163,8 @@ def test_graph_replay_is_batch_invariant(weights):
     # pieces of 256-row GEMMs (model.piece_gemm_rows): 200 rows alone in a 256-row graph, and
     # packed behind a 500-row piece in a 512-row graph of two
     big, small = _ids(500, 8), _ids(200, 9)
+    for slot in (a, b, c):
+        engine.release(slot)
     slot = engine.open()
     small_alone = engine.step([(slot, small, None)])[0].clone()
     engine.release(slot)
