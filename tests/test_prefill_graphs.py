@@ -64,9 +64,10 @@ def test_prefill_groups():
     assert [(g.bucket, g.slots, len(g.pieces)) for g in prefill_groups([100] * 10)] == \
         [(128, 8, 8), (128, 2, 2)]
     assert graph_pieces(512) == (1, 2) and graph_pieces(16)[-1] == 16
-    # GEMMs of 256 rows for buckets 256, 512, 768, 1024, of 128 for the others: a 200-row piece
-    # (bucket 256) joins a 512-row one, a 100-row piece (128) does not
-    assert [piece_gemm_rows(b) for b in PREFILL_BUCKETS] == [128] * 7 + [256, 128, 256, 256, 256]
+    # GEMMs of 256 rows for buckets 256 and 512, of the piece for 768 and 1024 (one piece per
+    # graph), of 128 for the others: a 200-row piece (bucket 256) joins a 512-row one, a 100-row
+    # piece (128) does not
+    assert [piece_gemm_rows(b) for b in PREFILL_BUCKETS] == [128] * 7 + [256, 128, 256, 768, 1024]
     assert [(g.bucket, g.slots, [i for i, _, _ in g.pieces]) for g in prefill_groups([200, 500, 100])] == \
         [(512, 2, [1, 0]), (128, 1, [2])]
     assert prefill_groups([]) == []

@@ -27,9 +27,9 @@ def _params(i: int) -> dict:
 
 
 def test_bucket_sizes_are_capped_at_max_sessions():
-    assert decode_graphs.bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert decode_graphs.bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
-    assert decode_graphs.bucket_sizes(300) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert decode_graphs.bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_graphs.bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_graphs.bucket_sizes(300) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
 
 
 def test_graphs_default_on_cuda_only_and_env_turns_them_off(monkeypatch):

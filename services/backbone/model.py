@@ -54,7 +54,11 @@ from .moe import SparseMoE
 from .rope import RotaryTable
 
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch sizes with a captured decode graph (decode_graphs)
+# Batch sizes with a captured decode graph (decode_graphs); a step runs in the smallest that holds
+# it, padding rows computed in full. Steps of 16 rows apart above 64: at 128 streams most steps had
+# 65-128 rows, and on the H200 65 rows in the 128-row graph took 20.0 ms against 15.5 for 64
+# (session 9, bench/backbone.py --batch 64 65 128), ~0.076 ms per row.
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 # Rows per piece of a captured prefill graph (prefill_graphs). Between 64 and 512 the steps are
 # 1.25-1.5x, not 2x: a piece's time grows with its rows past the expert read (~10 ms on the H200
 # at any size), ~0.056 ms per row between 128 and 192 rows (18.8 / 22.4 ms with the serving pool);
@@ -89,7 +93,8 @@ def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[
 
 # Rows per dense GEMM call in a prefill graph whose bucket is a multiple of it (else
 # invariant.TILE = 128): a 1024-row piece ran each projection as 8 GEMMs of 128 rows, each
-# reading the weight, at ~1.4x the time of one GEMM per 256 rows (cuBLAS is compute-bound there).
+# reading the weight (H200, session 9: 1024 rows 53.4 -> 37.7 ms with the 1024-row bucket and
+# these GEMMs, 256 rows 18.9 -> 17.2).
 PIECE_GEMM_ROWS = 256
 
 
@@ -97,7 +102,10 @@ def piece_gemm_rows(bucket: int) -> int:
     """Rows per dense GEMM call in a prefill graph of `bucket` rows per piece. A piece sits at a
     multiple of its graph's bucket, so with the bucket a multiple of this each GEMM holds rows of
     one piece, at their positions in the piece: a row's GEMM shape and position are the same in
-    any graph of the same GEMM rows (prefill_groups packs pieces only there)."""
+    any graph of the same GEMM rows (prefill_groups packs pieces only there). A graph that holds
+    one piece only (768, 1024) runs one GEMM of the whole piece."""
+    if graph_pieces(bucket) == (1,):
+        return bucket
     return PIECE_GEMM_ROWS if bucket % PIECE_GEMM_ROWS == 0 else invariant.TILE
 
 

@@ -6,8 +6,8 @@ the answer.
 
 DecodeGraphs: every accepted entry a single-row draw (the steady state).
 
-    buckets: batch sizes 1, 2, 4, 8, 16, 32, 64, 128, capped at max_sessions (a step of R rows
-    replays the smallest bucket >= R). Rows past R point at the engine's scratch slot (a pool
+    buckets: batch sizes 1, 2, 4, 8, 16, 32, 48, 64, 96, 128 (BUCKETS), capped at max_sessions (a
+    step of R rows replays the smallest bucket >= R). Rows past R point at the engine's scratch slot (a pool
     slot no session owns, position 0), so their cache and RAS writes touch nothing real; their
     other inputs are whatever the buffer last held (finite values of earlier rows).
 
@@ -91,7 +91,7 @@ from torch import Tensor
 
 from services.common import cuda_graphs, grpcutil
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)   # 48, 96: steps between powers of two pad less
 ROW_BUCKETS = (32, 128, 256, 512, 1024, 2048)    # StepGraphs' T (each holds T - 1 real rows)
 DRAW_BUCKETS = (1, 16, 128)                      # StepGraphs' D, capped at T and max_sessions
 ENV = "DRAMA_TOWER_GRAPHS"
