@@ -214,3 +214,30 @@ def test_graphed_decode_equals_eager_decode():
     cos = cosine(out[1], out[0])
     print(f"graphed vs eager decode: min cosine {float(cos.min()):.7f}")
     assert cos.min() >= 0.9999, f"min cosine {float(cos.min()):.7f}"
+
+
+@cuda
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    """Graphed prefill and decode steps with PDL (kernels.pdl_args: kernels start while the one
+    before drains and wait in pdl_prologue) give the same bits as without it, over many steps: a
+    kernel reading before its predecessor finished would show as a flipped bit somewhere."""
+    from services.backbone import kernels
+
+    ref = random_backbone(MID, device="cpu", seed=5)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, MID.vocab_size, (n,), generator=gen) for n in (7, 40, 130)]
+    steps = torch.randint(0, MID.vocab_size, (16, 3), generator=gen)
+    out, used = {}, {}
+    for pdl in (True, False):
+        monkeypatch.setattr(kernels, "PDL", pdl)
+        used[pdl] = bool(kernels.pdl_args())
+        engine = BackboneEngine(copy_to(ref, "cuda", kernels=True, decode_graphs=True), max_sessions=4,
+                                max_context=200)
+        slots = [engine.open() for _ in prompts]
+        rows = list(engine.step([(s, p, None) for s, p in zip(slots, prompts)]))
+        for t in steps:
+            rows += engine.step([(s, t[j:j + 1], None) for j, s in enumerate(slots)])
+        out[pdl] = torch.cat([r.reshape(-1, r.shape[-1]) for r in rows])
+    print(f"PDL used: {used[True]} (a GPU of compute capability 9 or more)")
+    assert not used[False]
+    assert torch.equal(out[True], out[False])

@@ -50,3 +50,50 @@ def bf16_dot_args() -> dict:
 def use_triton(*tensors) -> bool:
     """True when every tensor is on CUDA and Triton is importable: the one dispatch rule."""
     return HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+# Programmatic dependent launch (Hopper). A decode step is ~570 short kernels back to back, and a
+# kernel launched with `launch_pdl` may start while the one before it drains: its programs become
+# resident and wait in `griddepcontrol.wait` (pdl_prologue) until the previous kernel has finished
+# and its writes are visible, instead of the next launch starting only then. Each such kernel
+# calls pdl_prologue first thing, in every program: it waits before it reads anything (a program
+# that skipped the wait could finish before its predecessor, and its successor, which waits only
+# for it, would read too early), then lets its own successor launch. Off in Triton's interpreter
+# and off CUDA; DRAMA_PDL=0 turns it off (read once at import).
+PDL = (HAS_TRITON and not INTERPRET
+       and os.environ.get("DRAMA_PDL", "1").strip().lower() not in ("0", "false", "off", "no"))
+
+if HAS_TRITON:
+    if hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
+
+        @triton.jit
+        def pdl_prologue(ENABLED: tl.constexpr):
+            if ENABLED:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+    else:  # pragma: no cover - a Triton without the intrinsics
+        PDL = False
+
+        @triton.jit
+        def pdl_prologue(ENABLED: tl.constexpr):
+            pass
+
+
+def pdl_args(device=None) -> dict:
+    """Launch arguments of a kernel that calls pdl_prologue(PDL): {PDL, launch_pdl} on a CUDA
+    device of compute capability 9 or more when PDL is on, else {} (the kernel's PDL defaults to
+    False, and nothing waits)."""
+    if not PDL or not _pdl_device(device):
+        return {}
+    return dict(PDL=True, launch_pdl=True)
+
+
+@functools.cache
+def _pdl_device(device) -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    index = torch.device(device).index if device is not None and torch.device(device).index is not None \
+        else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9

@@ -29,11 +29,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import HAS_TRITON, INTERPRET, use_triton
+from . import HAS_TRITON, INTERPRET, pdl_args, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from . import pdl_prologue
     from triton.language.extra import libdevice
 
 TARGET_SPLITS = 32      # at most this many key ranges per (row, KV head); a range holds >= MIN_SPLIT keys
@@ -92,7 +94,7 @@ def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: f
         q, k_pool, v_pool, slots, positions, part_o, part_ml, scale, split, n_splits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BN=BLOCK_N, num_warps=4, num_stages=2)
+        G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BN=BLOCK_N, num_warps=4, num_stages=2, **pdl_args())
     if out is None:
         out = torch.empty(b, n_q, d, dtype=q.dtype, device=q.device)
     has_gate = gate is not None
@@ -101,7 +103,7 @@ def decode_attention(q, k_pool, v_pool, slots, positions, context: int, scale: f
     _decode_combine_kernel[(b, n_q)](part_o, part_ml, positions, out, gate if has_gate else out, split, n_splits,
                                      out.stride(0), out.stride(1), gate.stride(0) if has_gate else 0,
                                      gate.stride(1) if has_gate else 0, G=group, D=d, HAS_GATE=has_gate,
-                                     PRECISE=not INTERPRET, num_warps=4)
+                                     PRECISE=not INTERPRET, num_warps=4, **pdl_args())
     return out
 
 
@@ -110,7 +112,9 @@ if HAS_TRITON:
     @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, scale, split, n_splits,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh,
-                               stride_vl, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                               stride_vl, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                               PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         start = sp * split
@@ -148,7 +152,8 @@ if HAS_TRITON:
     @triton.jit
     def _decode_combine_kernel(o_ptr, ml_ptr, pos_ptr, out_ptr, gate_ptr, split, n_splits, stride_ob, stride_oh,
                                stride_gb, stride_gh, G: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
-                               PRECISE: tl.constexpr):
+                               PRECISE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         b, h = tl.program_id(0), tl.program_id(1)
         n_q = tl.num_programs(1)
         kvh, g = h // G, h % G

@@ -34,11 +34,13 @@ import torch.nn.functional as F
 from services.common import cuda_graphs
 from services.common.invariant import empty_rows
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, pdl_args, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from . import pdl_prologue
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def rms_norm_plus(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.
         return naive_rms_norm_plus(x, w, eps)
     m, h = x.shape
     out = empty_rows(m, h, dtype=torch.bfloat16, device=x.device)      # a GEMM input: padded storage
-    _rms_norm_kernel[(m,)](x, w, out, eps, h, x.stride(0), BH=triton.next_power_of_2(h), num_warps=8)
+    _rms_norm_kernel[(m,)](x, w, out, eps, h, x.stride(0), BH=triton.next_power_of_2(h), num_warps=8, **pdl_args())
     return out
 
 
@@ -107,7 +109,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # 6.2 us on the H200 (one SM); elementwise, so the blocking never changes a value
     block = min(triton.next_power_of_2(n), 1024)
     _silu_mul_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BN=block,
-                                                 num_warps=4)
+                                                 num_warps=4, **pdl_args())
     return out
 
 
@@ -121,7 +123,7 @@ def attention_prologue(qkv, q_norm, k_norm, k_cache, v_cache, seq, pos, *, n_q, 
     _attn_prologue_kernel[(m, n_q + 2 * n_kv)](
         qkv, q_norm, k_norm, k_cache, v_cache, seq, pos, q, qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), eps, theta,
-        NQ=n_q, NKV=n_kv, D=d_h, R=rotary_dim, num_warps=2)
+        NQ=n_q, NKV=n_kv, D=d_h, R=rotary_dim, num_warps=2, **pdl_args())
     return q
 
 
@@ -141,13 +143,13 @@ def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weigh
             pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual,
             out, norm_weight, normed, eps, h, residual.stride(0), shared.stride(0) if has_shared else 0,
             shared_gate_logit.stride(0) if has_shared else 0,
-            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=8)
+            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=8, **pdl_args())
         return out, normed
     _moe_combine_kernel[(t, triton.cdiv(h, 1024))](
         pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual, out,
         h, residual.stride(0), shared.stride(0) if has_shared else 0,
         shared_gate_logit.stride(0) if has_shared else 0,
-        K=k, HAS_SHARED=has_shared, BLOCK=1024, num_warps=4)
+        K=k, HAS_SHARED=has_shared, BLOCK=1024, num_warps=4, **pdl_args())
     return out
 
 
@@ -173,7 +175,7 @@ def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torc
     n = frames.shape[1] if frames is not None else 0
     _embed_kernel[(rows, triton.cdiv(hidden, 1024))](
         token_ids, frames if frames is not None else token_ids, table, codebooks if codebooks is not None else table,
-        out, hidden, semantic_start, codebook_vocab, _inv_sqrt_f32(n + 1), NCB=n, BLOCK=1024, num_warps=4)
+        out, hidden, semantic_start, codebook_vocab, _inv_sqrt_f32(n + 1), NCB=n, BLOCK=1024, num_warps=4, **pdl_args())
     return out
 
 
@@ -211,7 +213,8 @@ class EagerStep:
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, H, stride_x, BH: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, H, stride_x, BH: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
@@ -221,7 +224,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row * H + offs, y.to(tl.bfloat16), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BN: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BN: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BN + tl.arange(0, BN)
         ok = offs < N
@@ -232,7 +236,9 @@ if HAS_TRITON:
     @triton.jit
     def _attn_prologue_kernel(qkv_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, q_ptr,
                               stride_row, stride_cs, stride_ch, stride_cl, eps, theta,
-                              NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+                              NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         m, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D)
         half: tl.constexpr = R // 2
@@ -285,7 +291,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_combine_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, H, stride_res, stride_sh, stride_shg,
-                            K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                            K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
@@ -296,8 +303,10 @@ if HAS_TRITON:
     @triton.jit
     def _moe_combine_norm_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, w_ptr, normed_ptr, eps, H,
                                  stride_res, stride_sh, stride_shg,
-                                 K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr):
+                                 K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
+                                 PDL: tl.constexpr = False):
         """_moe_combine_kernel for a whole row, then _rms_norm_kernel's RMSNorm⁺ of the bf16 result."""
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
@@ -311,7 +320,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _embed_kernel(ids_ptr, frames_ptr, table_ptr, cb_ptr, out_ptr, H, semantic_start, vocab, inv,
-                      NCB: tl.constexpr, BLOCK: tl.constexpr):
+                      NCB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         r = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from services.common import invariant
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, pdl_args, use_triton
 
 FP8_MAX = 448.0
 ACTIVATION_SCALE_FLOOR = 1e-10   # §4.7: a_g = max(max|x_g|, 1e-10) / 448
@@ -60,6 +60,8 @@ DECODE_MAX_PAIRS = 1024          # above this many (token, slot) pairs the torch
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from . import pdl_prologue
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,8 +336,10 @@ if HAS_TRITON:
         tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
 
     @triton.jit
-    def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr):
+    def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr,
+                                   PDL: tl.constexpr = False):
         """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
+        pdl_prologue(PDL)
         _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, tl.program_id(0), tl.program_id(1), SPLIT, BM)
 
     @triton.jit
@@ -558,7 +562,7 @@ def _moe_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
         hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=x.device)
         ha = torch.empty(n, math.ceil(i / GROUP), dtype=torch.float32, device=x.device)
         _split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, GROUP))](
-            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
+            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     else:
         hq, ha = quantize_rows_fp8_triton(act)
     out = torch.empty(n, h, dtype=torch.float32, device=x.device)

@@ -29,13 +29,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import HAS_TRITON, INTERPRET, use_triton
+from . import HAS_TRITON, INTERPRET, pdl_args, use_triton
 
 L2_EPS = 1e-6
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from . import pdl_prologue
 
 
 def _fla():
@@ -110,7 +112,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     block = 1024
     _conv_update_kernel[(b, triton.cdiv(c, block))](
         x, weight, conv_state, out, slots if slots is not None else x, c, x.stride(0), out.stride(0),
-        TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, num_warps=4)
+        TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, num_warps=4, **pdl_args())
     return out
 
 
@@ -334,7 +336,7 @@ def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None
         q, k, v, a, b, A_log, dt_bias, state, out, slots if slots is not None else out, scale,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, HAS_SLOTS=slots is not None,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_args())
     return out
 
 
@@ -359,7 +361,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if out is None:
         out = torch.empty(bsz, hv, dv, dtype=torch.bfloat16, device=o.device)
     _gated_norm_kernel[(bsz * hv,)](o, z, weight, out, eps, o.stride(0), z.stride(0), out.stride(0),
-                                    HV=hv, V=dv, BV=triton.next_power_of_2(dv), num_warps=1)
+                                    HV=hv, V=dv, BV=triton.next_power_of_2(dv), num_warps=1, **pdl_args())
     return out
 
 
@@ -371,7 +373,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _conv_update_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slot_ptr, C, stride_x, stride_o,
-                            TAPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                            TAPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = ch < C
@@ -466,8 +470,9 @@ if HAS_TRITON:
     def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, slot_ptr, scale,
                            stride_q, stride_k, stride_v, stride_a, stride_b,
                            HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
         """fla's fused_recurrent_gated_delta_rule_fwd_kernel for T = 1, gates fused, state in place."""
+        pdl_prologue(PDL)
         i_bh, i_v = tl.program_id(0), tl.program_id(1)
         i_b, i_hv = i_bh // HV, i_bh % HV
         i_h = i_hv // (HV // HK)
@@ -498,7 +503,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, stride_o, stride_z, stride_out,
-                           HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+                           HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         i_b, i_h = row // HV, row % HV
         offs = tl.arange(0, BV)

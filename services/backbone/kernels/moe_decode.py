@@ -50,12 +50,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import HAS_TRITON, bf16_dot_args, use_triton
+from . import HAS_TRITON, bf16_dot_args, pdl_args, use_triton
 from . import fp8_moe
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from . import pdl_prologue
 
 # BM pairs per tl.dot (16 is tl.dot's smallest M), BN_GU / BN_DOWN output columns per program
 # (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H,
@@ -93,9 +95,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_lists_kernel(ids_ptr, counts_ptr, lists_ptr, active_ptr, num_active_ptr, n, T,
-                             NP: tl.constexpr):
+                             NP: tl.constexpr, PDL: tl.constexpr = False):
         """Program e: pair indices p (ascending) with ids[p] == e -> lists[e, :count], counts[e];
         a non-empty expert appends itself to `active` (num_active must be 0 before the launch)."""
+        pdl_prologue(PDL)
         e = tl.program_id(0)
         p = tl.arange(0, NP)
         ids = tl.load(ids_ptr + p, mask=p < n, other=-1)
@@ -144,13 +147,15 @@ if HAS_TRITON:
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr):
+                        PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
         bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
+        pdl_prologue(PDL)
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.cdiv(H, 128)
         if SHARED:
@@ -230,10 +235,11 @@ if HAS_TRITON:
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
+        pdl_prologue(PDL)
         slot, pid_n = tl.program_id(0), tl.program_id(1)
         if SHARED:
             if slot >= shared_slot:
@@ -273,11 +279,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
-                                    SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr):
+                                    SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr,
+                                    PDL: tl.constexpr = False):
         """fp8_moe._split_reduce_quant_kernel for the routed pairs (row blocks < pair_blocks), and
         for the shared expert's rows (the blocks after them): the same split-order sum and
         bf16(silu(bf16 gate)·bf16 up), stored as BF16 hs [T, IS] (the shared down is BF16: no
         quantisation)."""
+        pdl_prologue(PDL)
         pid_m, g = tl.program_id(0), tl.program_id(1)
         if pid_m < pair_blocks:
             if g * 128 < I:
@@ -309,7 +317,7 @@ if HAS_TRITON:
     @triton.jit
     def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
                                KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                               DOT: tl.constexpr, UNROLL: tl.constexpr):
+                               DOT: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
@@ -317,6 +325,7 @@ if HAS_TRITON:
         UNROLL: the KR/BK steps written out (tl.static_range), so every step's loads can be in
         flight at once; the loop form may wait for each step's load in turn. The same products
         and sums in the same order either way."""
+        pdl_prologue(PDL)
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rg * RB + tl.arange(0, RB)
         r_ok = rows < M
@@ -338,7 +347,7 @@ if HAS_TRITON:
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
                             stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr):
+                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
         form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
@@ -346,6 +355,7 @@ if HAS_TRITON:
         GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
         bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
         for expert_lists."""
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         if t == 0:
             tl.store(num_active_ptr, 0)
@@ -445,7 +455,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
             u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
             RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
-            num_warps=lay.get("num_warps", 4))
+            num_warps=lay.get("num_warps", 4), **pdl_args())
     else:
         if logits.shape != (t, e) or logits.stride(1) != 1 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be F32 [{t}, {e}] with unit stride along E")
@@ -466,7 +476,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
                               gate if gate is not None else weights,
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                              KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"])
+                              KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"], **pdl_args())
     return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
@@ -488,7 +498,7 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Ten
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
     _expert_lists_kernel[(num_experts,)](ids, counts, lists, active, num_active, n, t,
-                                         NP=max(16, triton.next_power_of_2(n)), num_warps=4)
+                                         NP=max(16, triton.next_power_of_2(n)), num_warps=4, **pdl_args())
     return counts, lists, active, num_active
 
 
@@ -546,17 +556,17 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
         pair_blocks = triton.cdiv(n, 16)
         _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
             ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
-            num_warps=4)
+            num_warps=4, **pdl_args())
     else:
         fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
-            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4)
+            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
     _down_kernel[(slots + shared_tiles, triton.cdiv(h, bn2))](
@@ -564,7 +574,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
 

@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (services/backbone/kernels.pdl_args / pdl_prologue), checked
+from the source, so it runs without Triton or a GPU: every kernel launched with pdl_args()
+declares `PDL` and calls pdl_prologue(PDL) as its first statement.
+
+Why it matters: a kernel launched with PDL may start before the kernel before it has finished.
+It must wait (griddepcontrol.wait, in pdl_prologue) before it reads anything, in every program:
+a program that returned early without waiting could let the kernel finish before its
+predecessor, and the next kernel, which waits only for it, would read stale memory. Bit equality
+with PDL on and off is tests/test_backbone_gpu.py's (CUDA only)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+KERNELS = Path(__file__).resolve().parents[1] / "services" / "backbone" / "kernels"
+
+
+def _modules():
+    return {path.name: ast.parse(path.read_text()) for path in sorted(KERNELS.glob("*.py"))}
+
+
+def _kernels(tree) -> dict[str, ast.FunctionDef]:
+    return {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in node.decorator_list)}
+
+
+def _launched_with_pdl(tree) -> set[str]:
+    """Names of kernels called as kernel[grid](..., **pdl_args())."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and any(k.arg is None and "pdl_args" in ast.unparse(k.value) for k in node.keywords)):
+            names.add(ast.unparse(node.func.value).rsplit(".", 1)[-1])
+    return names
+
+
+def test_every_pdl_launch_targets_a_kernel_that_waits_first():
+    modules = _modules()
+    kernels = {name: fn for tree in modules.values() for name, fn in _kernels(tree).items()}
+    launched = set().union(*(_launched_with_pdl(tree) for tree in modules.values()))
+    assert len(launched) >= 15, sorted(launched)          # the decode step's kernels
+    for name in sorted(launched):
+        fn = kernels[name]
+        params = [a.arg for a in fn.args.args]
+        assert params[-1] == "PDL", f"{name}: PDL must be its last parameter (default False)"
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+            else fn.body
+        assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{name} does not wait first: {ast.unparse(body[0])}"
+
+
+def test_no_kernel_waits_without_being_launched_for_it():
+    """A kernel with the PDL parameter that no launch passes pdl_args() to would never wait:
+    harmless, but a sign a launch site lost its argument."""
+    modules = _modules()
+    launched = set().union(*(_launched_with_pdl(tree) for tree in modules.values()))
+    declared = {name for tree in modules.values() for name, fn in _kernels(tree).items()
+                if fn.args.args and fn.args.args[-1].arg == "PDL"}
+    assert declared == launched, (sorted(declared - launched), sorted(launched - declared))
