@@ -11,7 +11,8 @@
 # DURATION (15 s per level), FRAMES (100 per request); SKIP_E2E=1 / SKIP_VOICE=1 / SKIP_INVARIANCE=1 /
 # SKIP_MICRO=1 leave out bench.e2e's requests, the voice-prefix run, the batch-invariance run, or the
 # in-process stage timings; SPY_CONCURRENCY=N adds bench.host_profile (py-spy on every process, carry
-# its wheel) over N streams at a time after the sweep, SPY_REQUESTS (2N) requests of FRAMES frames. Stage settings pass through the
+# its wheel) over N streams at a time after the sweep, SPY_REQUESTS (2N) requests of FRAMES frames;
+# LONG_FRAMES=F adds a sweep of LONG_SWEEP (128) streams of F frames each, LONG_DURATION (4) s. Stage settings pass through the
 # environment, e.g. DRAMA_PREFILL_LANE=0 (the prefill lane, on by default on CUDA), DRAMA_PREFILL_INTERVAL_MS=200 or DRAMA_CODEC_GRAPH_LENGTHS=1,2,4,8 to compare a
 # sweep with and without them (bench/stage_metrics.py shows which stage is busy). Every Python command is echoed to
 # $OUT/commands.txt before it runs, so the log says exactly what produced each figure.
@@ -65,6 +66,11 @@ if [[ $part == all ]]; then
   run python3 -m bench.load --url "$url" --sweep "${SWEEP:-1,8,32,64,128}" --duration "${DURATION:-15}" \
       --max-new-tokens "${FRAMES:-100}" --formats pcm --sample-rate 44100 --ramp-s 2 --json "$OUT/load.json"
   run python3 -m bench.stage_metrics "$OUT/stack-logs" --load "$OUT/load.json" --json "$OUT/stage_metrics.json"
+  # Long streams: the sweep's 100-frame (4.6 s) requests hide a per-stream RTF a little above 1
+  # behind the 1 s start buffer; LONG_FRAMES=400 (18.6 s) shows whether the load is held in real time.
+  [[ -z ${LONG_FRAMES:-} ]] || run python3 -m bench.load --url "$url" --sweep "${LONG_SWEEP:-128}" \
+      --duration "${LONG_DURATION:-4}" --max-new-tokens "$LONG_FRAMES" --formats pcm --sample-rate 44100 --ramp-s 2 \
+      --json "$OUT/load_long.json"
   [[ -z ${SPY_CONCURRENCY:-} ]] || run python3 -m bench.host_profile --stack-info "$info" \
       --concurrency "$SPY_CONCURRENCY" --requests "${SPY_REQUESTS:-$((2 * SPY_CONCURRENCY))}" \
       --frames "${FRAMES:-100}" --max-seconds 180 --rate 200 --top 45 --out "$OUT/spy" --json "$OUT/host_profile.json"
