@@ -13,17 +13,21 @@ graph captures); the CUDA tests replay the graphs. What is proven:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import services.backbone.model as backbone_model
 from services.backbone.engine import BackboneEngine
+from services.backbone.kernels import HAS_TRITON
 from services.backbone.model import (PREFILL_BUCKETS, PREFILL_GRAPH_ROWS, graph_pieces, piece_gemm_rows,
                                      prefill_cuts, prefill_groups)
 from services.backbone.weights import random_backbone
 from test_backbone_gpu import MID, copy_to
 
 CUDA = torch.cuda.is_available()
+INTERPRET_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 
 
 def test_prefill_cuts():
@@ -177,3 +181,25 @@ def test_graph_replay_is_batch_invariant(weights):
     eager = _engine(weights, "cuda", decode_graphs=True, prefill_graphs=False)
     ref = eager.step([(eager.open(), prompt, None)])[0]
     assert torch.nn.functional.cosine_similarity(ref.float(), alone[0].float(), dim=-1).min() > 0.999
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET_TRITON), reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
+def test_tiled_piece_attention_matches_the_row_kernel(weights, monkeypatch):
+    """DRAMA_PIECE_ATTENTION=tiled (kernels/attention.piece_attention) against the default row-wise
+    attention of pieces: the prompt's rows and the decode rows after it agree within BF16 rounding
+    (the bound of test_pieces_match_the_eager_path: each path rounds its attention output to bf16
+    on its own, and the layers after it carry the difference)."""
+    from services.backbone.kernels import attention as kattn
+
+    device = "cuda" if CUDA else "cpu"
+    prompt = _ids(75, 11)
+    out = {}
+    for mode in ("rows", "tiled"):
+        monkeypatch.setattr(kattn, "PIECE_ATTENTION", mode)
+        engine = _engine(weights, device, decode_graphs=CUDA, prefill_graphs=True)
+        slot = engine.open()
+        rows = [engine.step([(slot, prompt, None)])[0]]
+        rows += [engine.step([(slot, prompt[i:i + 1], None)])[0] for i in range(3)]
+        out[mode] = torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]).float()
+    cos = torch.nn.functional.cosine_similarity(out["rows"], out["tiled"], dim=-1).min().item()
+    assert cos > 0.9995, cos

@@ -230,7 +230,13 @@ class GatedAttention(nn.Module):
                                   rotary_dim=self.rotary_dim, theta=self.rope_theta, eps=self.eps)
         gate = qkv[:, :2 * n_q * d].view(rows, n_q, 2 * d)[..., d:]
         y = invariant.empty_rows(rows, n_q * d, dtype=q.dtype, device=q.device)   # o_proj reads it in place
-        if plan.decode or plan.row_mask is not None:
+        if plan.row_mask is not None and kattn.PIECE_ATTENTION == "tiled" and kattn.piece_supported(q, cache.k):
+            # padded prefill pieces, a block of a piece's rows sharing its keys
+            # (DRAMA_PIECE_ATTENTION=tiled; kernels/attention.piece_attention)
+            pieces = plan.seg_slots.shape[0]
+            kattn.piece_attention(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.seg_rows,
+                                  rows // pieces, self.scale, gate=gate, out=y.view(rows, n_q, d))
+        elif plan.decode or plan.row_mask is not None:
             # each row over keys [0, its position] of its slot: decode rows, and the rows of a
             # padded prefill piece (their keys were all written by the prologue above).
             # plan.context: the pool length in a graph, and eagerly too with batch invariance on
