@@ -169,7 +169,7 @@ def piece_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     decode kernel, `supported`), or in Triton's interpreter (tests), when the shapes allow it."""
     if not _piece_shapes_ok(q, k_pool):
         return False
-    return (INTERPRET and HAS_TRITON) or (supported(q, k_pool))
+    return (INTERPRET and HAS_TRITON) or supported(q, k_pool)
 
 
 def piece_attention(q, k_pool, v_pool, piece_slots, positions, piece_rows, bucket: int, scale: float,
