@@ -18,6 +18,7 @@ import torch
 
 from services.backbone.kernels import HAS_TRITON, decode_gemm
 from services.common import invariant
+from services.common.grpcutil import env_choice
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -126,13 +127,16 @@ def test_switch(monkeypatch):
     """cublas (the default) always gives invariant.linear_rows; triton only on a decode step with
     x on CUDA; a bad value is an error."""
     x = torch.zeros(1, 8)
+    read = lambda: env_choice("DRAMA_DECODE_GEMM", ("cublas", "triton"))  # noqa: E731 (as decode_gemm reads it)
     monkeypatch.delenv("DRAMA_DECODE_GEMM", raising=False)
-    assert decode_gemm._read_switch() == "cublas"
+    assert read() == "cublas"
+    monkeypatch.setenv("DRAMA_DECODE_GEMM", "")
+    assert read() == "cublas"
     monkeypatch.setenv("DRAMA_DECODE_GEMM", "Triton ")
-    assert decode_gemm._read_switch() == "triton"
+    assert read() == "triton"
     monkeypatch.setenv("DRAMA_DECODE_GEMM", "cutlass")
     with pytest.raises(ValueError, match="DRAMA_DECODE_GEMM"):
-        decode_gemm._read_switch()
+        read()
     monkeypatch.setattr(decode_gemm, "BACKEND", "cublas")
     assert decode_gemm.dense_linear(True, x) is invariant.linear_rows
     monkeypatch.setattr(decode_gemm, "BACKEND", "triton")
@@ -307,7 +311,7 @@ def test_backbone_decode_steps_take_decode_linear(monkeypatch):
 
     calls = []
 
-    def forced(decode, x):
+    def forced(decode, x, gemm_rows=None):      # decode_gemm.dense_linear's signature
         if not decode:
             return invariant.linear_rows
         def linear(x, weight, residual=None):

@@ -309,6 +309,15 @@ def env_switch(name: str) -> bool | None:
     return None if value is None else value.strip().lower() not in ("0", "false", "off", "no")
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """A variable that names one of `choices` (lower-cased; unset or empty: the first, the
+    default); anything else is a ValueError naming the variable and the choices."""
+    value = (env_default(name, None) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def run_stage(service_name: str, serve_coro_factory: Callable[[], object]) -> int:
     """The body of every stage's `main`: logging from DRAMA_LOG_LEVEL, OpenTelemetry under
     `service_name`, then run the server coroutine until it returns; Ctrl-C is a clean exit (0)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import os
+from services.common.grpcutil import env_choice
 
 from . import HAS_TRITON, INTERPRET, bf16_dot_args, pdl_args, use_triton
 
@@ -56,17 +56,7 @@ if HAS_TRITON:
     from . import pdl_prologue
     from triton.language.extra import libdevice
 
-_PIECE_CHOICES = ("rows", "tiled")
-
-
-def _read_piece_switch() -> str:
-    value = os.environ.get("DRAMA_PIECE_ATTENTION", "rows").strip().lower()
-    if value not in _PIECE_CHOICES:
-        raise ValueError(f"DRAMA_PIECE_ATTENTION must be one of {_PIECE_CHOICES}, got {value!r}")
-    return value
-
-
-PIECE_ATTENTION = _read_piece_switch()   # read once at import
+PIECE_ATTENTION = env_choice("DRAMA_PIECE_ATTENTION", ("rows", "tiled"))   # read once at import
 PIECE_QUERY_ROWS = 64   # query vectors (rows x heads of one KV head) per program of piece_attention
 PIECE_BLOCK_N = 64      # keys per inner iteration of piece_attention
 

@@ -65,11 +65,11 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from services.common import invariant
+from services.common.grpcutil import env_choice
 
 from . import HAS_TRITON, INTERPRET, bf16_dot_args
 
@@ -80,17 +80,7 @@ if HAS_TRITON:
 ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
 MAX_TILES_PER_PROGRAM = 4   # default cap on 16-row tiles per program (the kernel takes up to 8)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
-_CHOICES = ("cublas", "triton")
-
-
-def _read_switch() -> str:
-    value = os.environ.get("DRAMA_DECODE_GEMM", "cublas").strip().lower()
-    if value not in _CHOICES:
-        raise ValueError(f"DRAMA_DECODE_GEMM must be one of {_CHOICES}, got {value!r}")
-    return value
-
-
-BACKEND = _read_switch()
+BACKEND = env_choice("DRAMA_DECODE_GEMM", ("cublas", "triton"))   # read once at import
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
