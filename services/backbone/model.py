@@ -93,8 +93,9 @@ def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[
 
 # Rows per dense GEMM call in a prefill graph whose bucket is a multiple of it (else
 # invariant.TILE = 128): a 1024-row piece ran each projection as 8 GEMMs of 128 rows, each
-# reading the weight (H200, session 9: 1024 rows 53.4 -> 37.7 ms with the 1024-row bucket and
-# these GEMMs, 256 rows 18.9 -> 17.2).
+# reading the weight (H200, session 9, bench/backbone.py --prefill: 1024 rows 53.4 -> 37.7 ms with
+# the 1024-row bucket and GEMMs of 256 rows, 34.5 with one GEMM per 1024-row piece; 256 rows
+# 18.9 -> 17.2).
 PIECE_GEMM_ROWS = 256
 
 
