@@ -139,9 +139,8 @@ def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKET
         while todo:
             bucket = todo[0][0]
             most = graph_pieces(bucket)[-1]
-            same = [t for t in todo if piece_gemm_rows(t[0]) == piece_gemm_rows(bucket)]
-            members = same[:most]
-            todo = [t for t in todo if t not in members]
+            members = [t for t in todo if piece_gemm_rows(t[0]) == piece_gemm_rows(bucket)][:most]
+            todo = [t for t in todo if t not in members]        # (bucket, segment): each one once
             slots = next(n for n in graph_pieces(bucket) if n >= len(members))
             pieces = tuple((i, sum(n for n, _ in cuts[i][:r]), cuts[i][r][0]) for _, i in members)
             groups.append(PrefillGroup(bucket, slots, pieces))

@@ -25,8 +25,8 @@ output of linear_rows; any other input is copied once (`padded_input` shares one
 several projections of the same input: the tower's q/k/v and gate/up). A decode step (buckets 1..128 in CUDA
 graphs) is one GEMM per projection, as before; an eager prefill step of R rows is ⌈R/128⌉ GEMMs
 that each read the weight (weights are streamed once per 128 rows, which the prefill's
-arithmetic intensity absorbs; the extra launches cost host time in eager prefill). Padded
-prefill pieces of 256, 512, .. rows run GEMMs of 256 rows instead (`tile`, below). Everything is shapes
+arithmetic intensity absorbs; the extra launches cost host time in eager prefill). Prefill
+graphs of large pieces run larger GEMMs instead (`tile`, below). Everything is shapes
 known on the host: no sync, capturable in a CUDA graph.
 
 Why 128: the largest decode bucket, so a decode step never reads a weight twice; and 128 rows
@@ -84,9 +84,9 @@ def active(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda
 
 
-def padded_rows(rows: int) -> int:
-    """Rows of the buffer linear_rows multiplies: `rows` rounded up to a multiple of TILE."""
-    return -(-rows // TILE) * TILE
+def padded_rows(rows: int, tile: int = TILE) -> int:
+    """Rows of the buffer linear_rows multiplies: `rows` rounded up to a multiple of `tile`."""
+    return -(-rows // tile) * tile
 
 
 def empty_rows(rows: int, cols: int, *, dtype: torch.dtype, device) -> torch.Tensor:
@@ -131,10 +131,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     as torch.addmm: one rounding). Same dtype rules as torch.mm / addmm.
 
     force=None pads when `active(x)`; True pads on any device (tests); False never pads.
-    tile: rows per GEMM call when padded (default TILE). Prefill graphs of large pieces pass 256
-    (StepPlan.gemm_rows, backbone/model.piece_gemm_rows): each GEMM then holds rows of one piece
-    at their positions in it, whatever else the replay holds, so a row's bits still depend on its
-    session's own cut only, and the weight is read once per 256 rows rather than per 128.
+    tile: rows per GEMM call when padded (default TILE). Prefill graphs of large pieces pass 256,
+    or the whole piece when the graph holds one (StepPlan.gemm_rows, backbone/model.piece_gemm_rows):
+    each GEMM then holds rows of one piece at their positions in it, whatever else the replay
+    holds, so a row's bits still depend on its session's own cut only, and the weight is read
+    once per GEMM of those rows rather than once per 128.
     Returns a [M, N] tensor; when padded, the leading rows of a [M rounded up to `tile`, N] buffer
     (so a following linear_rows, or a residual, is read in place).
     Padding rows are not zeroed: each GEMM output row depends on its own input row only.
@@ -149,7 +150,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         raise ValueError(f"residual {tuple(residual.shape)}: expected {(rows, n)}")
     if not pad or rows == 0:
         return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.T)
-    padded = -(-rows // tile) * tile
+    padded = padded_rows(rows, tile)
     # On the CPU (tests only: serving never pads there) the padding rows are zeros in a fresh
     # buffer: oneDNN's bf16 GEMM on some x86 CPUs let NaN in a padding row reach the other rows
     # (seen on the H200 host's CPU), which cuBLAS never does (the GPU tests put NaN/Inf there).

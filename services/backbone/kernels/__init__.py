@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import os
 
+from services.common.grpcutil import env_switch
+
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
@@ -61,8 +63,7 @@ def use_triton(*tensors) -> bool:
 # for it, would read too early), then lets its own successor launch. Off in Triton's interpreter
 # and off CUDA; DRAMA_PDL=0 turns it off (read once at import). H200 (session 9, bench/backbone.py,
 # graphed decode step): batch 1 3.41 -> 3.20 ms, batch 128 20.44 -> 20.28, bit for bit the same.
-PDL = (HAS_TRITON and not INTERPRET
-       and os.environ.get("DRAMA_PDL", "1").strip().lower() not in ("0", "false", "off", "no"))
+PDL = HAS_TRITON and not INTERPRET and env_switch("DRAMA_PDL") is not False
 
 if HAS_TRITON:
     if hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
@@ -80,21 +81,18 @@ if HAS_TRITON:
             pass
 
 
-def pdl_args(device=None) -> dict:
+def pdl_args() -> dict:
     """Launch arguments of a kernel that calls pdl_prologue(PDL): {PDL, launch_pdl} on a CUDA
     device of compute capability 9 or more when PDL is on, else {} (the kernel's PDL defaults to
     False, and nothing waits)."""
-    if not PDL or not _pdl_device(device):
+    if not PDL or not _pdl_device():
         return {}
     return dict(PDL=True, launch_pdl=True)
 
 
 @functools.cache
-def _pdl_device(device) -> bool:
+def _pdl_device() -> bool:
+    """Does this process's CUDA device launch with PDL (Hopper or later)? Read once."""
     import torch
 
-    if not torch.cuda.is_available():
-        return False
-    index = torch.device(device).index if device is not None and torch.device(device).index is not None \
-        else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
