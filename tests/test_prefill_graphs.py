@@ -185,8 +185,8 @@ def test_graph_replay_is_batch_invariant(weights):
 
 @pytest.mark.skipif(not (CUDA or INTERPRET_TRITON), reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
 def test_tiled_piece_attention_matches_the_row_kernel(weights, monkeypatch):
-    """DRAMA_PIECE_ATTENTION=tiled (kernels/attention.piece_attention) against the default row-wise
-    attention of pieces: the prompt's rows and the decode rows after it agree within BF16 rounding
+    """The tiled attention of pieces (kernels/attention.piece_attention, the default) against the
+    row-wise decode kernel (DRAMA_PIECE_ATTENTION=rows): the prompt's rows and the decode rows after it agree within BF16 rounding
     (the bound of test_pieces_match_the_eager_path: each path rounds its attention output to bf16
     on its own, and the layers after it carry the difference)."""
     from services.backbone.kernels import attention as kattn

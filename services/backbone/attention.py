@@ -232,7 +232,7 @@ class GatedAttention(nn.Module):
         y = invariant.empty_rows(rows, n_q * d, dtype=q.dtype, device=q.device)   # o_proj reads it in place
         if plan.row_mask is not None and kattn.PIECE_ATTENTION == "tiled" and kattn.piece_supported(q, cache.k):
             # padded prefill pieces, a block of a piece's rows sharing its keys
-            # (DRAMA_PIECE_ATTENTION=tiled; kernels/attention.piece_attention)
+            # (kernels/attention.piece_attention; DRAMA_PIECE_ATTENTION=rows: the branch below)
             pieces = plan.seg_slots.shape[0]
             kattn.piece_attention(q, cache.k, cache.v, plan.seg_slots, plan.positions, plan.seg_rows,
                                   rows // pieces, self.scale, gate=gate, out=y.view(rows, n_q, d))

@@ -36,8 +36,10 @@ prefill its two launches took 229 + 86 µs per attention layer (H200, session 9)
 one tl.dot) over the keys up to the block's last real row, with an online softmax in F32: a key
 is read once per 64 query vectors instead of once per 16 (the decode kernel's G heads padded).
 A row's bits depend on its own position and keys only (blocks past it add exact zeros; the dot's
-tile shape is fixed), not on the bucket or the other pieces. DRAMA_PIECE_ATTENTION=tiled turns it
-on in the backbone (default `rows`, the decode kernel, until it is measured on the H200).
+tile shape is fixed), not on the bucket or the other pieces. The backbone runs pieces through it by
+default; DRAMA_PIECE_ATTENTION=rows takes the decode kernel instead. H200 (session 10, run 1,
+`bench/backbone.py --prefill 256 512 1024`): 1024 rows 35.1 -> 33.6 ms, 256 and 512 rows within
+0.2 ms of the decode kernel (16.7 / 16.9, 23.1 / 23.0).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ if HAS_TRITON:
     from . import pdl_prologue
     from triton.language.extra import libdevice
 
-PIECE_ATTENTION = env_choice("DRAMA_PIECE_ATTENTION", ("rows", "tiled"))   # read once at import
+PIECE_ATTENTION = env_choice("DRAMA_PIECE_ATTENTION", ("tiled", "rows"))   # read once at import
 PIECE_QUERY_ROWS = 64   # query vectors (rows x heads of one KV head) per program of piece_attention
 PIECE_BLOCK_N = 64      # keys per inner iteration of piece_attention
 

@@ -148,7 +148,7 @@ if HAS_TRITON:
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        ROW_TILES: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
@@ -180,32 +180,64 @@ if HAS_TRITON:
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         w_up = w_gate + I * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
-        for r0 in range(0, count, BM):
-            r = r0 + tl.arange(0, BM)
-            r_ok = r < count
-            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0)
-            tokens = (pairs // top_k).to(tl.int64)
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for r0 in range(0, count, BM * ROW_TILES):
+            pairs0, ok0 = _expert_pairs(lists_ptr, expert, T, r0, count, BM)
+            acc_g0 = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u0 = tl.zeros([BM, BN], dtype=tl.float32)
+            if ROW_TILES == 2:
+                pairs1, ok1 = _expert_pairs(lists_ptr, expert, T, r0 + BM, count, BM)
+                acc_g1 = tl.zeros([BM, BN], dtype=tl.float32)
+                acc_u1 = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(k_first, k_last):
                 kk = kb * 128 + offs_k
                 k_ok = kk < H
-                xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
-                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
                 wm = n_ok[:, None] & k_ok[None, :]
                 wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
                 wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
                 if not FP8_DOT:
-                    xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
+                    wg, wu = wg.to(DOT), wu.to(DOT)
                 sg = tl.load(s_base + kb).to(tl.float32)
                 su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
-                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
-                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
-            out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
-            mask = r_ok[:, None] & n_ok[None, :]
-            tl.store(out, acc_g, mask=mask)
-            tl.store(out + I, acc_u, mask=mask)
+                g, u = _gate_up_dot(xq_ptr, xa_ptr, pairs0 // top_k, ok0, kk, k_ok, kb, G, H, wg, wu, sg, su,
+                                    DOT, PREC, FP8_DOT)
+                acc_g0 += g
+                acc_u0 += u
+                if ROW_TILES == 2:
+                    g, u = _gate_up_dot(xq_ptr, xa_ptr, pairs1 // top_k, ok1, kk, k_ok, kb, G, H, wg, wu, sg, su,
+                                        DOT, PREC, FP8_DOT)
+                    acc_g1 += g
+                    acc_u1 += u
+            _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs0, ok0, offs_n, n_ok, acc_g0, acc_u0)
+            if ROW_TILES == 2:
+                _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs1, ok1, offs_n, n_ok, acc_g1, acc_u1)
+
+    @triton.jit
+    def _expert_pairs(lists_ptr, expert, T, r0, count, BM: tl.constexpr):
+        """(pair indices, valid) of the expert's pairs r0..r0+BM-1 (lists[expert, :count])."""
+        r = r0 + tl.arange(0, BM)
+        ok = r < count
+        return tl.load(lists_ptr + expert * T + r, mask=ok, other=0), ok
+
+    @triton.jit
+    def _gate_up_dot(xq_ptr, xa_ptr, tokens, ok, kk, k_ok, kb, G, H, wg, wu, sg, su,
+                     DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
+        """One 128-wide K block of gate and up for one tile of rows: (x_q·wg^T, x_q·wu^T), each
+        times the rows' and the block's scales (§4.7), F32 [BM, BN]."""
+        tokens = tokens.to(tl.int64)
+        xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        if not FP8_DOT:
+            xq = xq.to(DOT)
+        a = tl.load(xa_ptr + tokens * G + kb, mask=ok, other=0.0)
+        return (tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg,
+                tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su)
+
+    @triton.jit
+    def _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs, ok, offs_n, n_ok, acc_g, acc_u):
+        """A tile's partial sums of K split pid_k -> ws[pid_k, p, n] (gate), ws[pid_k, p, I + n] (up)."""
+        out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
+        mask = ok[:, None] & n_ok[None, :]
+        tl.store(out, acc_g, mask=mask)
+        tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -235,7 +267,8 @@ if HAS_TRITON:
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, ROW_TILES: tl.constexpr = 1,
+                     PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
@@ -256,26 +289,43 @@ if HAS_TRITON:
         offs_k = tl.arange(0, 128)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
-        for r0 in range(0, count, BM):
-            r = r0 + tl.arange(0, BM)
-            r_ok = r < count
-            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for r0 in range(0, count, BM * ROW_TILES):
+            pairs0, ok0 = _expert_pairs(lists_ptr, expert, T, r0, count, BM)
+            acc0 = tl.zeros([BM, BN], dtype=tl.float32)
+            if ROW_TILES == 2:
+                pairs1, ok1 = _expert_pairs(lists_ptr, expert, T, r0 + BM, count, BM)
+                acc1 = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(0, G):
                 kk = kb * 128 + offs_k
                 k_ok = kk < I
-                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
-                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
                 w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if not FP8_DOT:
-                    hq, w = hq.to(DOT), w.to(DOT)
+                    w = w.to(DOT)
                 s = tl.load(s_base + kb).to(tl.float32)
-                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
-            rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
-                     mask=r_ok[:, None] & n_ok[None, :])
+                acc0 += _down_dot(hq_ptr, ha_ptr, pairs0, ok0, kk, k_ok, kb, G, I, w, s, DOT, PREC, FP8_DOT)
+                if ROW_TILES == 2:
+                    acc1 += _down_dot(hq_ptr, ha_ptr, pairs1, ok1, kk, k_ok, kb, G, I, w, s, DOT, PREC, FP8_DOT)
+            _store_down(out_ptr, weights_ptr, H, pairs0, ok0, offs_n, n_ok, acc0)
+            if ROW_TILES == 2:
+                _store_down(out_ptr, weights_ptr, H, pairs1, ok1, offs_n, n_ok, acc1)
 
+    @triton.jit
+    def _down_dot(hq_ptr, ha_ptr, pairs, ok, kk, k_ok, kb, G, I, w, s,
+                  DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
+        """One 128-wide K block of the down product for one tile of pairs, times the scales, F32."""
+        pairs = pairs.to(tl.int64)
+        hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        if not FP8_DOT:
+            hq = hq.to(DOT)
+        a = tl.load(ha_ptr + pairs * G + kb, mask=ok, other=0.0)
+        return tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
+
+    @triton.jit
+    def _store_down(out_ptr, weights_ptr, H, pairs, ok, offs_n, n_ok, acc):
+        """out[p, n] = w_p · acc for a tile of pairs (w_p the pair's routing weight)."""
+        pairs = pairs.to(tl.int64)
+        rw = tl.load(weights_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None], mask=ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
@@ -520,6 +570,9 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     k = topk_ids.shape[1]
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
+    row_tiles = cfg.get("ROW_TILES", 1)
+    if row_tiles not in (1, 2):
+        raise ValueError(f"ROW_TILES must be 1 or 2, got {row_tiles}")
     # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
     # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
@@ -556,7 +609,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+        ROW_TILES=row_tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
@@ -573,7 +626,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, ROW_TILES=row_tiles,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
