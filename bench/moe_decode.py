@@ -67,8 +67,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
     parser.add_argument("--prefill", action="store_true",
-                        help="sweep configs for padded prefill pieces (many pairs per expert: BM 16/32/64, "
-                             "1 or 2 row tiles per weight read) instead of the decode sweep; run with --rows 128 256 512 1024")
+                        help="sweep configs for padded prefill pieces (many pairs per expert: BM 32/64, "
+                             "SPLIT 1/2) instead of the decode sweep; run with --rows 128 256 512 1024")
     parser.add_argument("--shared", action="store_true",
                         help="route_decode + routed experts + shared expert per layer: the shared expert "
                              "as GEMMs (as served before) against inside the routed launches")
@@ -86,15 +86,12 @@ def main(argv=None) -> dict:
     if args.prefill:
         if hasattr(moe_decode, "PREFILL_CONFIG"):
             variants.append(("moe_decode prefill", dict(moe_decode.PREFILL_CONFIG), moe_decode.moe_decode_pairs))
-        # ROW_TILES=2: each weight tile applied to two BM-row tiles (BM 16/32 keep the exact
-        # per-warp FP8 MMA; BM 64 takes the warpgroup MMA, see moe_decode.SMALL_PIECE_CONFIG)
-        for bm, tiles, bn1, bn2, warps, stages in [
-                (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (32, 1, 64, 64, 4, 3), (32, 2, 64, 64, 4, 3),
-                (32, 2, 64, 64, 8, 3), (32, 2, 128, 64, 8, 3), (32, 2, 64, 128, 8, 3), (16, 2, 64, 64, 4, 4),
-                (64, 1, 64, 64, 4, 3)]:
-            variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=1, num_warps=warps,
-                                                num_stages=stages, FP8_DOT=True, ROW_TILES=tiles),
-                             moe_decode.moe_decode_pairs))
+        for bm, split, bn1, bn2, warps, stages in [
+                (16, 1, 64, 64, 4, 3), (16, 2, 64, 64, 4, 3), (32, 1, 64, 64, 4, 3), (64, 1, 64, 64, 4, 3),
+                (64, 1, 128, 128, 8, 3), (64, 2, 64, 64, 4, 3)]:
+            for fp8 in (False, True):
+                variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split, num_warps=warps,
+                                                    num_stages=stages, FP8_DOT=fp8), moe_decode.moe_decode_pairs))
     elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG

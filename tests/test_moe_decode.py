@@ -75,20 +75,21 @@ def test_matches_naive(h, i, e, k, t):
     errors = {}
     for config in (moe_decode.DECODE_CONFIG, dict(moe_decode.DECODE_CONFIG, SPLIT=1, BN_GU=128, BN_DOWN=32),
                    dict(moe_decode.DECODE_CONFIG, FP8_DOT=False), moe_decode.SMALL_PIECE_CONFIG,
-                   moe_decode.LARGE_PIECE_CONFIG, dict(moe_decode.LARGE_PIECE_CONFIG, ROW_TILES=2),
-                   dict(moe_decode.SMALL_PIECE_CONFIG, ROW_TILES=2)):
+                   moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
         got = moe_decode.moe_decode_pairs(x, ids, w, *weights, config=config)
         assert got.shape == (t, k, h)
         diff = got.sum(1) - ref
-        errors[str(config)] = (config.get("FP8_DOT", False), float(diff.abs().max() / ref.abs().max()),
-                               float(diff.norm() / ref.norm()))
+        errors[str(config)] = (config["BM"] >= 64 and config.get("FP8_DOT", False),
+                               float(diff.abs().max() / ref.abs().max()), float(diff.norm() / ref.norm()))
     # The §4.7 requantisation of h happens at the same point in both; only the F32 sums before it
-    # differ, and both the bf16 dot and the per-warp FP8 MMA sum exactly in F32 (H200: 1e-7).
-    # A config on the warpgroup MMA (BM 64 with FP8 operands) missed this at 1e-2: not served; nor
-    # with its FP8 partial sums added to F32 every 32 products (tl.dot max_num_imprecise_acc=32,
-    # H200 session 9: 5e-3, and slower than BM 32).
-    failing = {name: (worst, overall) for name, (fp8, worst, overall) in errors.items() if worst >= 1e-3}
-    assert not failing, failing
+    # differ. The bf16 dot and the per-warp FP8 MMA (BM 16, 32) sum exactly in F32 (H200: 1e-7 of
+    # the largest output). The warpgroup MMA (BM 64 with FP8 operands) keeps ~14 bits within a
+    # 128-wide K block (moe_decode.WIDE_PIECE_CONFIG): its sums flip some bf16 roundings of gate/up
+    # and FP8 roundings of h, each one step of one element (H200: 4.7e-3 of the largest output in
+    # bench/moe_decode.py). Bounded apart: a wrong scale or a lost K block is off by O(1).
+    failing = {name: (worst, overall) for name, (warpgroup, worst, overall) in errors.items()
+               if ((worst >= 2e-2 or overall >= 2e-3) if warpgroup else worst >= 1e-3)}
+    assert not failing, (failing, errors)
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -100,29 +101,6 @@ def test_rows_do_not_depend_on_the_batch():
     for r in (0, 7, 39):
         alone = moe_decode.moe_decode_pairs(x[r:r + 1], ids[r:r + 1], w[r:r + 1], *weights)
         assert torch.equal(alone, together[r:r + 1])
-
-
-@pytest.mark.parametrize("bm", [16, 32])
-def test_two_row_tiles_give_the_bits_of_one(bm):
-    """ROW_TILES=2 applies each weight tile to two BM-row tiles of an expert's pairs (one weight
-    read per 2·BM pairs); each tile is the same tl.dot as with ROW_TILES=1, so the same bits,
-    with experts of 1..3 tiles' worth of pairs (odd tile counts leave the second tile empty)."""
-    h, i, e, k, t = 256, 256, 4, 2, 40
-    weights = experts(e, i, h)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
-    _, ids, w = routes(t, e, k)
-    base = dict(moe_decode.LARGE_PIECE_CONFIG, BM=bm)
-    one = moe_decode.moe_decode_pairs(x, ids, w, *weights, config=base)
-    two = moe_decode.moe_decode_pairs(x, ids, w, *weights, config=dict(base, ROW_TILES=2))
-    assert torch.equal(bits(one), bits(two))
-
-
-def test_row_tiles_are_checked():
-    weights = experts(4, 128, 128)
-    x = torch.randn(2, 128).to(torch.bfloat16).to(DEVICE)
-    _, ids, w = routes(2, 4, 2)
-    with pytest.raises(ValueError, match="ROW_TILES"):
-        moe_decode.moe_decode_pairs(x, ids, w, *weights, config=dict(moe_decode.DECODE_CONFIG, ROW_TILES=3))
 
 
 # route_decode as it was before the keyed top-k and the unrolled GEMV (the same bits)

@@ -20,7 +20,7 @@ import torch
 
 import services.backbone.model as backbone_model
 from services.backbone.engine import BackboneEngine
-from services.backbone.kernels import HAS_TRITON
+from services.backbone.kernels import HAS_TRITON, moe_decode
 from services.backbone.model import (PREFILL_BUCKETS, PREFILL_GRAPH_ROWS, graph_pieces, piece_gemm_rows,
                                      prefill_cuts, prefill_groups)
 from services.backbone.weights import random_backbone
@@ -58,6 +58,10 @@ def test_prefill_groups():
             own = prefill_cuts(lengths[i])[len(seen[i])][1]
             # the dense GEMMs see a piece's rows as its own graph would (batch invariance)
             assert piece_gemm_rows(own) == piece_gemm_rows(group.bucket)
+            # and the routed experts' MMA: pieces of BM 16 and BM 32 tiles (the per-warp MMA, the
+            # same bits) share graphs; the warpgroup MMA's (BM 64) only its own bucket's
+            mine, graph = moe_decode.piece_config(own), moe_decode.piece_config(group.bucket)
+            assert mine == graph or (mine["BM"] <= 32 and graph["BM"] <= 32)
             seen[i].append((first, rows))
     for i, n in enumerate(lengths):       # every segment's pieces in order, as its own cut says
         assert [rows for _, rows in seen[i]] == [rows for rows, _ in prefill_cuts(n)]

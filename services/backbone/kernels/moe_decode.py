@@ -76,18 +76,34 @@ DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stag
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
 # finds they differ), so the config is a function of the piece bucket alone, never of how many
 # pieces a replay packs: a prompt gives the same bits alone or packed with others (issue #8).
-# H200, ms per 40 layers at 128 / 256 / 1024 rows (--prefill): BM 16 SPLIT 1: 9.56 / 10.06 / 22.3;
-# BM 32: 11.2 / 11.5 / 17.3; BM 64: 10.7 / 11.1 / 12.5; the decode config: 10.5 / 11.0 / 21.2.
-# BM 64 is not used: with FP8 operands it runs on Hopper's warpgroup MMA, whose FP8 accumulation
-# is not exact F32 (tests/test_moe_decode.py on the H200: 1e-2 of the largest output against 1e-7
-# for BM 16 and 32, which take the exact per-warp MMA).
+# H200, ms per 40 layers at 256 / 512 / 768 / 1024 rows (--prefill, session 10 run 2): BM 16:
+# 10.2 / 13.7 / 18.5 / 23.9; BM 32: 11.5 / 12.0 / 13.5 / 17.6; BM 64: 11.1 / 11.5 / 12.0 / 12.6.
+# (Two BM-row tiles per weight read, one dot each, did not help: BM 16 x 2 17.5, BM 32 x 2 19.6
+# at 1024 rows.)
+#
+# BM 64 runs on Hopper's warpgroup MMA (with FP8 operands Triton lowers a 64-row dot to wgmma),
+# BM 16 and 32 on the per-warp MMA. The warpgroup MMA's FP8 sums are not exact F32: it keeps
+# about 14 bits of the running sum (DeepSeek-V3 report, §3.3.2). Here every 128-wide K block is
+# its own dot whose sum is promoted to F32 with the block's scales (the §4.7 recipe; the same
+# promotion interval DeepSeek uses), so the error stays at one block's ~2^-14, below the bf16
+# rounding of gate and up that follows. It shows in the output only where it flips one of the
+# recipe's roundings (gate/up to bf16, h to FP8): 4.7e-3 of the largest output off
+# naive_moe_fp8, 2.3e-7 for BM 16/32 (tests/test_moe_decode.py bounds each).
+# So BM 64 serves only where it wins by milliseconds, the pieces of 768 and 1024 rows, and there
+# batch invariance holds too: their graphs hold one piece and nothing is packed with them
+# (model.prefill_groups packs by GEMM rows, which are the whole piece for these; BM 16 and BM 32
+# pieces do share graphs, and give the same bits: tests/test_prefill_graphs.py).
 SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
+WIDE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
+WIDE_PIECE_ROWS = 768        # and from here on: 24+
 
 
 def piece_config(bucket: int) -> dict:
     """The moe_decode config of a padded prefill piece of `bucket` rows (see above)."""
+    if bucket >= WIDE_PIECE_ROWS:
+        return WIDE_PIECE_CONFIG
     return LARGE_PIECE_CONFIG if bucket >= LARGE_PIECE_ROWS else SMALL_PIECE_CONFIG
 
 
@@ -148,7 +164,7 @@ if HAS_TRITON:
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        ROW_TILES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
@@ -180,64 +196,32 @@ if HAS_TRITON:
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         w_up = w_gate + I * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
-        for r0 in range(0, count, BM * ROW_TILES):
-            pairs0, ok0 = _expert_pairs(lists_ptr, expert, T, r0, count, BM)
-            acc_g0 = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u0 = tl.zeros([BM, BN], dtype=tl.float32)
-            if ROW_TILES == 2:
-                pairs1, ok1 = _expert_pairs(lists_ptr, expert, T, r0 + BM, count, BM)
-                acc_g1 = tl.zeros([BM, BN], dtype=tl.float32)
-                acc_u1 = tl.zeros([BM, BN], dtype=tl.float32)
+        for r0 in range(0, count, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < count
+            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0)
+            tokens = (pairs // top_k).to(tl.int64)
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(k_first, k_last):
                 kk = kb * 128 + offs_k
                 k_ok = kk < H
+                xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
                 wm = n_ok[:, None] & k_ok[None, :]
                 wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
                 wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
                 if not FP8_DOT:
-                    wg, wu = wg.to(DOT), wu.to(DOT)
+                    xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
                 sg = tl.load(s_base + kb).to(tl.float32)
                 su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
-                g, u = _gate_up_dot(xq_ptr, xa_ptr, pairs0 // top_k, ok0, kk, k_ok, kb, G, H, wg, wu, sg, su,
-                                    DOT, PREC, FP8_DOT)
-                acc_g0 += g
-                acc_u0 += u
-                if ROW_TILES == 2:
-                    g, u = _gate_up_dot(xq_ptr, xa_ptr, pairs1 // top_k, ok1, kk, k_ok, kb, G, H, wg, wu, sg, su,
-                                        DOT, PREC, FP8_DOT)
-                    acc_g1 += g
-                    acc_u1 += u
-            _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs0, ok0, offs_n, n_ok, acc_g0, acc_u0)
-            if ROW_TILES == 2:
-                _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs1, ok1, offs_n, n_ok, acc_g1, acc_u1)
-
-    @triton.jit
-    def _expert_pairs(lists_ptr, expert, T, r0, count, BM: tl.constexpr):
-        """(pair indices, valid) of the expert's pairs r0..r0+BM-1 (lists[expert, :count])."""
-        r = r0 + tl.arange(0, BM)
-        ok = r < count
-        return tl.load(lists_ptr + expert * T + r, mask=ok, other=0), ok
-
-    @triton.jit
-    def _gate_up_dot(xq_ptr, xa_ptr, tokens, ok, kk, k_ok, kb, G, H, wg, wu, sg, su,
-                     DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
-        """One 128-wide K block of gate and up for one tile of rows: (x_q·wg^T, x_q·wu^T), each
-        times the rows' and the block's scales (§4.7), F32 [BM, BN]."""
-        tokens = tokens.to(tl.int64)
-        xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        if not FP8_DOT:
-            xq = xq.to(DOT)
-        a = tl.load(xa_ptr + tokens * G + kb, mask=ok, other=0.0)
-        return (tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg,
-                tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su)
-
-    @triton.jit
-    def _store_gate_up(ws_ptr, pid_k, n_pairs, I, pairs, ok, offs_n, n_ok, acc_g, acc_u):
-        """A tile's partial sums of K split pid_k -> ws[pid_k, p, n] (gate), ws[pid_k, p, I + n] (up)."""
-        out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
-        mask = ok[:, None] & n_ok[None, :]
-        tl.store(out, acc_g, mask=mask)
-        tl.store(out + I, acc_u, mask=mask)
+                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
+                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
+            out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
+            mask = r_ok[:, None] & n_ok[None, :]
+            tl.store(out, acc_g, mask=mask)
+            tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -267,8 +251,7 @@ if HAS_TRITON:
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, ROW_TILES: tl.constexpr = 1,
-                     PDL: tl.constexpr = False):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
@@ -289,43 +272,26 @@ if HAS_TRITON:
         offs_k = tl.arange(0, 128)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
-        for r0 in range(0, count, BM * ROW_TILES):
-            pairs0, ok0 = _expert_pairs(lists_ptr, expert, T, r0, count, BM)
-            acc0 = tl.zeros([BM, BN], dtype=tl.float32)
-            if ROW_TILES == 2:
-                pairs1, ok1 = _expert_pairs(lists_ptr, expert, T, r0 + BM, count, BM)
-                acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+        for r0 in range(0, count, BM):
+            r = r0 + tl.arange(0, BM)
+            r_ok = r < count
+            pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(0, G):
                 kk = kb * 128 + offs_k
                 k_ok = kk < I
+                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
                 w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if not FP8_DOT:
-                    w = w.to(DOT)
+                    hq, w = hq.to(DOT), w.to(DOT)
                 s = tl.load(s_base + kb).to(tl.float32)
-                acc0 += _down_dot(hq_ptr, ha_ptr, pairs0, ok0, kk, k_ok, kb, G, I, w, s, DOT, PREC, FP8_DOT)
-                if ROW_TILES == 2:
-                    acc1 += _down_dot(hq_ptr, ha_ptr, pairs1, ok1, kk, k_ok, kb, G, I, w, s, DOT, PREC, FP8_DOT)
-            _store_down(out_ptr, weights_ptr, H, pairs0, ok0, offs_n, n_ok, acc0)
-            if ROW_TILES == 2:
-                _store_down(out_ptr, weights_ptr, H, pairs1, ok1, offs_n, n_ok, acc1)
+                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
+            rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
+                     mask=r_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _down_dot(hq_ptr, ha_ptr, pairs, ok, kk, k_ok, kb, G, I, w, s,
-                  DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
-        """One 128-wide K block of the down product for one tile of pairs, times the scales, F32."""
-        pairs = pairs.to(tl.int64)
-        hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        if not FP8_DOT:
-            hq = hq.to(DOT)
-        a = tl.load(ha_ptr + pairs * G + kb, mask=ok, other=0.0)
-        return tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
-
-    @triton.jit
-    def _store_down(out_ptr, weights_ptr, H, pairs, ok, offs_n, n_ok, acc):
-        """out[p, n] = w_p · acc for a tile of pairs (w_p the pair's routing weight)."""
-        pairs = pairs.to(tl.int64)
-        rw = tl.load(weights_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None], mask=ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
@@ -570,9 +536,6 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     k = topk_ids.shape[1]
     n = t * k
     bm, bn1, bn2, split = cfg["BM"], cfg["BN_GU"], cfg["BN_DOWN"], cfg["SPLIT"]
-    row_tiles = cfg.get("ROW_TILES", 1)
-    if row_tiles not in (1, 2):
-        raise ValueError(f"ROW_TILES must be 1 or 2, got {row_tiles}")
     # FP8_DOT: tl.dot on the FP8 operands as they are (Hopper's FP8 tensor-core MMA) instead of
     # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
@@ -609,7 +572,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        ROW_TILES=row_tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
@@ -626,7 +589,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, ROW_TILES=row_tiles,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
