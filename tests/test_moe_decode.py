@@ -86,9 +86,10 @@ def test_matches_naive(h, i, e, k, t):
     # the largest output). The warpgroup MMA (BM 64 with FP8 operands) keeps ~14 bits within a
     # 128-wide K block (moe_decode.WIDE_PIECE_CONFIG): its sums flip some bf16 roundings of gate/up
     # and FP8 roundings of h, each one step of one element (H200: 4.7e-3 of the largest output in
-    # bench/moe_decode.py). Bounded apart: a wrong scale or a lost K block is off by O(1).
+    # bench/moe_decode.py at full size; here an output sums only 128-256 h elements, so one flip
+    # weighs more). Bounded apart, still far below what a wrong scale, row or lost K block does (O(1)).
     failing = {name: (worst, overall) for name, (warpgroup, worst, overall) in errors.items()
-               if ((worst >= 2e-2 or overall >= 2e-3) if warpgroup else worst >= 1e-3)}
+               if ((worst >= 5e-2 or overall >= 1e-2) if warpgroup else worst >= 1e-3)}
     assert not failing, (failing, errors)
 
 
