@@ -15,7 +15,8 @@
 # Carry `.whl` (the wheels the machine lacks) and, if a previous call brought one back,
 # `.triton-cache` (its Triton cache, compiled kernels + autotune results): a fresh machine then skips
 # most of the stages' ~100 s warm-up. The cache of this call comes back as $OUT/triton-cache.tgz;
-# unpack it into .triton-cache/ for the next call. Stage settings pass through the environment.
+# merge it into .triton-cache/ for the next call: `bash bench/merge_triton_cache.sh <that file>`.
+# `bash bench/device_wheels.sh` makes .whl. Stage settings pass through the environment.
 # The copy's .git may be stale there: give BENCH_COMMIT=<sha> in the command so the JSON names the
 # commit measured.
 set -uo pipefail
