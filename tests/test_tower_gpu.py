@@ -250,8 +250,8 @@ def test_graphs_off_by_env(monkeypatch):
 @cuda
 @pytest.mark.parametrize("graphs", [True, False])
 def test_programmatic_dependent_launch_changes_no_code(graphs, monkeypatch):
-    """The tower's Triton kernels launched with PDL (they start while the kernel before drains and
-    wait in pdl_prologue) draw the same codes and stops as without, prompt and decode steps, graphed
+    """The tower's Triton kernels launched with PDL (DRAMA_TOWER_PDL: they start while the kernel
+    before drains and wait in pdl_prologue) draw the same codes and stops as without, prompt and decode steps, graphed
     and eager: a kernel reading before its predecessor finished would show as other logits, and
     at these temperatures as other codes."""
     from services.backbone import kernels as backbone_kernels
@@ -262,7 +262,8 @@ def test_programmatic_dependent_launch_changes_no_code(graphs, monkeypatch):
     out, used = {}, {}
     for pdl in (True, False):
         monkeypatch.setattr(backbone_kernels, "PDL", pdl)
-        used[pdl] = bool(backbone_kernels.pdl_args())
+        monkeypatch.setattr(kernels, "TOWER_PDL", pdl)
+        used[pdl] = bool(kernels._pdl_args())
         engine = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16, seed=7), cfg,
                              max_sessions=sessions, max_context=prompt + steps + 1, graphs=graphs)
         engine.warm_up()

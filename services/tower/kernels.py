@@ -41,8 +41,9 @@ import os
 import torch
 from torch import Tensor
 
-from services.backbone.kernels import pdl_args    # programmatic dependent launch: the backbone's switch, DRAMA_PDL
+from services.backbone.kernels import pdl_args
 from services.common import invariant
+from services.common.grpcutil import env_switch
 from services.tower import sampling
 
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
@@ -59,6 +60,17 @@ except ImportError:  # pragma: no cover - depends on the install
 # Triton's CPU interpreter (TRITON_INTERPRET=1, for checking the kernels without a GPU) has no
 # libdevice; there the noise takes numpy's log, which may differ from CUDA's logf in the last bit.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Programmatic dependent launch for these kernels, as the backbone's decode step has it
+# (services/backbone/kernels: pdl_prologue first in every kernel, launched with pdl_args; off where
+# DRAMA_PDL=0 turns the backbone's off). Off by default until measured on a GPU: DRAMA_TOWER_PDL=1
+# turns it on (tests/test_tower_gpu.py demands the same codes on and off; bench/tower.py --batch 1
+# with it on and off in one call is the measurement). ~150 of a frame step's ~500 launches are these.
+TOWER_PDL = env_switch("DRAMA_TOWER_PDL") is True
+
+
+def _pdl_args() -> dict:
+    return pdl_args() if TOWER_PDL else {}
 
 
 def use_triton(*tensors: Tensor) -> bool:
@@ -114,7 +126,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         q, k_cache, v_cache, slots, positions, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim ** -0.5, head_dim, splits,
-        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2, **pdl_args())
+        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2, **_pdl_args())
     out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_gate = gate is not None
     if has_gate and (gate.shape != q.shape or gate.stride(-1) != 1):
@@ -122,7 +134,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     _merge_splits_kernel[(t, num_heads)](
         part_o, part_lse, out, gate if has_gate else out, gate.stride(0) if has_gate else 0,
         gate.stride(1) if has_gate else 0, head_dim, splits, G=group, BG=block_g, BD=block_d,
-        BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4, **pdl_args())
+        BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4, **_pdl_args())
     return out
 
 
@@ -235,7 +247,7 @@ def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows, dim = x.shape
     # storage padded to invariant.linear_rows' tile: the projections after the norm read it in place
     out = invariant.empty_rows(rows, dim, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4, **pdl_args())
+    _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4, **_pdl_args())
     return out
 
 
@@ -252,7 +264,7 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(rows, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), dim, eps,
                                      x, out, 0, 0, x, x, 0, 0, 0,
-                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=False, num_warps=1, **pdl_args())
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=False, num_warps=1, **_pdl_args())
     return out
 
 
@@ -273,7 +285,7 @@ def fusion_input(codes: Tensor, table: Tensor, offset: int, hidden: Tensor, w_em
         return torch.cat([reference(e, w_embedding, eps), reference(hidden, w_hidden, eps)], dim=-1)
     out = invariant.empty_rows(rows, 2 * dim, dtype=hidden.dtype, device=hidden.device)   # fc's GEMM input
     _fusion_input_kernel[(rows,)](codes, codes.stride(0), table, table.stride(0), offset, hidden, hidden.stride(0),
-                                  w_embedding, w_hidden, out, dim, eps, BD=_next_pow2(dim), num_warps=4, **pdl_args())
+                                  w_embedding, w_hidden, out, dim, eps, BD=_next_pow2(dim), num_warps=4, **_pdl_args())
     return out
 
 
@@ -294,7 +306,7 @@ def norm_rope_to_cache(k: Tensor, v: Tensor, weight: Tensor, eps: float, cos: Te
     _norm_rope_kernel[(rows, heads)](k, weight, cos, sin, k_cache, k.stride(0), k.stride(1), dim, eps,
                                      v, v_cache, v.stride(0), v.stride(1), slots, positions,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=True, num_warps=1, **pdl_args())
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=True, num_warps=1, **_pdl_args())
 
 
 if HAS_TRITON:
@@ -397,7 +409,7 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4, **pdl_args())
+        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4, **_pdl_args())
     return out
 
 
