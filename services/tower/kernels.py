@@ -41,13 +41,17 @@ import os
 import torch
 from torch import Tensor
 
+from services.backbone.kernels import pdl_args
 from services.common import invariant
+from services.common.grpcutil import env_switch
 from services.tower import sampling
 
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from services.backbone.kernels import pdl_prologue
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
@@ -56,6 +60,17 @@ except ImportError:  # pragma: no cover - depends on the install
 # Triton's CPU interpreter (TRITON_INTERPRET=1, for checking the kernels without a GPU) has no
 # libdevice; there the noise takes numpy's log, which may differ from CUDA's logf in the last bit.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Programmatic dependent launch for these kernels, as the backbone's decode step has it
+# (services/backbone/kernels: pdl_prologue first in every kernel, launched with pdl_args; off where
+# DRAMA_PDL=0 turns the backbone's off). Off by default until measured on a GPU: DRAMA_TOWER_PDL=1
+# turns it on (tests/test_tower_gpu.py demands the same codes on and off; bench/tower.py --batch 1
+# with it on and off in one call is the measurement). ~150 of a frame step's ~500 launches are these.
+TOWER_PDL = env_switch("DRAMA_TOWER_PDL") is True
+
+
+def _pdl_args() -> dict:
+    return pdl_args() if TOWER_PDL else {}
 
 
 def use_triton(*tensors: Tensor) -> bool:
@@ -111,7 +126,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         q, k_cache, v_cache, slots, positions, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim ** -0.5, head_dim, splits,
-        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2)
+        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2, **_pdl_args())
     out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_gate = gate is not None
     if has_gate and (gate.shape != q.shape or gate.stride(-1) != 1):
@@ -119,7 +134,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     _merge_splits_kernel[(t, num_heads)](
         part_o, part_lse, out, gate if has_gate else out, gate.stride(0) if has_gate else 0,
         gate.stride(1) if has_gate else 0, head_dim, splits, G=group, BG=block_g, BD=block_d,
-        BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4)
+        BS=max(_MOST_SPLITS, _next_pow2(splits)), HAS_GATE=has_gate, PRECISE=not _INTERPRET, num_warps=4, **_pdl_args())
     return out
 
 
@@ -138,7 +153,8 @@ if HAS_TRITON:
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_o_ptr, part_lse_ptr,
                                  stride_qt, stride_qh, stride_cs, stride_ch, stride_cl, scale, D, SPLITS,
                                  G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                                 SPLIT_POSITIONS: tl.constexpr):
+                                 SPLIT_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -187,7 +203,8 @@ if HAS_TRITON:
     @triton.jit
     def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, stride_gt, stride_gh, D, SPLITS,
                              G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                             HAS_GATE: tl.constexpr, PRECISE: tl.constexpr):
+                             HAS_GATE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         kv = head // G
@@ -230,7 +247,7 @@ def rms_norm_plus(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows, dim = x.shape
     # storage padded to invariant.linear_rows' tile: the projections after the norm read it in place
     out = invariant.empty_rows(rows, dim, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4)
+    _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), dim, eps, BD=_next_pow2(dim), num_warps=4, **_pdl_args())
     return out
 
 
@@ -247,7 +264,7 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(rows, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), dim, eps,
                                      x, out, 0, 0, x, x, 0, 0, 0,
-                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=False, num_warps=1)
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=False, num_warps=1, **_pdl_args())
     return out
 
 
@@ -268,7 +285,7 @@ def fusion_input(codes: Tensor, table: Tensor, offset: int, hidden: Tensor, w_em
         return torch.cat([reference(e, w_embedding, eps), reference(hidden, w_hidden, eps)], dim=-1)
     out = invariant.empty_rows(rows, 2 * dim, dtype=hidden.dtype, device=hidden.device)   # fc's GEMM input
     _fusion_input_kernel[(rows,)](codes, codes.stride(0), table, table.stride(0), offset, hidden, hidden.stride(0),
-                                  w_embedding, w_hidden, out, dim, eps, BD=_next_pow2(dim), num_warps=4)
+                                  w_embedding, w_hidden, out, dim, eps, BD=_next_pow2(dim), num_warps=4, **_pdl_args())
     return out
 
 
@@ -289,13 +306,14 @@ def norm_rope_to_cache(k: Tensor, v: Tensor, weight: Tensor, eps: float, cos: Te
     _norm_rope_kernel[(rows, heads)](k, weight, cos, sin, k_cache, k.stride(0), k.stride(1), dim, eps,
                                      v, v_cache, v.stride(0), v.stride(1), slots, positions,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=True, num_warps=1)
+                                     HALF=cos.shape[-1], BD=_next_pow2(dim), TO_CACHE=True, num_warps=1, **_pdl_args())
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BD: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         d = tl.arange(0, BD)
         ok = d < D
@@ -306,7 +324,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _fusion_input_kernel(codes_ptr, stride_c, table_ptr, stride_table, offset, h_ptr, stride_h, we_ptr, wh_ptr,
-                             out_ptr, D, eps, BD: tl.constexpr):
+                             out_ptr, D, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         d = tl.arange(0, BD)
         ok = d < D
@@ -326,9 +345,10 @@ if HAS_TRITON:
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, D, eps,
                           v_ptr, vc_ptr, stride_vt, stride_vh, slot_ptr, pos_ptr, stride_cs, stride_ch, stride_cl,
-                          HALF: tl.constexpr, BD: tl.constexpr, TO_CACHE: tl.constexpr):
+                          HALF: tl.constexpr, BD: tl.constexpr, TO_CACHE: tl.constexpr, PDL: tl.constexpr = False):
         """out[row, head] = rope(norm(x[row, head])); TO_CACHE: out is the key cache, the row goes
         to [slot, head, pos] and v[row, head] to the value cache there too."""
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, BD)
@@ -389,7 +409,7 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4)
+        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4, **_pdl_args())
     return out
 
 
@@ -409,7 +429,7 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
-                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr):
+                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
         """One row's draw (§6.1) in one program, its M <= BM candidates held in registers.
 
         The top-p/top-k cut needs no sort. Both keep a prefix of the ranking (probability
@@ -424,6 +444,7 @@ if HAS_TRITON:
         probabilities: sampling.draw's float32 cumsum and the naive reference's float64 one may
         differ from it only where a cumulative sum is within rounding of top_p.
         """
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         i = tl.arange(0, BM)
         ok = i < M
