@@ -355,6 +355,19 @@ def test_graph_lengths_setting(monkeypatch):
             parse_args([])
 
 
+def test_graph_buckets_setting(monkeypatch):
+    from services.codec.__main__ import parse_args
+
+    monkeypatch.setenv("DRAMA_CHECKPOINT", "/ckpt")
+    assert parse_args([]).graph_buckets is None               # graphs.BATCH_BUCKETS
+    monkeypatch.setenv("DRAMA_CODEC_GRAPH_BUCKETS", "1,2,4,8,12,16,24,32,48,64")
+    assert parse_args([]).graph_buckets == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    for bad in ("2,4", "1,x", "0,1", ","):                    # 1 is needed for a lone session
+        monkeypatch.setenv("DRAMA_CODEC_GRAPH_BUCKETS", bad)
+        with pytest.raises(SystemExit):
+            parse_args([])
+
+
 def test_long_lengths_setting(monkeypatch):
     from services.codec.__main__ import parse_args
 
@@ -387,6 +400,27 @@ async def test_pool_with_fewer_graph_lengths_splits_chunks(tiny_checkpoint):
         assert got.shape == want.shape
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3   # test_codec_graphs' bound + PCM16
         assert servicer.streams.ticks >= 3 + 2          # 7 = 4 + 2 + 1 and 3 = 2 + 1: one tick each
+    finally:
+        await stop(running)
+
+
+async def test_pool_with_other_batch_buckets(tiny_checkpoint):
+    """Buckets (1, 3): three sessions' ticks run in the 3-session graph shape (eager ticks on CPU),
+    each stream still its own offline decode."""
+    server, port, _, servicer = await serve(str(tiny_checkpoint), port=0, graphs=True, graph_buckets=(1, 3),
+                                            long_lengths=())
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", max_message_mb=32)
+    running = Running(server, port, servicer, channel)
+    try:
+        assert servicer.streams.buckets == (1, 3)
+        streams = [random_codes(running.codec, 6, seed=10 + i) for i in range(3)]
+        results = await asyncio.gather(*(run_decode(running.stub, decode_requests(codes, [2, 4]))
+                                         for codes in streams))
+        for codes, (pcm, _) in zip(streams, results):
+            got = np.frombuffer(pcm, dtype="<i2").astype(np.int32)
+            want = np.frombuffer(pcm16_bytes(running.codec.decode(codes[None])[0]), dtype="<i2").astype(np.int32)
+            assert got.shape == want.shape
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
     finally:
         await stop(running)
 

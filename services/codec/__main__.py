@@ -9,7 +9,9 @@ torch's default). DRAMA_CODEC_GRAPHS: unset = streaming decode through CUDA grap
 device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager ticks on CPU);
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
 DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1,2,4,8;
-must include 1: other lengths are split into these). DRAMA_CODEC_LONG_LENGTHS: the batch-1 graph
+must include 1: other lengths are split into these). DRAMA_CODEC_GRAPH_BUCKETS: the batch sizes
+(sessions per tick) that get a graph per length (unset: 1,2,4,8,16,32,64; must include 1: a tick
+pads to the next bucket, a larger one runs as several). DRAMA_CODEC_LONG_LENGTHS: the batch-1 graph
 lengths a longer chunk is split into first (unset: 16,32,64,128; "none" or 0: none).
 DRAMA_CODEC_OPTIONS: decode fast-path switches, e.g. "narrow_conv=0" (model.decode_options_from_env).
 DRAMA_CODEC_DTYPE: the decode dtype, float16 | bfloat16 | float32 (unset: float16 on CUDA, float32
@@ -45,26 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cpu_threads = env_default("DRAMA_CODEC_CPU_THREADS", 1, int) or None
     args.graphs = env_switch("DRAMA_CODEC_GRAPHS")   # unset: on for CUDA devices
     args.slots = env_default("DRAMA_CODEC_SLOTS", 256, int)
-    lengths = env_default("DRAMA_CODEC_GRAPH_LENGTHS", None)
-    args.graph_lengths = None
-    if lengths is not None:
-        try:
-            args.graph_lengths = tuple(sorted({int(part) for part in lengths.split(",") if part.strip()}))
-        except ValueError:
-            parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be comma-separated integers, got {lengths!r}")
-        if 1 not in args.graph_lengths or min(args.graph_lengths) < 1:
-            parser.error(f"DRAMA_CODEC_GRAPH_LENGTHS must be positive and include 1, got {lengths!r}")
+    args.graph_lengths = _positive_ints(parser, "DRAMA_CODEC_GRAPH_LENGTHS", need_one=True)
+    args.graph_buckets = _positive_ints(parser, "DRAMA_CODEC_GRAPH_BUCKETS", need_one=True)
     long_lengths = env_default("DRAMA_CODEC_LONG_LENGTHS", None)
-    args.long_lengths = None
     if long_lengths is not None and long_lengths.strip().lower() in ("none", "0"):
         args.long_lengths = ()
-    elif long_lengths is not None:
-        try:
-            args.long_lengths = tuple(sorted({int(part) for part in long_lengths.split(",") if part.strip()}))
-        except ValueError:
-            parser.error(f"DRAMA_CODEC_LONG_LENGTHS must be comma-separated integers, got {long_lengths!r}")
-        if args.long_lengths and min(args.long_lengths) < 1:
-            parser.error(f"DRAMA_CODEC_LONG_LENGTHS must be positive, got {long_lengths!r}")
+    else:
+        args.long_lengths = _positive_ints(parser, "DRAMA_CODEC_LONG_LENGTHS")
     dtype = env_default("DRAMA_CODEC_DTYPE", None)
     if dtype is not None and dtype.strip().lower() not in DECODE_DTYPES:
         parser.error(f"DRAMA_CODEC_DTYPE must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
@@ -73,6 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 DECODE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _positive_ints(parser: argparse.ArgumentParser, name: str, need_one: bool = False) -> tuple[int, ...] | None:
+    """The variable `name` as sorted distinct positive integers ("8, 4,2,1" -> (1, 2, 4, 8)); None
+    when unset. need_one: 1 must be among them (every other size is split into or padded from
+    these, and a single frame or session must fit). A bad value stops the stage, naming it."""
+    raw = env_default(name, None)
+    if raw is None:
+        return None
+    try:
+        values = tuple(sorted({int(part) for part in raw.split(",") if part.strip()}))
+    except ValueError:
+        parser.error(f"{name} must be comma-separated integers, got {raw!r}")
+    if not values or min(values) < 1 or (need_one and 1 not in values):
+        parser.error(f"{name} must be positive integers{' including 1' if need_one else ''}, got {raw!r}")
+    return values
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -85,6 +90,7 @@ async def run(args: argparse.Namespace) -> None:
                                               cpu_threads=args.cpu_threads, codec=codec,
                                               graphs=args.graphs, slots=args.slots, dtype=args.dtype,
                                               graph_lengths=args.graph_lengths,
+                                              graph_buckets=args.graph_buckets,
                                               long_lengths=args.long_lengths)
     # The grace period lets open Decode streams finish their audio while no new call is admitted.
     await serve_until_signalled(server, health, grace_s=args.grace_s, on_shutdown=servicer.stop_admitting)

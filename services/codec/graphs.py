@@ -142,6 +142,8 @@ class GraphedDecoder:
                  long_lengths: tuple[int, ...] = LONG_LENGTHS, use_graphs: bool | None = None):
         if 1 not in lengths:
             raise ValueError("lengths must include 1 (any chunk must split into graphed lengths)")
+        if 1 not in buckets or min(buckets) < 1:
+            raise ValueError(f"buckets must be positive and include 1 (a lone session's tick), got {buckets}")
         if min(long_lengths, default=1) < 1:
             raise ValueError(f"long_lengths must be positive, got {long_lengths}")
         self.codec = codec

@@ -286,7 +286,7 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
                 max_encode_seconds: float = 60.0, cpu_threads: int | None = 1, codec=None,
                 ready: asyncio.Event | None = None, graphs: bool | None = None, slots: int = 256,
                 dtype: torch.dtype | None = None, graph_lengths: tuple[int, ...] | None = None,
-                long_lengths: tuple[int, ...] | None = None):
+                long_lengths: tuple[int, ...] | None = None, graph_buckets: tuple[int, ...] | None = None):
     """Start listening (NOT_SERVING), load and warm the codec on the worker thread, then SERVING.
 
     Returns (server, port, health, servicer). `codec` skips loading from `checkpoint`;
@@ -297,7 +297,9 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
     `graph_lengths`: the chunk lengths that get a graph (None: graphs.STREAM_LENGTHS, 1, 2, 4, 8);
     other lengths are split into these, so fewer lengths mean fewer graphs to capture and hold
     at the price of more replays for the odd chunk. `long_lengths`: the batch-1 graph lengths a
-    longer chunk is split into (None: graphs.LONG_LENGTHS, 16-128; () for none).
+    longer chunk is split into (None: graphs.LONG_LENGTHS, 16-128; () for none). `graph_buckets`:
+    the batch sizes with a graph per stream length (None: graphs.BATCH_BUCKETS); a tick of n
+    sessions runs in the smallest that holds n, padded.
     """
     on_cpu = torch.device(device).type == "cpu" if codec is None else codec.device.type == "cpu"
     worker = await start_model_worker(cpu_threads if on_cpu else None)
@@ -315,10 +317,9 @@ async def serve(checkpoint: str | None, *, host: str = "127.0.0.1", port: int = 
         use_graphs = model.device.type == "cuda" if graphs is None else graphs
         streams = None
         if use_graphs:
-            lengths = {} if graph_lengths is None else {"lengths": graph_lengths}
-            if long_lengths is not None:
-                lengths["long_lengths"] = long_lengths
-            streams = GraphedDecoder(model, slots, **lengths)
+            shapes = {key: value for key, value in (("lengths", graph_lengths), ("long_lengths", long_lengths),
+                                                    ("buckets", graph_buckets)) if value is not None}
+            streams = GraphedDecoder(model, slots, **shapes)
             streams.capture()
         return model, streams
 
