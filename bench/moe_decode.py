@@ -84,8 +84,6 @@ def main(argv=None) -> dict:
                 ("moe_decode", dict(moe_decode.DECODE_CONFIG), moe_decode.moe_decode_pairs),
                 ("moe_decode fp8 dot", dict(moe_decode.DECODE_CONFIG, FP8_DOT=True), moe_decode.moe_decode_pairs)]
     if args.prefill:
-        if hasattr(moe_decode, "PREFILL_CONFIG"):
-            variants.append(("moe_decode prefill", dict(moe_decode.PREFILL_CONFIG), moe_decode.moe_decode_pairs))
         # FP8 operands only (bf16 lost at every size, session 9); the served piece configs first
         for cfg in (moe_decode.SMALL_PIECE_CONFIG, moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
             variants.append(("moe_decode piece", dict(cfg), moe_decode.moe_decode_pairs))

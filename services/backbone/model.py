@@ -110,6 +110,13 @@ def piece_gemm_rows(bucket: int) -> int:
     return PIECE_GEMM_ROWS if bucket % PIECE_GEMM_ROWS == 0 else invariant.TILE
 
 
+def piece_kernels(bucket: int) -> tuple[int, str]:
+    """What a piece's row bits depend on besides its own rows: its dense GEMMs' rows
+    (piece_gemm_rows) and its routed experts' MMA (moe_decode.piece_mma). prefill_groups packs a
+    piece only into a graph whose bucket gives the same."""
+    return piece_gemm_rows(bucket), moe_decode.piece_mma(bucket)
+
+
 def graph_pieces(bucket: int) -> tuple[int, ...]:
     """The piece counts with a prefill graph of `bucket` rows per piece (at least one piece)."""
     return tuple(n for n in PREFILL_GRAPH_PIECES if n == 1 or n * bucket <= PREFILL_GRAPH_ROWS)
@@ -128,8 +135,8 @@ def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKET
     """The replays that run prefill segments of these lengths, in order. Each segment is cut by
     `prefill_cuts`; round r holds every segment's r-th piece (a segment's pieces run one after
     another), and a round's pieces are packed into graphs, the largest buckets first, each graph
-    taking pieces of its first piece's bucket or smaller with the same GEMM rows (a piece padded
-    further is the same bits, tests/test_prefill_graphs.py; `piece_gemm_rows`). Why pack: a piece
+    taking pieces of its first piece's bucket or smaller with the same `piece_kernels` (a piece
+    padded further is the same bits, tests/test_prefill_graphs.py). Why pack: a piece
     of any size reads nearly every expert of every layer (~32 GB), so pieces of many sessions in
     one replay share that read."""
     cuts = [prefill_cuts(n, buckets) for n in lengths]
@@ -139,7 +146,7 @@ def prefill_groups(lengths: list[int], buckets: tuple[int, ...] = PREFILL_BUCKET
         while todo:
             bucket = todo[0][0]
             most = graph_pieces(bucket)[-1]
-            members = [t for t in todo if piece_gemm_rows(t[0]) == piece_gemm_rows(bucket)][:most]
+            members = [t for t in todo if piece_kernels(t[0]) == piece_kernels(bucket)][:most]
             todo = [t for t in todo if t not in members]        # (bucket, segment): each one once
             slots = next(n for n in graph_pieces(bucket) if n >= len(members))
             pieces = tuple((i, sum(n for n, _ in cuts[i][:r]), cuts[i][r][0]) for _, i in members)

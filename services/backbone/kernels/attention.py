@@ -198,6 +198,19 @@ def piece_attention(q, k_pool, v_pool, piece_slots, positions, piece_rows, bucke
 if HAS_TRITON:
 
     @triton.jit
+    def _gate_output(y, gate, PRECISE: tl.constexpr):
+        """gate_output as torch computes it, bit for bit, for y in the output dtype: σ = 1 / (1 +
+        expf(−g)) in F32 with libdevice's expf and IEEE division (tl.sigmoid's fast exp and
+        division differ in the last bits, which moves bf16 roundings: a prefill piece's rows then
+        differed from the eager path's), rounded to y's dtype; then y·σ rounded once more."""
+        gate = gate.to(tl.float32)
+        if PRECISE:
+            sig = tl.math.div_rn(tl.zeros_like(gate) + 1.0, 1.0 + libdevice.exp(-gate))
+        else:         # Triton's interpreter has no libdevice (numpy's exp there)
+            sig = 1.0 / (1.0 + tl.exp(-gate))
+        return (y.to(tl.float32) * sig.to(y.dtype).to(tl.float32)).to(y.dtype)
+
+    @triton.jit
     def _piece_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, rows_ptr, out_ptr, gate_ptr, scale, bucket,
                                 stride_qr, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh,
                                 stride_vl, stride_or, stride_oh, stride_gr, stride_gh,
@@ -248,15 +261,10 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC)
                 m_i = m_new
             y = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
-            if HAS_GATE:    # as _decode_combine_kernel: torch's sigmoid bit for bit, then one rounding
+            if HAS_GATE:
                 gate = tl.load(gate_ptr + r[:, None] * stride_gr + h[:, None] * stride_gh + d[None, :],
-                               mask=real[:, None], other=0.0).to(tl.float32)
-                if PRECISE:
-                    sig = tl.math.div_rn(tl.full([BQ * G, D], 1.0, tl.float32), 1.0 + libdevice.exp(-gate))
-                else:       # Triton's interpreter has no libdevice
-                    sig = 1.0 / (1.0 + tl.exp(-gate))
-                sig = sig.to(out_ptr.dtype.element_ty)
-                y = (y.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                               mask=real[:, None], other=0.0)
+                y = _gate_output(y, gate, PRECISE)
             y = tl.where(real[:, None], y, 0.0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + r[:, None] * stride_or + h[:, None] * stride_oh + d[None, :], y, mask=in_piece[:, None])
 
@@ -329,15 +337,5 @@ if HAS_TRITON:
             m_all = m_new
         y = (acc / l_all).to(out_ptr.dtype.element_ty)
         if HAS_GATE:
-            # gate_output as torch computes it, bit for bit: σ = 1 / (1 + expf(−g)) in F32 with
-            # libdevice's expf and IEEE division (tl.sigmoid's fast exp and division differ in the
-            # last bits, which moves bf16 roundings: a prefill piece's rows then differed from the
-            # eager path's), rounded to bf16; then bf16(o)·σ rounded once more
-            gate = tl.load(gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh + d).to(tl.float32)
-            if PRECISE:
-                sig = tl.math.div_rn(tl.full([D], 1.0, tl.float32), 1.0 + libdevice.exp(-gate))
-            else:         # Triton's interpreter has no libdevice (numpy's exp there)
-                sig = 1.0 / (1.0 + tl.exp(-gate))
-            sig = sig.to(out_ptr.dtype.element_ty)
-            y = (y.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            y = _gate_output(y, tl.load(gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh + d), PRECISE)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, y)

@@ -90,9 +90,9 @@ DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stag
 # recipe's roundings (gate/up to bf16, h to FP8): 4.7e-3 of the largest output off
 # naive_moe_fp8, 2.3e-7 for BM 16/32 (tests/test_moe_decode.py bounds each).
 # So BM 64 serves only where it wins by milliseconds, the pieces of 768 and 1024 rows, and there
-# batch invariance holds too: their graphs hold one piece and nothing is packed with them
-# (model.prefill_groups packs by GEMM rows, which are the whole piece for these; BM 16 and BM 32
-# pieces do share graphs, and give the same bits: tests/test_prefill_graphs.py).
+# batch invariance holds too: model.prefill_groups packs pieces only with pieces of the same MMA
+# (`piece_mma`; these graphs hold one piece anyway). BM 16 and BM 32 pieces do share graphs, and
+# give the same bits (tests/test_prefill_graphs.py).
 SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 WIDE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
@@ -105,6 +105,14 @@ def piece_config(bucket: int) -> dict:
     if bucket >= WIDE_PIECE_ROWS:
         return WIDE_PIECE_CONFIG
     return LARGE_PIECE_CONFIG if bucket >= LARGE_PIECE_ROWS else SMALL_PIECE_CONFIG
+
+
+def piece_mma(bucket: int) -> str:
+    """The MMA a piece of `bucket` rows runs its routed experts on: "warpgroup" (BM 64 with FP8
+    operands) or "warp" (BM 16, 32). Pieces of the same MMA give a row the same bits in each
+    other's graphs (model.prefill_groups packs only those together); across the two they do not."""
+    config = piece_config(bucket)
+    return "warpgroup" if config["BM"] >= 64 and config.get("FP8_DOT", False) else "warp"
 
 
 if HAS_TRITON:
