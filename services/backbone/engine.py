@@ -26,6 +26,7 @@ into steps and whatever other sessions share the step (tests/test_backbone_engin
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ class BackboneEngine:
         self.hidden_dtype = model.dtype
         self.num_codebooks = model.audio.num_codebooks if model.audio is not None else 0
         self.caches = model.allocate_caches(max_sessions, max_context)
+        self.warm_up_phases: dict[str, float] = {}     # seconds per phase of the last warm_up
         self._lengths = [0] * max_sessions
         self._open = [False] * max_sessions
         self._busy: set[int] = set()                       # slots inside a running step
@@ -325,12 +327,16 @@ class BackboneEngine:
         0 and after it, one and several segments, mixed decode + prefill steps, eager decode at
         batch 1 and 2. On CPU nothing compiles: a prefill crossing nothing and two decode steps."""
         cuda = self.model.device.type == "cuda"
+        clock = _PhaseClock(self.model.device)
         if cuda and self.model.kernels:
             self.model.prepare()
             self.model.warm_route_tables()       # eager prefill's MoE block-table kernel, every piece size
+        clock.lap("prepare")
         buckets = self.model.capture_decode_graphs(self.caches, self.max_sessions) if cuda else []
+        clock.lap(f"{len(buckets)} decode graphs")
         if cuda:
-            self.model.capture_prefill_graphs(self.caches)
+            shapes = self.model.capture_prefill_graphs(self.caches)
+            clock.lap(f"{len(shapes)} prefill graphs")
         slots = [self.open() for _ in range(min(3, self.free_slots))]
         if cuda and prefill_rows is None:
             plan = cuda_warm_up_plan(len(slots), self.max_context)
@@ -348,8 +354,8 @@ class BackboneEngine:
             self.model.decode_graphs = graphs
             for slot in slots:
                 self.release(slot)
-        if cuda:
-            torch.cuda.synchronize(self.model.device)
+        clock.lap(f"{len(plan)} steps")
+        self.warm_up_phases = clock.phases
         return buckets
 
     # ---- accounting ------------------------------------------------------------------------
@@ -359,6 +365,20 @@ class BackboneEngine:
         weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
         cache = self.caches.nbytes()
         return {"weights": weights, "cache": cache, "total": weights + cache}
+
+
+class _PhaseClock:
+    """Seconds per phase of the warm-up, each ending when the device has finished its work (the
+    server prints them: a slow start says which part grew)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.phases, self._last = device, {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[name], self._last = now - self._last, now
 
 
 def cpu_warm_up_plan(sessions: int, context: int, prefill_rows: int, decode_steps: int):

@@ -74,6 +74,11 @@ PREFILL_BUCKETS = (16, 32, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024)
 # group (10 pieces of 128 rows ran as 16 before).
 PREFILL_GRAPH_ROWS = 1024
 PREFILL_GRAPH_PIECES = (1, 2, 3, 4, 6, 8, 12, 16)
+# Eager runs of a prefill graph's step before its capture (cuda_graphs.capture). One does what a
+# capture must not: Triton's compiles and fla's autotuning (by shape), cuBLAS's workspace for the
+# capture stream. The start captures ~56 of these graphs, each run costing ~0.1-0.2 s of Python, so
+# the second run torch's examples make costs seconds of every start.
+PREFILL_CAPTURE_WARMUP = 1
 
 
 def prefill_cuts(rows: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> list[tuple[int, int]]:
@@ -451,7 +456,7 @@ class Backbone(nn.Module):
                 if self._prefill_pool is None:
                     self._prefill_pool = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
                 pool, stream = self._prefill_pool
-                step = GraphedStep(piece, pool=pool, stream=stream)
+                step = GraphedStep(piece, pool=pool, stream=stream, warmup=PREFILL_CAPTURE_WARMUP)
             else:
                 step = dg.EagerStep(piece)
             self._graphs[key] = (step, static_x, index)

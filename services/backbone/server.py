@@ -483,7 +483,8 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         # NOT_SERVING until warm (API.md §3.2): the first request must not pay kernel compilation.
         started = time.perf_counter()
         buckets = await asyncio.to_thread(engine.warm_up)
-        print(f"backbone warm-up: {time.perf_counter() - started:.1f} s; decode graphs: "
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in engine.warm_up_phases.items())
+        print(f"backbone warm-up: {time.perf_counter() - started:.1f} s ({phases}); decode graphs: "
               + (f"on, batch buckets {buckets}" if buckets else "off"), flush=True)
         if expert_reads is not None:
             waited = time.perf_counter()
