@@ -313,24 +313,31 @@ def test_overlapped_load_reads_with_two_threads(tiny_checkpoint, monkeypatch):
 
     seen = []
     read_parallel = SafetensorsCheckpoint.read_parallel
+    read_into_parallel = SafetensorsCheckpoint.read_into_parallel
 
     def recording(self, names, fn, *, threads=None, **kwargs):
-        seen.append(threads)
+        seen.append(("per tensor", threads))
         return read_parallel(self, names, fn, threads=threads, **kwargs)
 
+    def recording_runs(self, targets, *, threads=None, **kwargs):
+        seen.append(("runs", threads))
+        return read_into_parallel(self, targets, threads=threads, **kwargs)
+
     monkeypatch.setattr(SafetensorsCheckpoint, "read_parallel", recording)
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_into_parallel", recording_runs)
     monkeypatch.delenv("DRAMA_LOAD_THREADS", raising=False)
     _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
     reads.wait()
-    assert seen == [weights.EXPERT_READ_THREADS] * 2
+    two = weights.EXPERT_READ_THREADS
+    assert seen == [("per tensor", two), ("per tensor", two), ("runs", two)]
     seen.clear()
     weights.load_backbone(tiny_checkpoint, lm_head=False)
-    assert seen == [None]
+    assert seen == [("per tensor", None), ("runs", None)]
     seen.clear()
     monkeypatch.setenv("DRAMA_LOAD_THREADS", "5")
     _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
     reads.wait()
-    assert seen == [None, None]
+    assert seen == [("per tensor", None), ("per tensor", None), ("runs", None)]
 
 
 def test_overlapped_load_equals_the_plain_load_and_reports_read_errors(tiny_checkpoint, monkeypatch):
@@ -385,10 +392,10 @@ def test_overlapped_load_equals_the_plain_load_and_reports_read_errors(tiny_chec
     assert torch.equal(mlp.w_gate_up.view(torch.uint8), reference.w_gate_up.view(torch.uint8))
     assert torch.equal(mlp.s_gate_up, reference.s_gate_up)
 
-    def broken(self, dst, src):
+    def broken(self, src, parts):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(DeviceCopier, "copy_into", broken)
+    monkeypatch.setattr(DeviceCopier, "copy_parts", broken)
     _, reads = weights.start_backbone_load(tiny_checkpoint, lm_head=False)
     with pytest.raises(OSError, match="disk gone"):
         reads.wait()

@@ -1,4 +1,4 @@
-"""Parallel shard reading (SafetensorsCheckpoint.read_parallel) and DeviceCopier."""
+"""Parallel shard reading (SafetensorsCheckpoint.read_parallel, read_into_parallel) and DeviceCopier."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from services.common.checkpoint import DeviceCopier, _data_offsets, open_safetensors
+from services.common.checkpoint import DeviceCopier, WeightError, _data_offsets, _runs, open_safetensors
 
 FP8 = torch.float8_e4m3fn
 
@@ -105,3 +105,49 @@ def test_cuda_read_parallel_matches_the_stored_tensors(tiny_checkpoint):
     ckpt.read_parallel(ckpt.names(), lambda n, m, c: got.__setitem__(n, c.new(m)), device="cuda", threads=2)
     for name in ckpt.names():
         assert got[name].is_cuda and torch.equal(_bits(got[name].cpu()), _bits(ckpt.get(name))), name
+
+
+def _into_targets(ckpt, names, device):
+    """Fresh targets for `names` as slices of one stack per (shape, dtype), as the backbone's
+    experts are (each target a contiguous slice, not a tensor of its own)."""
+    groups: dict = {}
+    for name in names:
+        groups.setdefault((ckpt.shape_of(name), ckpt.dtype_of(name)), []).append(name)
+    targets = {}
+    for (shape, dtype), members in groups.items():
+        stack = torch.zeros((len(members) + 1,) + tuple(shape), dtype=torch.float32, device=device).to(dtype)
+        for i, name in enumerate(members):
+            targets[name] = stack[i + 1]
+    return targets
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("chunk_bytes", [1000, 2 ** 16, None])
+def test_read_into_parallel_lands_every_tensor_bit_exact(tiny_checkpoint, monkeypatch, device, chunk_bytes):
+    """Runs of neighbouring tensors (chunk 1000 bytes: most tensors a run of their own, the big
+    ones through the staged copy; 64 KiB: runs of many; the default) land where they belong."""
+    if chunk_bytes:
+        monkeypatch.setattr(DeviceCopier, "CHUNK_BYTES", chunk_bytes)
+    ckpt = open_safetensors(tiny_checkpoint)
+    names = [n for n in ckpt.names() if "mlp.experts." in n] + ["model.language_model.embed_tokens.weight"]
+    targets = _into_targets(ckpt, names, device)
+    ckpt.read_into_parallel(targets, device=device, threads=2)
+    for name in names:
+        got = targets[name].cpu()
+        assert torch.equal(_bits(got), _bits(ckpt.get(name))), name
+
+
+def test_read_into_parallel_names_a_target_that_does_not_fit(tiny_checkpoint):
+    ckpt = open_safetensors(tiny_checkpoint)
+    name = next(n for n in ckpt.names() if n.endswith("experts.0.down_proj.weight"))
+    wrong = torch.empty(ckpt.shape_of(name), dtype=torch.bfloat16)
+    with pytest.raises(WeightError, match=f"{name} .*stored float8_e4m3fn .*target bfloat16"):
+        ckpt.read_into_parallel({name: wrong})
+
+
+def test_runs_join_neighbours_up_to_the_chunk():
+    spans = [(0, 10, "a"), (10, 30, "b"), (30, 35, "c"), (2 ** 21, 2 ** 21 + 5, "far"), (2 ** 21 + 5, 2 ** 21 + 200, "big")]
+    runs = [(b, e, [n for _, _, n in run]) for b, e, run in _runs(spans, most=40)]
+    assert runs == [(0, 35, ["a", "b", "c"]), (2 ** 21, 2 ** 21 + 5, ["far"]), (2 ** 21 + 5, 2 ** 21 + 200, ["big"])]
+    assert [[n for _, _, n in run] for _, _, run in _runs(spans[:3], most=25)] == [["a"], ["b", "c"]]

@@ -251,13 +251,27 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
         else:
             loaded[name] = copier.new(mapped, target_dtype(name))
 
+    # Experts stored as they are kept (FP8 and its F32 scales, or the compute dtype) land in their
+    # stack's slice in runs of neighbours (read_into_parallel: ~61k tensors in a full checkpoint);
+    # the others (a dtype to convert) one by one through `read`.
+    in_place = {name: stacked[target][e] for name, (target, e) in expert_slot.items()
+                if ckpt.dtype_of(name) == stacked[target].dtype}
     # In the background (start_backbone_load) the experts come last, into tensors placed below.
     later = [name for name in wanted if name in expert_slot] if experts_in_background else []
-    now = [name for name in wanted if name not in expert_slot] if later else wanted
+    now = [name for name in wanted if name not in expert_slot or not later and name not in in_place]
+    later = [name for name in later if name not in in_place]
     # with the experts in the background every read takes EXPERT_READ_THREADS readers, as measured
     # (None: read_parallel's default, which follows $DRAMA_LOAD_THREADS when it is set)
-    threads = EXPERT_READ_THREADS if later and not os.environ.get("DRAMA_LOAD_THREADS") else None
+    background = experts_in_background and bool(expert_slot)
+    threads = EXPERT_READ_THREADS if background and not os.environ.get("DRAMA_LOAD_THREADS") else None
     ckpt.read_parallel(now, read, device=device, threads=threads)
+
+    def read_experts(sync_device: bool = True) -> None:
+        ckpt.read_parallel(later, read, device=device, threads=threads, sync_device=sync_device)
+        ckpt.read_into_parallel(in_place, device=device, threads=threads, sync_device=sync_device)
+
+    if not background:
+        ckpt.read_into_parallel(in_place, device=device, threads=threads)
 
     def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps
@@ -305,12 +319,11 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
     if unfilled:
         raise WeightError([f"not filled from the checkpoint: {n}" for n in unfilled], f"checkpoint {path}")
     model.prepare()
-    if not later:
+    if not background:
         return model.eval(), ExpertReads()
     # sync_device=False: each reader waits for its own copy stream; a device-wide synchronize
     # would break a CUDA graph being captured meanwhile on another thread.
-    reads = ExpertReads(lambda: ckpt.read_parallel(later, read, device=device, threads=threads, sync_device=False))
-    return model.eval(), reads
+    return model.eval(), ExpertReads(lambda: read_experts(sync_device=False))
 
 
 def _fp8_experts(ckpt, prefix: str, base: str) -> bool:
