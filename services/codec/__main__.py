@@ -10,7 +10,7 @@ device (graphs.py), 0 = eager, 1 = the graph slot pool on any device (eager tick
 DRAMA_CODEC_SLOTS (256) is that pool's session count (a full pool refuses new sessions).
 DRAMA_CODEC_GRAPH_LENGTHS: the chunk lengths that get a CUDA graph, e.g. "1,2,4,8" (unset: 1,2,4,8;
 must include 1: other lengths are split into these). DRAMA_CODEC_GRAPH_BUCKETS: the batch sizes
-(sessions per tick) that get a graph per length (unset: 1,2,4,8,16,32,64; must include 1: a tick
+(sessions per tick) that get a graph per length (unset: 1,2,4,8,12,16,24,32,48,64; must include 1: a tick
 pads to the next bucket, a larger one runs as several). DRAMA_CODEC_LONG_LENGTHS: the batch-1 graph
 lengths a longer chunk is split into first (unset: 16,32,64,128; "none" or 0: none).
 DRAMA_CODEC_OPTIONS: decode fast-path switches, e.g. "narrow_conv=0" (model.decode_options_from_env).

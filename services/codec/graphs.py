@@ -57,7 +57,10 @@ from services.codec.state import StreamState
 log = logging.getLogger(__name__)
 
 STREAM_LENGTHS = (1, 2, 4, 8)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# 12, 24 and 48 too: at 128 streams a tick holds ~12-14 sessions, which padded to 16 before. Two
+# A/B pairs of 128-stream stacks on the H200 (docs/perf.md, session 11): streams without underrun
+# 180/180 against 163/168, and 117/164 against 83/154, for 12 more graphs at start.
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 LONG_LENGTHS = (16, 32, 64, 128)
 CAPTURE_PROGRESS_S = 5.0          # a progress line at most this often while capturing
 # Cost model for splitting an offline decode: a replay costs about as much as this many frames.
