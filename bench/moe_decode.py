@@ -87,15 +87,11 @@ def main(argv=None) -> dict:
         # FP8 operands only (bf16 lost at every size, session 9); the served piece configs first
         for cfg in (moe_decode.SMALL_PIECE_CONFIG, moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
             variants.append(("moe_decode piece", dict(cfg), moe_decode.moe_decode_pairs))
-        # QUANT_EPILOGUE: gate_up quantises h itself (BN_GU 128, SPLIT 1), no split-K reduce launch
-        for bm, split, bn1, bn2, warps, stages, epilogue in [
-                (16, 1, 128, 64, 4, 3, False), (16, 1, 128, 64, 4, 3, True), (16, 1, 128, 64, 4, 4, True),
-                (16, 1, 128, 128, 4, 3, True), (16, 1, 128, 32, 4, 3, True), (16, 1, 128, 64, 8, 3, True),
-                (32, 1, 128, 64, 4, 3, True), (64, 1, 128, 64, 4, 3, True), (64, 1, 128, 64, 8, 3, True)]:
+        for bm, split, bn1, bn2, warps, stages in [
+                (16, 1, 128, 64, 4, 3), (16, 1, 64, 128, 4, 3), (16, 1, 128, 128, 4, 3), (16, 1, 64, 64, 4, 4),
+                (16, 1, 64, 64, 8, 3), (16, 1, 32, 32, 4, 3), (16, 2, 64, 64, 4, 3), (64, 1, 128, 128, 8, 3)]:
             variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split, num_warps=warps,
-                                                num_stages=stages, FP8_DOT=True,
-                                                **({"QUANT_EPILOGUE": True} if epilogue else {})),
-                             moe_decode.moe_decode_pairs))
+                                                num_stages=stages, FP8_DOT=True), moe_decode.moe_decode_pairs))
     elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG

@@ -169,15 +169,12 @@ if HAS_TRITON:
     def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
-                        u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot, hq_ptr, ha_ptr,
+                        u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        QUANT_EPILOGUE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
-        QUANT_EPILOGUE (SPLIT 1, BN 128: the program holds whole sums of one 128-column group):
-        what _split_reduce_quant_kernel would make of them, here: h = bf16(silu(bf16 gate)·bf16 up)
-        §4.7-quantised into hq, ha, and no ws.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
@@ -229,20 +226,10 @@ if HAS_TRITON:
                 su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
                 acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
                 acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
+            out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
             mask = r_ok[:, None] & n_ok[None, :]
-            if QUANT_EPILOGUE:
-                # fp8_moe._split_swiglu's arithmetic on the one partial, then _split_reduce_quant_tile's
-                gate = acc_g.to(tl.bfloat16).to(tl.float32)
-                up = acc_u.to(tl.bfloat16).to(tl.float32)
-                act = tl.where(mask, (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32), 0.0)
-                hq, ha = fp8_moe._quant_tile(act)
-                rows = pairs.to(tl.int64)
-                tl.store(hq_ptr + rows[:, None] * I + offs_n[None, :], hq.to(tl.float8e4nv), mask=mask)
-                tl.store(ha_ptr + rows * tl.cdiv(I, 128) + pid_n, ha, mask=r_ok)
-            else:
-                out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
-                tl.store(out, acc_g, mask=mask)
-                tl.store(out + I, acc_u, mask=mask)
+            tl.store(out, acc_g, mask=mask)
+            tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -585,27 +572,23 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     else:   # placeholders the kernels never touch (SHARED=False)
         i_s, sw_gate_up, sw_down, wss, hs, shared_out = 0, w_gate_up, w_down, xa, xa, xa
     has_shared = shared is not None
-    epilogue = bool(cfg.get("QUANT_EPILOGUE", False))
-    if epilogue and (split != 1 or bn1 != fp8_moe.GROUP or has_shared):
-        raise ValueError("QUANT_EPILOGUE needs SPLIT 1 and BN_GU 128 (whole sums of one quantisation "
-                         "group per program) and no shared expert")
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-    ws = xa if epilogue else torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
+    ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
     _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        x, x.stride(0), sw_gate_up, wss, i_s, slots, hq, ha,
+        x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        QUANT_EPILOGUE=epilogue, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
         pair_blocks = triton.cdiv(n, 16)
         _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
             ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
             num_warps=4, **pdl_args())
-    elif not epilogue:      # with the epilogue, gate_up wrote hq and ha itself
+    else:
         fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
             ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
