@@ -211,7 +211,10 @@ class SafetensorsCheckpoint:
             copier = getattr(local, "copier", None)
             if copier is None:
                 copier = local.copier = DeviceCopier(device)
-            with open(path, "rb") as fh:    # a private map (never written back), unmapped when dropped
+            with open(path, "rb") as fh:
+                # a private map, unmapped when dropped: its pages are the page cache's until written,
+                # and nothing writes them (a read-only map works too, but torch.frombuffer warns on
+                # it, and silencing that is not thread-safe)
                 shard_bytes = torch.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
             try:
                 for begin, end, run in _runs(spans, copier.chunk_bytes):
