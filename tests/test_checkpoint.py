@@ -4,6 +4,7 @@ broken copies of it rewritten in tmp_path."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -214,6 +215,21 @@ def test_missing_shard_file_is_named(tmp_path, tiny_checkpoint):
     (dst / SHARD2).unlink()
     with pytest.raises(WeightError, match=f"shard file {SHARD2} is listed in {INDEX_FILE} but does not exist"):
         open_safetensors(dst)
+
+
+def test_truncated_shard_is_named(tmp_path, tiny_checkpoint):
+    """A shard cut short (an interrupted copy) is refused when the checkpoint is opened, naming
+    the file, before any read could run past its end."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, dst)
+    os.truncate(dst / SHARD2, (dst / SHARD2).stat().st_size - 1000)
+    with pytest.raises(WeightError, match=f"{SHARD2}: not a readable safetensors file: .*incomplete"):
+        open_safetensors(dst)
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(dst / SHARD2, single / "model.safetensors")
+    with pytest.raises(WeightError, match="model.safetensors: not a readable safetensors file"):
+        open_safetensors(single)
 
 
 def test_index_entry_absent_from_its_shard_is_named(tmp_path, tiny_checkpoint):

@@ -22,7 +22,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from services.common.config import DramaConfig
 from services.common.inventory import (
@@ -422,13 +422,18 @@ class DeviceCopier:
 
 
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype code, shape) from a safetensors header, without touching the data."""
-    with safe_open(str(path), framework="pt") as fh:
-        out = {}
-        for name in fh.keys():
-            piece = fh.get_slice(name)
-            out[name] = (piece.get_dtype(), tuple(piece.get_shape()))
-        return out
+    """name -> (dtype code, shape) from a safetensors header, without touching the data. A file
+    safetensors refuses (a bad header, data shorter than the header says: a truncated copy)
+    raises ValueError with its reason."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            out = {}
+            for name in fh.keys():
+                piece = fh.get_slice(name)
+                out[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+            return out
+    except SafetensorError as exc:
+        raise ValueError(f"not a readable safetensors file: {exc}") from None
 
 
 def open_safetensors(directory: str | Path) -> SafetensorsCheckpoint:
@@ -448,7 +453,10 @@ def open_safetensors(directory: str | Path) -> SafetensorsCheckpoint:
         return SafetensorsCheckpoint(directory, weight_map, INDEX_FILE)
     single = directory / SINGLE_FILE
     if single.is_file():
-        names = _read_header(single)
+        try:
+            names = _read_header(single)
+        except ValueError as exc:
+            raise WeightError([f"{SINGLE_FILE}: {exc}"], str(directory)) from None
         return SafetensorsCheckpoint(directory, {n: SINGLE_FILE for n in names}, SINGLE_FILE)
     raise WeightError([f"neither {INDEX_FILE} nor {SINGLE_FILE} exists"], str(directory))
 
