@@ -256,22 +256,20 @@ def _load(path, device, dtype, *, lm_head: bool, exact: bool | None, kernels: bo
     # the others (a dtype to convert) one by one through `read`.
     in_place = {name: stacked[target][e] for name, (target, e) in expert_slot.items()
                 if ckpt.dtype_of(name) == stacked[target].dtype}
+    experts_one_by_one = [name for name in wanted if name in expert_slot and name not in in_place]
+    others = [name for name in wanted if name not in expert_slot]
     # In the background (start_backbone_load) the experts come last, into tensors placed below.
-    later = [name for name in wanted if name in expert_slot] if experts_in_background else []
-    now = [name for name in wanted if name not in expert_slot or not later and name not in in_place]
-    later = [name for name in later if name not in in_place]
+    background = experts_in_background and bool(expert_slot)
     # with the experts in the background every read takes EXPERT_READ_THREADS readers, as measured
     # (None: read_parallel's default, which follows $DRAMA_LOAD_THREADS when it is set)
-    background = experts_in_background and bool(expert_slot)
     threads = EXPERT_READ_THREADS if background and not os.environ.get("DRAMA_LOAD_THREADS") else None
-    ckpt.read_parallel(now, read, device=device, threads=threads)
-
-    def read_experts(sync_device: bool = True) -> None:
-        ckpt.read_parallel(later, read, device=device, threads=threads, sync_device=sync_device)
-        ckpt.read_into_parallel(in_place, device=device, threads=threads, sync_device=sync_device)
-
+    ckpt.read_parallel(others if background else others + experts_one_by_one, read, device=device, threads=threads)
     if not background:
         ckpt.read_into_parallel(in_place, device=device, threads=threads)
+
+    def read_experts(sync_device: bool) -> None:
+        ckpt.read_parallel(experts_one_by_one, read, device=device, threads=threads, sync_device=sync_device)
+        ckpt.read_into_parallel(in_place, device=device, threads=threads, sync_device=sync_device)
 
     def place(target: str, name: str) -> None:
         """Checkpoint tensor `name` into module path `target`. An FP8 weight whose module keeps

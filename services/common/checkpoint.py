@@ -154,28 +154,13 @@ class SafetensorsCheckpoint:
         reads that run while another thread captures a CUDA graph (a device-wide synchronize
         would break the capture).
         """
-        device = torch.device(device)
-        local = threading.local()
 
-        def read_shard(shard: str, wanted: list[str]) -> None:
-            path = self.directory / shard
-            data_start, offsets = _data_offsets(path)
-            wanted = sorted(wanted, key=lambda n: offsets[n][0])
-            _read_ahead(path, [(data_start + offsets[n][0], data_start + offsets[n][1]) for n in wanted])
-            copier = getattr(local, "copier", None)
-            if copier is None:
-                copier = local.copier = DeviceCopier(device)
+        def read_shard(path: Path, spans: list[tuple[int, int, str]], copier: DeviceCopier) -> None:
             handle = safe_open(str(path), framework="pt")
-            try:
-                for name in wanted:
-                    fn(name, handle.get_tensor(name), copier)
-            finally:
-                copier.finish()
-                del handle
+            for _, _, name in spans:
+                fn(name, handle.get_tensor(name), copier)
 
-        self._each_shard(names, read_shard, threads)
-        if device.type == "cuda" and sync_device:
-            torch.cuda.synchronize(device)
+        self._each_shard(names, read_shard, torch.device(device), threads, sync_device)
 
     def read_into_parallel(self, targets: Mapping[str, torch.Tensor], *, device: str | torch.device = "cpu",
                            threads: int | None = None, sync_device: bool = True) -> None:
@@ -201,52 +186,60 @@ class SafetensorsCheckpoint:
                                 f"{list(target.shape)} on {target.device} (contiguous: {target.is_contiguous()})")
         if problems:
             raise WeightError(problems, f"checkpoint {self.directory}")
-        local = threading.local()
-
-        def read_shard(shard: str, wanted: list[str]) -> None:
-            path = self.directory / shard
-            data_start, offsets = _data_offsets(path)
-            spans = sorted((data_start + offsets[n][0], data_start + offsets[n][1], n) for n in wanted)
-            _read_ahead(path, [(begin, end) for begin, end, _ in spans])
-            copier = getattr(local, "copier", None)
-            if copier is None:
-                copier = local.copier = DeviceCopier(device)
+        def read_shard(path: Path, spans: list[tuple[int, int, str]], copier: DeviceCopier) -> None:
             with open(path, "rb") as fh:
                 # a private map, unmapped when dropped: its pages are the page cache's until written,
                 # and nothing writes them (a read-only map works too, but torch.frombuffer warns on
                 # it, and silencing that is not thread-safe)
                 shard_bytes = torch.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
-            try:
-                for begin, end, run in _runs(spans, copier.chunk_bytes):
-                    parts = [(b - begin, targets[n].reshape(-1).view(torch.uint8)) for b, _, n in run]
-                    copier.copy_parts(shard_bytes[begin:end], parts)
-            finally:
-                copier.finish()
+            for begin, end, run in _runs(spans, copier.chunk_bytes):
+                parts = [(b - begin, targets[n].reshape(-1).view(torch.uint8)) for b, _, n in run]
+                copier.copy_parts(shard_bytes[begin:end], parts)
 
-        self._each_shard(list(targets), read_shard, threads)
-        if device.type == "cuda" and sync_device:
-            torch.cuda.synchronize(device)
+        self._each_shard(list(targets), read_shard, device, threads, sync_device)
 
-    def _each_shard(self, names: Iterable[str], read_shard: Callable[[str, list[str]], None],
-                    threads: int | None) -> None:
-        """read_shard(shard, its names) for every shard holding some of `names`, on a pool of
-        threads (default `default_read_threads`), biggest shards first, so a big last shard is
-        not the tail; the first exception is raised here, and the shards not started are dropped."""
+    def _each_shard(self, names: Iterable[str],
+                    read_shard: Callable[[Path, list[tuple[int, int, str]], "DeviceCopier"], None],
+                    device: torch.device, threads: int | None, sync_device: bool) -> None:
+        """What read_parallel and read_into_parallel share: for every shard holding some of
+        `names`, on a pool of threads (default `default_read_threads`; biggest shards first, so a
+        big last shard is not the tail), the byte ranges of its wanted tensors are asked ahead
+        (`_read_ahead`) and `read_shard(path, spans, copier)` runs with the spans (file begin,
+        end, name) in file order and the thread's DeviceCopier, which it then waits for. The
+        first exception is raised here, and the shards not started are dropped. On CUDA with
+        sync_device, the device is synchronised at the end."""
         by_shard: dict[str, list[str]] = {}
         for name in names:
             by_shard.setdefault(self.file_of(name), []).append(name)
         if not by_shard:
             return
+        local = threading.local()
+
+        def run(shard: str) -> None:
+            path = self.directory / shard
+            data_start, offsets = _data_offsets(path)
+            spans = sorted((data_start + offsets[n][0], data_start + offsets[n][1], n) for n in by_shard[shard])
+            _read_ahead(path, [(begin, end) for begin, end, _ in spans])
+            copier = getattr(local, "copier", None)
+            if copier is None:
+                copier = local.copier = DeviceCopier(device)
+            try:
+                read_shard(path, spans, copier)
+            finally:
+                copier.finish()
+
         threads = threads or default_read_threads(len(by_shard))
         order = sorted(by_shard, key=lambda f: -sum(self.nbytes_of(n) for n in by_shard[f]))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
-            futures = [pool.submit(read_shard, shard, by_shard[shard]) for shard in order]
+            futures = [pool.submit(run, shard) for shard in order]
             wait(futures, return_when=FIRST_EXCEPTION)
             for future in futures:
                 if future.done() and future.exception() is not None:
                     for other in futures:
                         other.cancel()
                     raise future.exception()
+        if device.type == "cuda" and sync_device:
+            torch.cuda.synchronize(device)
 
 
 # Bytes between two tensors a run of read_into_parallel reads over rather than starting a new run
