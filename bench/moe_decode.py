@@ -92,6 +92,12 @@ def main(argv=None) -> dict:
                 (16, 1, 64, 64, 8, 3), (16, 1, 32, 32, 4, 3), (16, 2, 64, 64, 4, 3), (64, 1, 128, 128, 8, 3)]:
             variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split, num_warps=warps,
                                                 num_stages=stages, FP8_DOT=True), moe_decode.moe_decode_pairs))
+        # the down launch's own warps and stages (DOWN_WARPS / DOWN_STAGES; K is only I = 512 there,
+        # four 128-wide steps, so its pipeline may want another depth than gate/up's 16 steps)
+        for bn2, warps, stages in [(64, 4, 2), (64, 4, 4), (64, 2, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3),
+                                   (128, 4, 4), (32, 2, 3), (32, 4, 2), (32, 2, 2)]:
+            variants.append(("moe_decode down", dict(moe_decode.SMALL_PIECE_CONFIG, BN_DOWN=bn2, DOWN_WARPS=warps,
+                                                     DOWN_STAGES=stages), moe_decode.moe_decode_pairs))
     elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG

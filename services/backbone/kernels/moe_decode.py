@@ -70,6 +70,8 @@ if HAS_TRITON:
 # The products of two FP8 values are exact in F32 either way; the MMA sums each 128-wide K block
 # before the F32 block scales apply (the §4.7 recipe), within 1e-3 of naive_moe_fp8 (tests).
 # SHARED_KX: the shared expert's gate/up (moe_decode_pairs(shared=)) in SPLIT·SHARED_KX K ranges.
+# DOWN_WARPS / DOWN_STAGES (optional): the down launch's own num_warps / num_stages (else the
+# config's): its K is I = 512, four 128-wide steps against gate/up's sixteen. Neither changes a bit.
 DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
@@ -598,7 +600,8 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
+        **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
 
