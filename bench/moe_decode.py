@@ -87,17 +87,22 @@ def main(argv=None) -> dict:
         # FP8 operands only (bf16 lost at every size, session 9); the served piece configs first
         for cfg in (moe_decode.SMALL_PIECE_CONFIG, moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
             variants.append(("moe_decode piece", dict(cfg), moe_decode.moe_decode_pairs))
-        for bm, split, bn1, bn2, warps, stages in [
-                (16, 1, 128, 64, 4, 3), (16, 1, 64, 128, 4, 3), (16, 1, 128, 128, 4, 3), (16, 1, 64, 64, 4, 4),
-                (16, 1, 64, 64, 8, 3), (16, 1, 32, 32, 4, 3), (16, 2, 64, 64, 4, 3), (64, 1, 128, 128, 8, 3)]:
-            variants.append(("moe_decode", dict(BM=bm, BN_GU=bn1, BN_DOWN=bn2, SPLIT=split, num_warps=warps,
-                                                num_stages=stages, FP8_DOT=True), moe_decode.moe_decode_pairs))
-        # the down launch's own warps and stages (DOWN_WARPS / DOWN_STAGES; K is only I = 512 there,
-        # four 128-wide steps, so its pipeline may want another depth than gate/up's 16 steps)
-        for bn2, warps, stages in [(64, 4, 2), (64, 4, 4), (64, 2, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3),
-                                   (128, 4, 4), (32, 2, 3), (32, 4, 2), (32, 2, 2)]:
-            variants.append(("moe_decode down", dict(moe_decode.SMALL_PIECE_CONFIG, BN_DOWN=bn2, DOWN_WARPS=warps,
-                                                     DOWN_STAGES=stages), moe_decode.moe_decode_pairs))
+        # gate/up's and down's own warps and stages (DOWN_WARPS / DOWN_STAGES): down's K is only
+        # I = 512, four 128-wide steps against gate/up's sixteen. Session 12 run 2 swept down alone
+        # (2 warps, 3 stages best: 9.89 against 10.20 ms at 256 rows); earlier tile sweeps are in
+        # docs/perf.md.
+        small = moe_decode.SMALL_PIECE_CONFIG
+        for bn1, warps, stages, bn2, down_warps, down_stages in [
+                (64, 4, 3, 64, 2, 3), (64, 2, 3, 64, 2, 3), (64, 2, 4, 64, 2, 3), (64, 2, 5, 64, 2, 3),
+                (128, 2, 3, 64, 2, 3), (128, 4, 4, 64, 2, 3), (32, 2, 3, 64, 2, 3), (64, 4, 3, 64, 2, 4),
+                (64, 4, 3, 64, 1, 3), (64, 4, 3, 32, 1, 3), (64, 4, 3, 128, 2, 3)]:
+            variants.append(("moe_decode gu/down", dict(small, BN_GU=bn1, num_warps=warps, num_stages=stages,
+                                                        BN_DOWN=bn2, DOWN_WARPS=down_warps,
+                                                        DOWN_STAGES=down_stages), moe_decode.moe_decode_pairs))
+        for cfg in (moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
+            for down_warps, down_stages in [(2, 3), (2, 4), (8, 3)]:
+                variants.append(("moe_decode down", dict(cfg, DOWN_WARPS=down_warps, DOWN_STAGES=down_stages),
+                                 moe_decode.moe_decode_pairs))
     elif not args.quick:
         variants.append(("fp8_moe fast", dict(fp8_moe.FAST_DECODE_CONFIG), fp8_moe.moe_fp8_pairs))
         base = moe_decode.DECODE_CONFIG
@@ -105,6 +110,9 @@ def main(argv=None) -> dict:
                                         (4, 32, 32, 3), (4, 64, 64, 3), (4, 64, 16, 3), (8, 32, 32, 2),
                                         (8, 64, 16, 2), (4, 64, 32, 2)]:
             variants.append(("moe_decode", dict(base, SPLIT=split, BN_GU=bn1, BN_DOWN=bn2, num_stages=stages),
+                             moe_decode.moe_decode_pairs))
+        for warps, down_warps in [(4, 2), (2, 2), (2, 4)]:
+            variants.append(("moe_decode warps", dict(base, num_warps=warps, DOWN_WARPS=down_warps),
                              moe_decode.moe_decode_pairs))
 
     # correctness on layer 0, 3 rows

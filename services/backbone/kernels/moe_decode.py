@@ -95,7 +95,11 @@ DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stag
 # batch invariance holds too: model.prefill_groups packs pieces only with pieces of the same MMA
 # (`piece_mma`; these graphs hold one piece anyway). BM 16 and BM 32 pieces do share graphs, and
 # give the same bits (tests/test_prefill_graphs.py).
-SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
+# DOWN_WARPS 2 for 256-row pieces: down's short K (four steps) runs better in more, smaller
+# programs; the same bits (session 12 run 2, bench/moe_decode.py --prefill --rows 256: 10.20 ->
+# 9.89 ms per 40 layers).
+SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
+                          DOWN_WARPS=2)
 LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 WIDE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
