@@ -215,21 +215,37 @@ def shared_main(args, layers) -> dict:
         out = linear_rows(dg.silu_mul(fused[:, :I], fused[:, I:2 * I]), down)
         return dg.moe_combine(pairs, x, out, fused[:, 2 * I])
 
-    def layer_fused(x, weights, sh):
+    def layer_fused(x, weights, sh, config=None):
         gate_up, down, router = sh
         route = moe_decode.route_decode(x, router, K, shared_gate=gate_up[2 * I])
         pairs, out = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route,
-                                                 shared=(gate_up[:2 * I], down))
+                                                 shared=(gate_up[:2 * I], down), config=config)
         return dg.moe_combine(pairs, x, out, route.shared_gate_logit)
 
+    # the decode configs of every bucket (moe_decode.decode_config), then bit-neutral variants of
+    # DECODE_CONFIG (warps, stages and column blocks; the K split and BM stay)
+    served = {}
+    for r in args.rows:
+        served.setdefault(id(moe_decode.decode_config(r)), (r, moe_decode.decode_config(r)))
+    configs = {f"served (from {r} rows)": cfg for r, cfg in served.values()}
+    base = moe_decode.DECODE_CONFIG
+    for warps, down_warps, bn1, bn2 in [(4, 4, 64, 64), (2, 2, 64, 64), (4, 4, 32, 32), (2, 2, 32, 32), (2, 2, 64, 32),
+                                        (2, 4, 64, 64), (2, 1, 32, 32), (4, 2, 64, 64)]:
+        configs[f"w{warps}/{down_warps} bn{bn1}/{bn2}"] = dict(base, num_warps=warps, DOWN_WARPS=down_warps,
+                                                             BN_GU=bn1, BN_DOWN=bn2)
     results = {"rows": {}}
     print(f"{'T':>4} {'shared expert':<28} {'ms/40 layers':>12} {'us/layer':>9}")
     for t in args.rows:
         x = torch.randn(t, H, device="cuda").bfloat16()
-        for name, layer in (("two GEMMs + silu_mul", layer_gemms), ("in the routed launches", layer_fused)):
-            def run(layer=layer):
+        cases = [("two GEMMs + silu_mul", layer_gemms, None)] + [
+            (f"fused {name}", layer_fused, cfg) for name, cfg in configs.items()]
+        for name, layer, cfg in cases:
+            def run(layer=layer, cfg=cfg):
                 for weights, sh in zip(layers, shared):
-                    layer(x, weights, sh)
+                    if cfg is None:
+                        layer(x, weights, sh)
+                    else:
+                        layer(x, weights, sh, cfg)
             ms = do_bench(dg.GraphedStep(run).replay)
             results["rows"].setdefault(t, {})[name] = ms
             print(f"{t:>4} {name:<28} {ms:>12.3f} {ms * 1e3 / len(layers):>9.2f}", flush=True)
@@ -238,6 +254,10 @@ def shared_main(args, layers) -> dict:
     inside = layer_fused(xb, layers[0], shared[0])
     same = all(torch.equal(layer_fused(xb[r:r + 1], layers[0], shared[0]), inside[r:r + 1])
                for r in range(0, big, max(1, big // 16)))
+    for name, cfg in configs.items():   # bit-neutral: each config's rows equal DECODE_CONFIG's
+        equal = torch.equal(layer_fused(xb, layers[0], shared[0], cfg), inside)
+        results.setdefault("same_bits_as_decode_config", {})[name] = equal
+        print(f"{name}: the same bits as DECODE_CONFIG at {big} rows: {equal}")
     gate_up, down, _ = shared[0]
     got = moe_decode.moe_decode_pairs(xb, *fp8_route(xb, shared[0][2]), *layers[0], shared=(gate_up[:2 * I], down))[1]
     ref = moe_decode.shared_expert_reference(xb, gate_up[:2 * I], down)
