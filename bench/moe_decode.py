@@ -222,13 +222,9 @@ def shared_main(args, layers) -> dict:
                                                  shared=(gate_up[:2 * I], down), config=config)
         return dg.moe_combine(pairs, x, out, route.shared_gate_logit)
 
-    # the decode configs of every bucket (moe_decode.decode_config), then bit-neutral variants of
-    # DECODE_CONFIG (warps, stages and column blocks; the K split and BM stay)
-    served = {}
-    for r in args.rows:
-        served.setdefault(id(moe_decode.decode_config(r)), (r, moe_decode.decode_config(r)))
-    configs = {f"served (from {r} rows)": cfg for r, cfg in served.values()}
+    # DECODE_CONFIG, then bit-neutral variants of it (warps and column blocks; the K split and BM stay)
     base = moe_decode.DECODE_CONFIG
+    configs = {"served": base}
     for warps, down_warps, bn1, bn2 in [(4, 4, 64, 64), (2, 2, 64, 64), (4, 4, 32, 32), (2, 2, 32, 32), (2, 2, 64, 32),
                                         (2, 4, 64, 64), (2, 1, 32, 32), (4, 2, 64, 64)]:
         configs[f"w{warps}/{down_warps} bn{bn1}/{bn2}"] = dict(base, num_warps=warps, DOWN_WARPS=down_warps,

@@ -166,8 +166,8 @@ class StepPlan:
     # one fla sequence per piece) and zero the GDN gates of padding rows so the recurrent state
     # passes them unchanged; the MoE takes the decode MoE.
     row_mask: torch.Tensor | None = None
-    # the decode MoE's tile config: padded prefill pieces, kernels/moe_decode.piece_config of
-    # their bucket; graphed decode steps, moe_decode.decode_config of theirs; None: its DECODE_CONFIG
+    # padded prefill pieces: the decode MoE's tile config for the piece bucket
+    # (kernels/moe_decode.piece_config); None: its DECODE_CONFIG
     moe_config: dict | None = None
     # rows per dense GEMM call (invariant.linear_rows' tile): padded pieces, model.piece_gemm_rows
     # of their bucket; None: invariant.TILE

@@ -551,7 +551,7 @@ class Backbone(nn.Module):
             index[0] = caches.slots                                   # padding rows: the spare slot
             plan = StepPlan(index[0], index[1], index[0],
                             torch.arange(bucket + 1, dtype=torch.int64, device=device),
-                            decode=True, context=caches.max_context, moe_config=moe_decode.decode_config(bucket))
+                            decode=True, context=caches.max_context)
             static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
             segments = tuple(Segment(caches.slots, 0, 1, i) for i in range(bucket))
             batch = RowBatch(segments, None, False, plan)

@@ -20,9 +20,8 @@ is laid out, because the decode step is bound by how many weight bytes are in fl
 3. The K split is a fixed constant (4), not chosen by batch size, and partial sums are reduced in
    split order by `fp8_moe._split_reduce_quant_kernel` (which also §4.7-quantises h for the down
    GEMM): a pair's bits depend on its own row only, whatever the step's batch (issue #8; a
-   config that changed with T would be a different summation order). What may change with the
-   step's bucket is only what leaves every sum alone: warps, pipeline stages and column blocks
-   (`decode_config`: 2-warp programs from 64 rows on).
+   config that changed with T would be a different summation order). Warps, pipeline stages and
+   column blocks (BN) leave every sum alone: they only change which threads compute an element.
 
 The active-slot order from the atomic add varies from run to run; nothing depends on it: a
 program's results depend on which expert it holds, not on its slot.
@@ -74,21 +73,12 @@ if HAS_TRITON:
 # SHARED_KX: the shared expert's gate/up (moe_decode_pairs(shared=)) in SPLIT·SHARED_KX K ranges.
 # DOWN_WARPS / DOWN_STAGES (optional): the down launch's own num_warps / num_stages (else the
 # config's): its K is I = 512, four 128-wide steps against gate/up's sixteen. Neither changes a bit.
-DECODE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
-
-# Decode steps of many rows: the same tiles and K split (so the same bits: warps, stages and BN
-# only change which threads compute an element, not its sums; bench/moe_decode.py --shared and
-# tests/test_moe_decode.py check it), in programs of 2 warps, which keep more of them in flight.
-# H200, 40 layers (session 12 run 3, bench/moe_decode.py without the shared expert): 128 rows
-# 10.47 -> 9.34 ms; 1 row 1.000 -> 1.056, so small steps keep DECODE_CONFIG.
-WIDE_DECODE_CONFIG = dict(DECODE_CONFIG, num_warps=2, DOWN_WARPS=2)
-WIDE_DECODE_ROWS = 64        # decode buckets of this many rows and more take WIDE_DECODE_CONFIG
-
-
-def decode_config(bucket: int) -> dict:
-    """The moe_decode config of a decode step of `bucket` rows (its graph bucket): every one gives a
-    row the same bits as DECODE_CONFIG, so a row does not depend on the bucket it is replayed in."""
-    return WIDE_DECODE_CONFIG if bucket >= WIDE_DECODE_ROWS else DECODE_CONFIG
+# BN 32 (was 64): the same tiles' sums and K split, so the same bits (tests/test_moe_decode.py),
+# more programs in flight. H200, route + routed and shared experts + combine, 40 layers in one
+# graph (bench/moe_decode.py --shared, session 12 run 5), ms at 1 / 8 / 32 / 64 / 128 rows:
+# BN 64: 1.280 / 3.293 / 7.577 / 10.30 / 12.43; BN 32: 1.244 / 3.208 / 7.295 / 9.626 / 11.57.
+# (2-warp programs won at 128 rows without the shared expert, 10.47 -> 9.34, but lost with it.)
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
