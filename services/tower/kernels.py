@@ -462,8 +462,14 @@ if HAS_TRITON:
         key_max = tl.max(key, axis=0)
         big = 2147483647
 
-        # R_p: the smallest present value v with c(v) <= top_p (bisection over x; v = the least
-        # key >= x), then how many of v's tie group fit.
+        # R_p: the smallest present value v with c(v) <= top_p, then how many of v's tie group
+        # fit. One reduction per bisection step: S(x) = Σ_{key >= x} p falls as x rises; for x_A,
+        # the least x with S(x) <= top_p, and v_A (the least key >= x_A) c(v_A) <= S(x_A) <= top_p,
+        # while every value below v_prev (the largest key < x_A) has c >= S(v_prev) > top_p. So v
+        # is v_prev when c(v_prev) = S(x_A) + v_prev <= top_p, else v_A (else, no v_A: the top tie
+        # group alone exceeds top_p, v = key_max, and only rank 1 survives below). The sums are
+        # over the same masked vectors as c's own formula (no key lies between v_prev and x_A),
+        # so this is the bisection over c with half the reductions, each step waiting on one.
         top_p = tl.load(top_p_ptr + row).to(tl.float64)
         top_k = tl.load(top_k_ptr + row)
         rank_k = tl.where(top_k <= 0, M, tl.minimum(top_k, M).to(tl.int32))
@@ -472,16 +478,17 @@ if HAS_TRITON:
         rank_p = M
         if top_p < 1.0:
             lo = key_min
-            hi = key_max
+            hi = key_max + 1               # S(key_max + 1) = 0 <= top_p
             while lo < hi:
                 mid = lo + (hi - lo) // 2
-                v = tl.min(tl.where(key >= mid, key, big), axis=0)
-                c = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0) + _as_float64(v)
-                if c <= top_p:
+                if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
                     hi = mid
                 else:
                     lo = mid + 1
-            v = tl.min(tl.where(key >= lo, key, big), axis=0)
+            v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
+            c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
+            v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
+                         tl.minimum(tl.min(tl.where(key >= lo, key, big), axis=0), key_max))
             above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
             count_above = tl.sum((key > v).to(tl.int32), axis=0)
             count_equal = tl.sum((key == v).to(tl.int32), axis=0)
