@@ -90,6 +90,37 @@ def test_compose_files_match_the_compose_schema(schema, gpu_compose, cpu_compose
     jsonschema.validate(_plain(cpu_compose), schema)
 
 
+def test_mps_overlay_puts_the_stages_on_one_mps_daemon(schema, gpu_compose):
+    """compose.mps.yaml over compose.yaml: a daemon service in the app image, and every stage in its
+    IPC namespace with its pipe directory mounted, on the same (default) GPU; nothing else changes."""
+    mps = _merge(gpu_compose, _load("compose.mps.yaml"))
+    jsonschema.validate(_plain(mps), schema)
+    services = mps["services"]
+    daemon = services["mps"]
+    assert daemon["command"] == ["nvidia-cuda-mps-control", "-f"]
+    assert daemon["image"] == gpu_compose["x-app"]["image"]
+    assert daemon["ipc"] == "shareable" and "ports" not in daemon and "expose" not in daemon
+    pipe = daemon["environment"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert f"mps-pipe:{pipe}" in daemon["volumes"] and "mps-pipe" in mps["volumes"]
+    gpu = daemon["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["device_ids"] == ["${MPS_GPU:-0}"] and gpu["capabilities"] == ["gpu"]
+    for stage in STAGES:
+        service, base = services[stage], gpu_compose["services"][stage]
+        assert service["ipc"] == "service:mps"
+        assert service["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+        assert f"mps-pipe:{pipe}" in service["volumes"]
+        assert service["depends_on"]["mps"]["condition"] == "service_started"
+        # the base file's settings survive the merge
+        assert service["environment"] == {**base["environment"], **daemon["environment"]}
+        assert all(v in service["volumes"] for v in base["volumes"])
+        assert all(service["depends_on"][k] == v for k, v in base["depends_on"].items())
+        assert service["deploy"] == base["deploy"]
+        # by default on the daemon's GPU (both default to device 0)
+        assert service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0].endswith(":-0}")
+    for name in set(services) - {"mps", *STAGES}:
+        assert services[name] == gpu_compose["services"][name]
+
+
 def test_only_gateway_and_jaeger_are_published(gpu_compose, cpu_compose):
     for compose in (gpu_compose, cpu_compose):
         published = {name for name, svc in compose["services"].items() if svc.get("ports")}
