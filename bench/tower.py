@@ -7,7 +7,6 @@
                                                             and inside batches of 8 and 32? (issue #8)
     python bench/tower.py --preset tiny --device cpu        smoke test (CI-sized)
     python bench/tower.py --out tower.json                  also write the numbers as JSON
-    python bench/tower.py --batch 1 --graphs on --profile 1 a kernel table of graphed batch-1 steps
     python bench/tower.py --batch 1 --prompt 134 --prompt-profile   also a request's first step:
                                                             134 prompt rows, first frame (+ profile)
 
@@ -49,7 +48,6 @@ from services.tower.engine import StepEntry, TowerEngine  # noqa: E402
 from services.tower.weights import random_tower  # noqa: E402
 
 FRAME_PERIOD_MS = 2048 / 44100 * 1000
-PROFILE_STEPS = 5          # profiled frame steps per --profile batch size (after one untimed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,10 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "trunk, the first frame drawn), as the server runs a request's first Step")
     parser.add_argument("--prompt-profile", action="store_true", help="a torch.profiler table of each "
                         "--prompt step")
-    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="BATCH",
-                        help=f"a torch.profiler table of {PROFILE_STEPS} frame steps at each of these batch sizes (after the "
-                             "timed ones): where a step's device time goes, kernel by kernel")
-    parser.add_argument("--profile-rows", type=int, default=40, metavar="N", help="rows of each profile table")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -185,37 +179,6 @@ def invariance(engine: TowerEngine, sizes: list[int], args) -> list[dict]:
     return out
 
 
-def profile_steps(engine: TowerEngine, batch: int, args, generator: torch.Generator,
-                  steps: int = PROFILE_STEPS) -> str:
-    """torch.profiler table of `steps` frame steps of `batch` sessions (prefilled by bench_batch's
-    run at this size, which must come first): device time per kernel (a replayed graph's kernels
-    are traced one by one), kernels per step and the device total per step."""
-    hidden_size, n = engine.model.hidden_size, engine.cfg.num_codebooks
-    row = args.context + args.warmup + args.steps
-
-    def step(i: int):
-        entries = [StepEntry(f"s{s}", row + i, 1, draw=True, seed=s, frame_index=row + i) for s in range(batch)]
-        result = engine.step(entries, torch.randn(batch, hidden_size, generator=generator),
-                             torch.full((batch, n), -1, dtype=torch.int64))
-        assert not result.row_errors, result.row_errors
-
-    step(0)
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        for i in range(1, steps + 1):
-            step(i)
-        _sync(engine.device)
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    count = sum(e.count for e in kernels) / steps
-    device_ms = sum(e.self_device_time_total for e in kernels) / steps / 1000
-    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-    return (f"tower step profile, batch {batch}, graphs {engine.use_graphs}: {count:.0f} kernels and {device_ms:.2f} ms "
-            f"of kernel time per step\n" + events.table(sort_by=sort, row_limit=args.profile_rows,
-                                                         max_name_column_width=70))
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -234,8 +197,7 @@ def main(argv=None) -> list[dict]:
         # One engine at a time: a new engine re-allocates the model's caches (and the old
         # engine's graphs point at the old ones).
         engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
-                             max_context=max([args.context + args.warmup + args.steps + PROFILE_STEPS + 2,
-                                              *args.prompt]),
+                             max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
                              graphs=mode == "graphs")
         started = time.perf_counter()
         engine.warm_up()
@@ -247,8 +209,6 @@ def main(argv=None) -> list[dict]:
             results.append(r)
             print(f"{mode:>6} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
                   f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
-            if batch in args.profile:
-                print(profile_steps(engine, batch, args, generator), flush=True)
         for rows in args.prompt:
             r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
             results.append(r)

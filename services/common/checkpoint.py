@@ -186,6 +186,7 @@ class SafetensorsCheckpoint:
                                 f"{list(target.shape)} on {target.device} (contiguous: {target.is_contiguous()})")
         if problems:
             raise WeightError(problems, f"checkpoint {self.directory}")
+
         def read_shard(path: Path, spans: list[tuple[int, int, str]], copier: DeviceCopier) -> None:
             with open(path, "rb") as fh:
                 # a private map, unmapped when dropped: its pages are the page cache's until written,
@@ -365,15 +366,22 @@ class DeviceCopier:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for begin in range(0, nbytes, self.chunk_bytes):
             end = min(begin + self.chunk_bytes, nbytes)
-            turn = self.turn
-            self.turn ^= 1
-            if self.pending[turn] is not None:
-                self.pending[turn].synchronize()          # its previous copy has left the buffer
-            buffer = self.staging[turn][: end - begin]
-            buffer.copy_(src_bytes[begin:end])            # host: reads the shard
+            turn, buffer = self._pinned(src_bytes[begin:end])
             with torch.cuda.stream(self.stream):
                 dst_bytes[begin:end].copy_(buffer, non_blocking=True)
                 self.pending[turn] = self.stream.record_event()
+
+    def _pinned(self, src_bytes: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(turn, buffer): `src_bytes` (1-D uint8 on the host, at most chunk_bytes) copied into
+        the next pinned staging buffer, once that buffer's previous copy to the device has left it.
+        The caller starts the buffer's copy on the copy stream and records it in pending[turn]."""
+        turn = self.turn
+        self.turn ^= 1
+        if self.pending[turn] is not None:
+            self.pending[turn].synchronize()
+        buffer = self.staging[turn][: src_bytes.numel()]
+        buffer.copy_(src_bytes)                           # host: reads the shard
+        return turn, buffer
 
     def copy_parts(self, src: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> None:
         """Copy src[offset : offset + len(dst)] into each dst, for the (offset, dst) parts: `src`
@@ -395,12 +403,7 @@ class DeviceCopier:
                 self.device_staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
                                        for _ in range(2)]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        turn = self.turn
-        self.turn ^= 1
-        if self.pending[turn] is not None:
-            self.pending[turn].synchronize()          # its previous copy has left the pinned buffer
-        pinned = self.staging[turn][: src.numel()]
-        pinned.copy_(src)                             # host: reads the shard
+        turn, pinned = self._pinned(src)
         with torch.cuda.stream(self.stream):
             landed = self.device_staging[turn][: src.numel()]
             landed.copy_(pinned, non_blocking=True)
