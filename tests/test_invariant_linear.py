@@ -297,6 +297,43 @@ def test_cuda_graph_replay_gives_the_eager_bits(monkeypatch):
     assert torch.equal(out, eager)
 
 
+def test_residual_out_gives_the_same_bits_cpu():
+    """residual_out (the caller gives up its residual) changes where the result lies, never its
+    bits; the caller's residual is only written when it said so."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
+    res = torch.randn(5, 32, generator=gen).bfloat16()
+    kept = res.clone()
+    plain = linear_rows(x, w, res, force=True)
+    assert torch.equal(res, kept)
+    assert torch.equal(linear_rows(x, w, res, force=True, residual_out=True), plain)
+
+
+@cuda
+def test_cuda_residual_out_adds_in_place_with_the_same_bits(monkeypatch):
+    """On the GPU a padded residual given up (residual_out) takes the result in its own storage:
+    no copy of it, and the same bits as into a fresh buffer, eagerly and in a graph."""
+    monkeypatch.setattr(invariant, "ENABLED", True)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    weight = torch.randn(2048, 4096, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(3, 4096, generator=gen, device="cuda").bfloat16()
+    res = invariant.empty_rows(3, 2048, dtype=torch.bfloat16, device="cuda")
+    res.copy_(torch.randn(3, 2048, generator=gen, device="cuda").bfloat16())
+    plain = linear_rows(x, weight, res).clone()
+    kept = res.clone()
+    out = linear_rows(x, weight, res, residual_out=True)
+    assert out.data_ptr() == res.data_ptr() and torch.equal(out, plain)
+    res.copy_(kept)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = linear_rows(x, weight, res, residual_out=True)
+    res.copy_(kept)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+
+
 @cuda
 def test_cuda_gemm_inputs_come_padded_from_their_producers(monkeypatch):
     """The backbone's norm, SwiGLU and combine kernels allocate with empty_rows, and linear_rows'

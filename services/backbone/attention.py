@@ -219,7 +219,8 @@ class GatedAttention(nn.Module):
         self.qkv_fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         self.o_weight = self.o_proj.dense_weight()
 
-    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: KVCache) -> torch.Tensor:
+    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: KVCache,
+                        x_owned: bool = False) -> torch.Tensor:
         """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
@@ -248,4 +249,4 @@ class GatedAttention(nn.Module):
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])
             kattn.gate_output(o, gate, out=y.view(rows, n_q, d))
-        return linear(y, self.o_weight, x)                               # x + y·W_oᵀ, one rounding
+        return linear(y, self.o_weight, x, residual_out=x_owned)        # x + y·W_oᵀ, one rounding

@@ -398,8 +398,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = self.conv1d.weight[:, 0, :].contiguous()
         self.out_weight = self.out_proj.dense_weight()
 
-    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: GDNCache) -> torch.Tensor:
-        """x + out_proj(GDN(u)) [R, H_model] for u = RMSNorm⁺(x), BF16; advances the slot pool."""
+    def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: GDNCache,
+                        x_owned: bool = False) -> torch.Tensor:
+        """x + out_proj(GDN(u)) [R, H_model] for u = RMSNorm⁺(x), BF16; advances the slot pool.
+        x_owned: x is the caller's to give up (the result may be written over it)."""
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
@@ -432,7 +434,7 @@ class GatedDeltaNet(nn.Module):
             cache.state[plan.seg_slots] = state
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
-        return linear(y.view(rows, hv * dv), self.out_weight, x)        # x + y·W_outᵀ
+        return linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):
         """Conv output [R, c] -> q, k [R, n_k, d_k], v [R, n_v, d_v] (views; l2 norm and scale in the kernels)."""

@@ -218,15 +218,16 @@ class DecoderLayer(nn.Module):
                     exact=batch.exact)
         return h + self.mlp(u, batch.exact)
 
-    def forward_kernels(self, x, batch: RowBatch, cache, u=None, next_norm=None):
+    def forward_kernels(self, x, batch: RowBatch, cache, u=None, next_norm=None, x_owned: bool = False):
         """The kernel path: residual adds fused into the mixers' out-projection GEMM and the MoE
         combine. u: RMSNorm⁺(x) when the previous layer's combine made it (else computed here);
-        next_norm: the gain of the norm that follows this layer. Returns h, or (h, RMSNorm⁺(h; next_norm))
-        with next_norm."""
+        next_norm: the gain of the norm that follows this layer; x_owned: x is ours to overwrite
+        (the out-projection then adds into it in place: no copy of x per layer). Returns h, or
+        (h, RMSNorm⁺(h; next_norm)) with next_norm."""
         if u is None:
             u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        h = mixer.forward_kernels(u, x, batch, cache)
+        h = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned)
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
         # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only
         return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
@@ -492,12 +493,14 @@ class Backbone(nn.Module):
 
     def _layers_kernels(self, x: torch.Tensor, batch: RowBatch, caches: BackboneCaches) -> torch.Tensor:
         # each layer's combine also applies the norm that follows it (the next layer's input norm,
-        # the final norm after the last), so a layer hands on (residual, normed residual)
+        # the final norm after the last), so a layer hands on (residual, normed residual). The
+        # residual a layer receives from the one before is its own to overwrite; the step's input
+        # rows (the caller's) are not
         x, u = x.to(self.dtype), None
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
             last = i + 1 == len(self.layers)
             next_norm = self.norm.weight if last else self.layers[i + 1].input_layernorm.weight
-            x, u = layer.forward_kernels(x, batch, cache, u, next_norm)
+            x, u = layer.forward_kernels(x, batch, cache, u, next_norm, x_owned=i > 0)
         return u
 
     def plan(self, segments: list[Segment], context: int | None = None) -> StepPlan:

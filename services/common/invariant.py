@@ -126,7 +126,7 @@ def _padded_view(t: torch.Tensor, padded: int) -> torch.Tensor | None:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                force: bool | None = None, tile: int = TILE) -> torch.Tensor:
+                force: bool | None = None, tile: int = TILE, residual_out: bool = False) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ, plus residual [M, N] when given (added in the GEMM's epilogue,
     as torch.addmm: one rounding). Same dtype rules as torch.mm / addmm.
 
@@ -139,6 +139,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     Returns a [M, N] tensor; when padded, the leading rows of a [M rounded up to `tile`, N] buffer
     (so a following linear_rows, or a residual, is read in place).
     Padding rows are not zeroed: each GEMM output row depends on its own input row only.
+    residual_out: the caller gives up the residual, so the result may be written over it (when
+    padded and the residual is a padded view: empty_rows, a GEMM's own output). addmm then skips
+    its copy of the residual into a fresh result (one copy per out-projection; the same GEMM on
+    the same values, so the same bits).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_rows wants x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -171,12 +175,20 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     # every output once more: 200 copy kernels in a 256-row prefill), except under autograd,
     # which refuses out= forms (the tower's nn.Linear weights require grad)
     autograd = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual))
-    out = None if autograd else torch.empty(padded, n, dtype=torch.result_type(x, weight), device=x.device)
+    out_dtype = torch.result_type(x, weight)
+    if autograd:
+        out = None
+    elif res is not None and res.dtype == out_dtype and (residual_out or res.data_ptr() != residual.data_ptr()):
+        out = res            # the caller's residual given up, or our own padded copy of it: no second copy
+    else:
+        out = torch.empty(padded, n, dtype=out_dtype, device=x.device)
     pieces = []
     for i in range(0, padded, tile):
         target = None if out is None else out[i:i + tile]
-        pieces.append(torch.mm(a[i:i + tile], wt, out=target) if res is None
-                      else torch.addmm(res[i:i + tile], a[i:i + tile], wt, out=target))
+        if res is None:
+            pieces.append(torch.mm(a[i:i + tile], wt, out=target))
+        else:            # target is res's own slice when out is res: addmm then copies nothing first
+            pieces.append(torch.addmm(target if out is res else res[i:i + tile], a[i:i + tile], wt, out=target))
     if out is None:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out[:rows]

@@ -189,12 +189,14 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                  config: dict | None = None, tiles: int | None = None) -> torch.Tensor:
+                  config: dict | None = None, tiles: int | None = None, residual_out: bool = False) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
 
     Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
     elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
-    config_for and `tiles` tiles_for (benchmarks and tests; serving passes neither). The output is allocated with
+    config_for and `tiles` tiles_for (benchmarks and tests; serving passes neither); `residual_out`
+    is linear_rows' hint and changes nothing here (the kernel adds the residual as it stores its
+    own output, with no copy to save). The output is allocated with
     invariant.empty_rows, so a following linear_rows reads it in place."""
     out_dtype = _check(x, weight, residual)
     if not (HAS_TRITON and (x.is_cuda or INTERPRET)):
