@@ -239,7 +239,7 @@ if HAS_TRITON:
                         if _last_to_arrive(shared_sync_ptr + tile * tl.cdiv(IS, 128) + g, blocks * SPLIT * KX):
                             rows = tile * BM + tl.arange(0, BM)
                             cols = g * 128 + tl.arange(0, 128)
-                            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT * KX, BM, ".cg")
+                            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT * KX, BM, True)
                             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16),
                                      mask=ok)
                 return
@@ -289,7 +289,7 @@ if HAS_TRITON:
                 for r0 in range(0, count, BM):
                     r = r0 + tl.arange(0, BM)
                     pairs = tl.load(lists_ptr + expert * T + r, mask=r < count, other=n_pairs)
-                    fp8_moe._split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pairs, g, SPLIT, BM, ".cg")
+                    fp8_moe._split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pairs, g, SPLIT, BM, True)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -377,7 +377,7 @@ if HAS_TRITON:
         else:
             cols = g * 128 + tl.arange(0, 128)
             rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
-            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM, False)
             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
