@@ -38,12 +38,6 @@ per layer (u's F32 copy, the cuBLAS router GEMM padded to 128 rows, top-k, a bf1
 quantiser, the counter's zeroing): `python3 bench/router_decode.py`, us per layer in a 40-layer
 graph on the H200 (2026-11-30): T = 1: 23.1 -> 10.9; T = 128: 24.0 -> 29.9.
 
-Five launches per layer in a decode step (session 13): the GEMV zeroes a buffer of counters,
-the routing launch builds the expert lists with atomics on them (ROUTE_CONFIG LISTS: no
-expert_lists launch), and gate/up's last program per (expert, 128 columns) does the split-K
-reduce (DECODE_CONFIG FUSED_REDUCE: no reduce launch), then down and the combine. Neither changes
-a bit: a list's order is not fixed any more, and nothing depends on it (item 2 above).
-
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
 64: 15.2 vs 19.9; 128: 17.2 vs 31.2 (2.3x the byte floor of the selected experts, from 4.2x).
@@ -84,11 +78,7 @@ if HAS_TRITON:
 # graph (bench/moe_decode.py --shared, session 12 run 5), ms at 1 / 8 / 32 / 64 / 128 rows:
 # BN 64: 1.280 / 3.293 / 7.577 / 10.30 / 12.43; BN 32: 1.244 / 3.208 / 7.295 / 9.626 / 11.57.
 # (2-warp programs won at 128 rows without the shared expert, 10.47 -> 9.34, but lost with it.)
-# FUSED_REDUCE: the split-K reduce (with h's quantisation) done by gate/up's last program per
-# (expert, 128 columns) instead of a launch of its own, when route_decode zeroed the counters
-# (_gate_up_kernel); the same functions on the same values, so the same bits.
-DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
-                     FUSED_REDUCE=True)
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -190,38 +180,19 @@ if HAS_TRITON:
         tl.store(out + IS, acc_u, mask=mask)
 
     @triton.jit
-    def _last_to_arrive(sync_ptr, contributors):
-        """True in the one program that arrives last at the counter sync_ptr, of `contributors`
-        programs that each call this once after storing their partial sums. The barrier puts
-        every thread's stores before the atomic, whose release (acq_rel, GPU scope) publishes
-        them, and whose acquire in the last program makes all of them visible to it (CUTLASS's
-        split-K semaphore: a CTA barrier, then one thread's release). The counter must be zero
-        before the launch (route_decode's launches zero it)."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-        return arrived == contributors - 1
-
-    @triton.jit
     def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
-                        sync_ptr, shared_sync_ptr, hq_ptr, ha_ptr, hs_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
-        bytes of an FP8 expert's, so KX = 2 evens the programs out).
-        FUSED: _split_reduce_shared_kernel's work done here, without its launch: the last program
-        to store its partials for an (expert slot, 128-column group) sums the group's partials in
-        split order and §4.7-quantises h into hq, ha for every pair of the expert (fp8_moe.
-        _split_reduce_quant_rows); for a (shared row tile, group), into hs. The same functions on
-        the same values as the separate launch: the same bits. Counters: sync [slots, ⌈I/128⌉],
-        shared_sync [shared tiles, ⌈IS/128⌉], zeroed before the launch."""
+        bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
         pdl_prologue(PDL)
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.cdiv(H, 128)
@@ -233,15 +204,6 @@ if HAS_TRITON:
                     first = (pid_k * KX + sub) * per_s
                     _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + (pid_k * KX + sub) * T * (2 * IS), T, H,
                                     IS, pid_n, tile * BM, first, tl.minimum(G, first + per_s), BM, BN, DOT, PREC)
-                    if FUSED:
-                        g = (pid_n * BN) // 128
-                        blocks = tl.cdiv(tl.minimum(128, IS - g * 128), BN)
-                        if _last_to_arrive(shared_sync_ptr + tile * tl.cdiv(IS, 128) + g, blocks * SPLIT * KX):
-                            rows = tile * BM + tl.arange(0, BM)
-                            cols = g * 128 + tl.arange(0, 128)
-                            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT * KX, BM, True)
-                            tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16),
-                                     mask=ok)
                 return
         per = tl.cdiv(G, SPLIT)
         k_first = pid_k * per
@@ -282,14 +244,6 @@ if HAS_TRITON:
             mask = r_ok[:, None] & n_ok[None, :]
             tl.store(out, acc_g, mask=mask)
             tl.store(out + I, acc_u, mask=mask)
-        if FUSED:
-            g = (pid_n * BN) // 128
-            blocks = tl.cdiv(tl.minimum(128, I - g * 128), BN)
-            if _last_to_arrive(sync_ptr + slot * tl.cdiv(I, 128) + g, blocks * SPLIT):
-                for r0 in range(0, count, BM):
-                    r = r0 + tl.arange(0, BM)
-                    pairs = tl.load(lists_ptr + expert * T + r, mask=r < count, other=n_pairs)
-                    fp8_moe._split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pairs, g, SPLIT, BM, True)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -377,7 +331,7 @@ if HAS_TRITON:
         else:
             cols = g * 128 + tl.arange(0, 128)
             rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
-            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM, False)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
@@ -399,14 +353,7 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _zero_ints(ptr, n, BLOCK: tl.constexpr):
-        """ptr[0:n] = 0 (int32), from one program."""
-        for z0 in range(0, n, BLOCK):
-            z = z0 + tl.arange(0, BLOCK)
-            tl.store(ptr + z, tl.zeros([BLOCK], dtype=tl.int32), mask=z < n)
-
-    @triton.jit
-    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u, sync_ptr, n_sync,
+    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
                                KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                                DOT: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
@@ -415,13 +362,9 @@ if HAS_TRITON:
         same instructions on the same values whichever program and tile it lands in.
         UNROLL: the KR/BK steps written out (tl.static_range), so every step's loads can be in
         flight at once; the loop form may wait for each step's load in turn. The same products
-        and sums in the same order either way.
-        Program (0, 0, 0) also zeroes sync[0:n_sync] (route_decode's counters) for the launches
-        after it."""
+        and sums in the same order either way."""
         pdl_prologue(PDL)
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if rg + eb + s == 0:
-            _zero_ints(sync_ptr, n_sync, 1024)
         rows = rg * RB + tl.arange(0, RB)
         r_ok = rows < M
         experts = eb * BE + tl.arange(0, BE)
@@ -441,27 +384,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            stride_ws, sg_ptr, gl_ptr, sync_ptr, n_sync, counts_ptr, lists_ptr, active_ptr,
-                            S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
         form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
         quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
         GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
-        bf16 as the BF16 linear rounds its output) -> gl[t].
-        LISTS: also _expert_lists_kernel's work, with atomics on counters the launch before zeroed
-        (sync, which holds num_active and counts): each pair p = t·K + j takes the next place in
-        its expert's list, and the pair that finds its expert's count at 0 puts the expert in the
-        active list. A list's order then varies from run to run; no bit depends on it (a pair's
-        products and sums are its own row's, in whichever tile it lands). Else program 0 zeroes
-        sync[0:n_sync] (num_active and the counters for expert_lists and the experts' launches)."""
+        bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
+        for expert_lists."""
         pdl_prologue(PDL)
         t = tl.program_id(0)
-        if not LISTS:
-            if t == 0:
-                _zero_ints(sync_ptr, n_sync, 1024)
+        if t == 0:
+            tl.store(num_active_ptr, 0)
         offs = tl.arange(0, BE)
         ok = offs < E
         logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
@@ -474,13 +409,6 @@ if HAS_TRITON:
         slots = tl.arange(0, KP)
         tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
         tl.store(w_ptr + t * K + slots, ws.to(tl.bfloat16), mask=slots < K)
-        if LISTS:
-            picked = slots < K
-            place = tl.atomic_add(counts_ptr + ids, tl.full([KP], 1, tl.int32), mask=picked)
-            tl.store(lists_ptr + ids * M + place, t * K + slots, mask=picked & (place < M))
-            first = picked & (place == 0)
-            at = tl.atomic_add(num_active_ptr + tl.zeros([KP], dtype=tl.int32), tl.full([KP], 1, tl.int32), mask=first)
-            tl.store(active_ptr + at, ids, mask=first)
         groups = tl.arange(0, GP)
         cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
         g_count = tl.cdiv(H, 128)
@@ -509,9 +437,7 @@ ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
 # (issue #8); bench/router_decode.py --route-warps 4 2 1 times them and prints which bits differ.
 # H200 (session 8), router GEMV + routing launch, µs per layer at T = 1 / 128: 4 warps keyed
 # 10.72 / 29.17 (argmax 11.26 / 29.47); 2 warps 11.26 / 29.68; 1 warp 12.43 / 30.89.
-# LISTS: the expert lists built in the routing launch (atomics) when the GEMV launch before it
-# zeroes their counters, instead of in _expert_lists_kernel's launch of its own.
-ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True, LISTS=True)
+ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
 
 
 class DecodeRoute(NamedTuple):
@@ -520,15 +446,8 @@ class DecodeRoute(NamedTuple):
     weights: torch.Tensor        # bf16 [T, k], renormalised
     xq: torch.Tensor             # float8_e4m3fn [T, H]: §4.7 quantisation of u
     xa: torch.Tensor             # F32 [T, ⌈H/128⌉]
-    num_active: torch.Tensor     # int32 [1]: zeroed for expert_lists, or (lists) the active experts
+    num_active: torch.Tensor     # int32 [1], zeroed for expert_lists
     shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
-    # the expert lists when the routing launch made them (ROUTE_CONFIG LISTS), as expert_lists
-    # returns them (a list's pairs in no fixed order): counts [E], lists [E, T], active [min(E, T·k)]
-    counts: torch.Tensor | None = None
-    lists: torch.Tensor | None = None
-    active: torch.Tensor | None = None
-    # int32 counters zeroed for moe_decode_pairs' fused reduce (route_decode(reduce_sync=))
-    reduce_sync: torch.Tensor | None = None
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -543,7 +462,7 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
 
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
                  layout: dict | None = None, shared_gate: torch.Tensor | None = None,
-                 route_config: dict | None = None, reduce_sync: int = 0) -> DecodeRoute:
+                 route_config: dict | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -557,11 +476,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     `layout`: the GEMV's, ROUTER_LAYOUT unless given; `route_config`: the routing launch's, keys
     given override ROUTE_CONFIG's (bench/router_decode.py compares them).
     `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
-    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...).
-    With the GEMV launch and ROUTE_CONFIG's LISTS, the routing launch also builds the expert
-    lists (DecodeRoute.counts, lists, active), so moe_decode_pairs skips expert_lists' launch.
-    `reduce_sync`: that many int32 counters zeroed by these launches (DecodeRoute.reduce_sync),
-    for moe_decode_pairs to reduce gate/up's split-K inside its launch (reduce_sync_size)."""
+    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...)."""
     if not use_triton(u, router_weight):
         return route_decode_reference(u, router_weight, k, shared_gate)
     t, h = u.shape
@@ -570,20 +485,13 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         raise ValueError("route_decode needs an F32 router [E, H] and u with unit stride along H")
     dev = u.device
     route = {**ROUTE_CONFIG, **(route_config or {})}
-    # (LISTS needs the keyed top-k: the two-reduction form gives a NaN row one expert k times,
-    # more pairs than an expert's list holds; expert_lists has the same limit)
-    lists = bool(route.get("LISTS", False)) and route["KEYED_TOPK"] and logits is None
-    # one int32 buffer of counters, zeroed by the first launch that can: [num_active | counts [E]
-    # | reduce_sync], the GEMV's program 0 when the routing launch takes atomics on them, else
-    # the routing launch's program 0
-    sync = torch.empty(1 + e + reduce_sync, dtype=torch.int32, device=dev)
     if logits is None:
         lay = layout or ROUTER_LAYOUT
         k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
         split = triton.cdiv(h, k_range)
         partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
-            u, router_weight, partials, t, h, e, u.stride(0), sync, sync.numel() if lists else 0, KR=k_range,
+            u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
             RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
             num_warps=lay.get("num_warps", 4), **pdl_args())
     else:
@@ -595,9 +503,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
     groups = math.ceil(h / fp8_moe.GROUP)
     xa = torch.empty(t, groups, dtype=torch.float32, device=dev)
-    num_active, counts = sync[:1], sync[1:1 + e]
-    expert_rows = torch.empty(e, t, dtype=torch.int32, device=dev) if lists else None
-    active = torch.empty(min(e, t * k), dtype=torch.int32, device=dev) if lists else None
+    num_active = torch.empty(1, dtype=torch.int32, device=dev)
     gate = None
     if shared_gate is not None:
         if shared_gate.shape != (h,) or shared_gate.stride(0) != 1:
@@ -606,13 +512,10 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
                               gate if gate is not None else weights,
-                              sync, 0 if lists else sync.numel(), counts,
-                              expert_rows if lists else counts, active if lists else counts,
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists, num_warps=route["num_warps"], **pdl_args())
-    return DecodeRoute(ids, weights, xq, xa, num_active, gate, counts if lists else None, expert_rows, active,
-                       sync[1 + e:] if reduce_sync else None)
+                              KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"], **pdl_args())
+    return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
 def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
@@ -671,10 +574,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
             raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
                              f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
-    if route is not None and route.lists is not None:      # the routing launch made them
-        counts, lists, active, num_active = route.counts, route.lists, route.active, route.num_active
-    else:
-        counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
+    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
     slots = active.numel()
     xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
     dev = x.device
@@ -688,23 +588,16 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     has_shared = shared is not None
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-    # the split-K reduce inside gate/up's launch when the config asks and the route zeroed counters
-    need = reduce_sync_size(t, k, e, i, i_s if has_shared else 0, cfg)
-    fused = need > 0 and route is not None and route.reduce_sync is not None and route.reduce_sync.numel() >= need
-    sync = route.reduce_sync if fused else ha                   # placeholder when not fused
-    shared_sync = sync[slots * triton.cdiv(i, fp8_moe.GROUP):] if fused and has_shared else sync
     _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        x, x.stride(0), sw_gate_up, wss, i_s, slots, sync, shared_sync, hq, ha, hs,
+        x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        FUSED=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
-    if fused:
-        pass                 # gate/up's last programs wrote hq, ha (and hs)
-    elif has_shared:
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    if has_shared:
         pair_blocks = triton.cdiv(n, 16)
         _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
             ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
@@ -723,19 +616,6 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
-
-
-def reduce_sync_size(t: int, k: int, e: int, i: int, i_s: int = 0, config: dict | None = None) -> int:
-    """The int32 counters moe_decode_pairs' fused reduce (config FUSED_REDUCE) needs for T = t
-    rows, top-k, E experts of intermediate size I and a shared expert of I_s (0: none): one per
-    (expert slot, 128-column group) and per (shared row tile, group); 0 when the config does not
-    fuse. Pass it to route_decode(reduce_sync=)."""
-    cfg = config or DECODE_CONFIG
-    if not cfg.get("FUSED_REDUCE", False):
-        return 0
-    groups = -(-i // fp8_moe.GROUP)
-    shared = -(-t // cfg["BM"]) * -(-i_s // fp8_moe.GROUP) if i_s else 0
-    return min(e, t * k) * groups + shared
 
 
 def shared_expert_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
