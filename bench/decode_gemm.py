@@ -8,6 +8,9 @@ construction) against invariant.linear_rows (cuBLAS padded to 128 rows), one tab
                                                        program at M = 32 and 128)
     python3 bench/decode_gemm.py --backbone            the graphed decode step, cublas vs triton
                                                        (bench/backbone.py twice, DRAMA_DECODE_GEMM)
+    python3 bench/decode_gemm.py --cublas-tiles 32 64 128   linear_rows (cuBLAS) with other padded
+                                                       tiles: rows per GEMM call, M = 1 and 128
+                                                       (at M = 128 a 32-row tile is 4 calls)
 
 Per shape and M: `calls` GEMMs on distinct weights (the layers of one decode step, so L2 holds
 no weight between calls) captured as one CUDA graph, replayed (median of
@@ -200,12 +203,16 @@ def main(argv=None) -> dict:
                         "the shape's count per decode step)")
     parser.add_argument("--sweep", action="store_true", help="also time other configs (M = 1 and 128)")
     parser.add_argument("--backbone", action="store_true", help="time the whole graphed decode step instead")
+    parser.add_argument("--cublas-tiles", type=int, nargs="+", metavar="ROWS",
+                        help="time linear_rows with these padded tiles instead (M = --rows)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_gemm.py needs a CUDA GPU")
     if args.backbone:
         results = backbone(args)
+    elif args.cublas_tiles:
+        results = cublas_tiles(args)
     else:
         print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second")
         print(HEADER)
@@ -236,6 +243,40 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results
+
+
+def cublas_tiles(args) -> list[dict]:
+    """--cublas-tiles: us per GEMM (and GB/s of weight) of linear_rows with each padded tile at
+    each M, every shape, `calls` distinct weights per graph as bench_shape."""
+    from services.common import invariant
+
+    print(f"{torch.cuda.get_device_name()}; linear_rows (cuBLAS) by padded tile, us per GEMM (GB/s)")
+    print(f"{'shape':<13} {'M':>4} " + " ".join(f"{'tile ' + str(t):>16}" for t in args.cublas_tiles))
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k, dtype, residual, calls in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
+        calls = min(calls, args.calls)
+        weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(calls)]
+        nbytes = n * k * weights[0].element_size()
+        for m in args.rows:
+            x = invariant.empty_rows(m, k, dtype=dtype, device="cuda")
+            x.copy_(torch.randn(m, k, device="cuda", generator=gen))
+            r = None
+            if residual:
+                r = invariant.empty_rows(m, n, dtype=dtype, device="cuda")
+                r.copy_(torch.randn(m, n, device="cuda", generator=gen))
+            cells = []
+            for tile in args.cublas_tiles:
+                ms = do_bench(graphed(lambda i: invariant.linear_rows(x, weights[i], r, tile=tile), calls))
+                us = ms * 1e3 / calls
+                out.append(dict(shape=name, m=m, tile=tile, us=us, gbs=nbytes / (us * 1e-6) / 1e9))
+                cells.append(f"{us:>8.1f} ({out[-1]['gbs']:>5.0f})")
+            print(f"{name:<13} {m:>4} " + " ".join(cells), flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    return out
 
 
 def decode_gemm_plan(shape, m: int) -> str:
