@@ -255,12 +255,8 @@ class SparseMoE(nn.Module):
             # (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
             logits = None if dense_decode else self._router_logits(u, dense_decode, gemm_rows)
-            # counters for the experts' fused split-K reduce (config FUSED_REDUCE), zeroed in the routing launches
-            sync = moe_decode.reduce_sync_size(u.shape[0], self.top_k, self.w_down.shape[0], self.w_down.shape[2],
-                                               i_s if fuse_shared else 0, config)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
-                                            shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None,
-                                            reduce_sync=sync)
+                                            shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
             if fuse_shared:
                 pairs, shared = moe_decode.moe_decode_pairs(

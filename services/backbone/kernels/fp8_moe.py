@@ -308,22 +308,17 @@ if HAS_TRITON:
             tl.store(ws + I, acc_u, mask=out_mask)
 
     @triton.jit
-    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr, CG: tl.constexpr):
+    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr):
         """(h, ok) for the tile rows x cols: the split-K partials ws [SPLIT, n_rows, 2I] (gate
         columns, then up) summed in split order, h = bf16(silu(bf16 gate)·bf16 up) as F32 values,
-        0 outside the tile's valid part (rows >= n_rows are masked: any row order, gathered rows).
-        CG: load ws past L1 (".cg"), for where other programs of the same launch wrote it."""
+        0 outside the tile's valid part."""
         ok = (rows[:, None] < n_rows) & (cols[None, :] < I)
         base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
         gate = tl.zeros([BM, 128], dtype=tl.float32)
         up = tl.zeros([BM, 128], dtype=tl.float32)
         for j in tl.static_range(SPLIT):
-            if CG:
-                gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0, cache_modifier=".cg")
-                up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0, cache_modifier=".cg")
-            else:
-                gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
-                up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
+            gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
+            up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
         gate = gate.to(tl.bfloat16).to(tl.float32)
         up = up.to(tl.bfloat16).to(tl.float32)
         act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
@@ -333,21 +328,12 @@ if HAS_TRITON:
     def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT: tl.constexpr,
                                  BM: tl.constexpr):
         """Rows pid_m·BM.. and 128-group g: _split_swiglu, then §4.7-quantise h into hq, ha."""
-        _split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m * BM + tl.arange(0, BM), g, SPLIT, BM,
-                                 False)
-
-    @triton.jit
-    def _split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, rows, g, SPLIT: tl.constexpr,
-                                 BM: tl.constexpr, CG: tl.constexpr):
-        """_split_reduce_quant_tile for BM given pair rows (any order; rows >= n_pairs skipped):
-        each row's sums, activation and quantisation are its own, so the bits are the same in
-        any tile."""
+        rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
-        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM, CG)
+        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
         xq, a = _quant_tile(act)
-        r64 = rows.to(tl.int64)
-        tl.store(hq_ptr + r64[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
-        tl.store(ha_ptr + r64 * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
+        tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
+        tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)
 
     @triton.jit
     def _split_reduce_quant_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, SPLIT: tl.constexpr, BM: tl.constexpr,

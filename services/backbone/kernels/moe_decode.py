@@ -22,8 +22,6 @@ is laid out, because the decode step is bound by how many weight bytes are in fl
    GEMM): a pair's bits depend on its own row only, whatever the step's batch (issue #8; a
    config that changed with T would be a different summation order). Warps, pipeline stages and
    column blocks (BN) leave every sum alone: they only change which threads compute an element.
-   In a decode step (DECODE_CONFIG FUSED_REDUCE) that reduce runs inside gate/up's launch: the
-   last program to finish an (expert, 128 columns) group does it, one launch fewer per layer.
 
 The active-slot order from the atomic add varies from run to run; nothing depends on it: a
 program's results depend on which expert it holds, not on its slot.
@@ -80,11 +78,7 @@ if HAS_TRITON:
 # graph (bench/moe_decode.py --shared, session 12 run 5), ms at 1 / 8 / 32 / 64 / 128 rows:
 # BN 64: 1.280 / 3.293 / 7.577 / 10.30 / 12.43; BN 32: 1.244 / 3.208 / 7.295 / 9.626 / 11.57.
 # (2-warp programs won at 128 rows without the shared expert, 10.47 -> 9.34, but lost with it.)
-# FUSED_REDUCE: the split-K reduce (with h's quantisation) done by gate/up's last program per
-# (expert, 128 columns) instead of a launch of its own, when route_decode zeroed the counters
-# (_gate_up_kernel); the same functions on the same values, so the same bits.
-DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
-                     FUSED_REDUCE=True)
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -186,42 +180,19 @@ if HAS_TRITON:
         tl.store(out + IS, acc_u, mask=mask)
 
     @triton.jit
-    def _last_to_arrive(sync_ptr, contributors):
-        """True in the one program that arrives last at the counter sync_ptr, of `contributors`
-        programs that each call this once after storing their partial sums. The barrier puts
-        every thread's stores before the atomic, whose release (acq_rel, GPU scope) publishes
-        them, and whose acquire in the last program makes all of them visible to it (CUTLASS's
-        split-K semaphore: a CTA barrier, then one thread's release). The counter must be zero
-        before the launch (route_decode's launches zero it)."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-        return arrived == contributors - 1
-
-    @triton.jit
     def _gate_up_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
-                        sync_ptr, shared_sync_ptr, hq_ptr, ha_ptr, hs_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        FUSED: tl.constexpr = False, RP: tl.constexpr = 1, RS: tl.constexpr = 4,
                         PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
-        bytes of an FP8 expert's, so KX = 2 evens the programs out).
-        FUSED: _split_reduce_shared_kernel's work done here, without its launch: the last program
-        to store its partials for an (expert slot, 128-column group) sums the group's partials in
-        split order and §4.7-quantises h into hq, ha for every pair of the expert (fp8_moe.
-        _split_reduce_quant_rows); for a (shared row tile, group), into hs. The same functions on
-        the same values as the separate launch: the same bits. Counters: sync [slots, ⌈I/128⌉],
-        shared_sync [shared tiles, ⌈IS/128⌉], zeroed before the launch. The reduce goes RP pairs
-        (RS shared rows) at a time: a BM-row tile of 8 partials held at once took the kernel from
-        96 to 168 registers (ptxas, sm_90), 5 to 3 programs per SM, and slowed its main loop
-        (session 13: the decode step b1 3.03 -> 3.20 ms); RP = 1, RS = 4 keep it at ~96-106."""
+        bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
         pdl_prologue(PDL)
         slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.cdiv(H, 128)
@@ -233,16 +204,6 @@ if HAS_TRITON:
                     first = (pid_k * KX + sub) * per_s
                     _shared_gate_up(u_ptr, stride_u, sw_ptr, wss_ptr + (pid_k * KX + sub) * T * (2 * IS), T, H,
                                     IS, pid_n, tile * BM, first, tl.minimum(G, first + per_s), BM, BN, DOT, PREC)
-                    if FUSED:
-                        g = (pid_n * BN) // 128
-                        blocks = tl.cdiv(tl.minimum(128, IS - g * 128), BN)
-                        if _last_to_arrive(shared_sync_ptr + tile * tl.cdiv(IS, 128) + g, blocks * SPLIT * KX):
-                            cols = g * 128 + tl.arange(0, 128)
-                            for r0 in range(0, BM, RS):
-                                rows = tile * BM + r0 + tl.arange(0, RS)
-                                act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SPLIT * KX, RS, True)
-                                tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :],
-                                         act.to(tl.bfloat16), mask=ok)
                 return
         per = tl.cdiv(G, SPLIT)
         k_first = pid_k * per
@@ -283,14 +244,6 @@ if HAS_TRITON:
             mask = r_ok[:, None] & n_ok[None, :]
             tl.store(out, acc_g, mask=mask)
             tl.store(out + I, acc_u, mask=mask)
-        if FUSED:
-            g = (pid_n * BN) // 128
-            blocks = tl.cdiv(tl.minimum(128, I - g * 128), BN)
-            if _last_to_arrive(sync_ptr + slot * tl.cdiv(I, 128) + g, blocks * SPLIT):
-                for r0 in range(0, count, RP):
-                    r = r0 + tl.arange(0, RP)
-                    pairs = tl.load(lists_ptr + expert * T + r, mask=r < count, other=n_pairs)
-                    fp8_moe._split_reduce_quant_rows(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pairs, g, SPLIT, RP, True)
 
     @triton.jit
     def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
@@ -378,7 +331,7 @@ if HAS_TRITON:
         else:
             cols = g * 128 + tl.arange(0, 128)
             rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
-            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM, False)
+            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
             tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
@@ -430,15 +383,8 @@ if HAS_TRITON:
                  mask=r_ok[:, None] & e_ok[None, :])
 
     @triton.jit
-    def _zero_ints(ptr, n, BLOCK: tl.constexpr):
-        """ptr[0:n] = 0 (int32), from one program."""
-        for z0 in range(0, n, BLOCK):
-            z = z0 + tl.arange(0, BLOCK)
-            tl.store(ptr + z, tl.zeros([BLOCK], dtype=tl.int32), mask=z < n)
-
-    @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            stride_ws, sg_ptr, gl_ptr, n_sync, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                             GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
@@ -446,11 +392,11 @@ if HAS_TRITON:
         quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
         GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
         bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
-        for expert_lists and the n_sync - 1 counters after it (route_decode(reduce_sync=))."""
+        for expert_lists."""
         pdl_prologue(PDL)
         t = tl.program_id(0)
         if t == 0:
-            _zero_ints(num_active_ptr, n_sync, 1024)
+            tl.store(num_active_ptr, 0)
         offs = tl.arange(0, BE)
         ok = offs < E
         logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
@@ -502,7 +448,6 @@ class DecodeRoute(NamedTuple):
     xa: torch.Tensor             # F32 [T, ⌈H/128⌉]
     num_active: torch.Tensor     # int32 [1], zeroed for expert_lists
     shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
-    reduce_sync: torch.Tensor | None = None         # int32 counters zeroed for moe_decode_pairs' fused reduce
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -517,7 +462,7 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
 
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
                  layout: dict | None = None, shared_gate: torch.Tensor | None = None,
-                 route_config: dict | None = None, reduce_sync: int = 0) -> DecodeRoute:
+                 route_config: dict | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -531,10 +476,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     `layout`: the GEMV's, ROUTER_LAYOUT unless given; `route_config`: the routing launch's, keys
     given override ROUTE_CONFIG's (bench/router_decode.py compares them).
     `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
-    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...).
-    `reduce_sync`: that many int32 counters, zeroed in the routing launch with num_active
-    (DecodeRoute.reduce_sync), for moe_decode_pairs to reduce gate/up's split-K inside gate/up's
-    launch (reduce_sync_size says how many)."""
+    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...)."""
     if not use_triton(u, router_weight):
         return route_decode_reference(u, router_weight, k, shared_gate)
     t, h = u.shape
@@ -561,8 +503,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
     groups = math.ceil(h / fp8_moe.GROUP)
     xa = torch.empty(t, groups, dtype=torch.float32, device=dev)
-    sync = torch.empty(1 + reduce_sync, dtype=torch.int32, device=dev)     # [num_active | reduce_sync]
-    num_active = sync[:1]
+    num_active = torch.empty(1, dtype=torch.int32, device=dev)
     gate = None
     if shared_gate is not None:
         if shared_gate.shape != (h,) or shared_gate.stride(0) != 1:
@@ -570,11 +511,11 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         gate = torch.empty(t, dtype=torch.bfloat16, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
-                              gate if gate is not None else weights, sync.numel(),
+                              gate if gate is not None else weights,
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
                               KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"], **pdl_args())
-    return DecodeRoute(ids, weights, xq, xa, num_active, gate, sync[1:] if reduce_sync else None)
+    return DecodeRoute(ids, weights, xq, xa, num_active, gate)
 
 
 def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
@@ -647,23 +588,16 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     has_shared = shared is not None
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-    # the split-K reduce inside gate/up's launch when the config asks and the route zeroed counters
-    need = reduce_sync_size(t, k, e, i, i_s if has_shared else 0, cfg)
-    fused = need > 0 and route is not None and route.reduce_sync is not None and route.reduce_sync.numel() >= need
-    sync = route.reduce_sync if fused else ha                   # placeholder when not fused
-    shared_sync = sync[slots * triton.cdiv(i, fp8_moe.GROUP):] if fused and has_shared else sync
     _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        x, x.stride(0), sw_gate_up, wss, i_s, slots, sync, shared_sync, hq, ha, hs,
+        x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-        FUSED=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
-    if fused:
-        pass                 # gate/up's last programs wrote hq, ha (and hs)
-    elif has_shared:
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    if has_shared:
         pair_blocks = triton.cdiv(n, 16)
         _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
             ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
@@ -682,19 +616,6 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
-
-
-def reduce_sync_size(t: int, k: int, e: int, i: int, i_s: int = 0, config: dict | None = None) -> int:
-    """The int32 counters moe_decode_pairs' fused reduce (config FUSED_REDUCE) needs for T = t
-    rows, top-k, E experts of intermediate size I and a shared expert of I_s (0: none): one per
-    (expert slot, 128-column group) and per (shared row tile, group); 0 when the config does not
-    fuse. Pass it to route_decode(reduce_sync=)."""
-    cfg = config or DECODE_CONFIG
-    if not cfg.get("FUSED_REDUCE", False):
-        return 0
-    groups = -(-i // fp8_moe.GROUP)
-    shared = -(-t // cfg["BM"]) * -(-i_s // fp8_moe.GROUP) if i_s else 0
-    return min(e, t * k) * groups + shared
 
 
 def shared_expert_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
