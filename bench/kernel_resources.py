@@ -1,0 +1,159 @@
+"""Registers, spills and shared memory of the decode step's Triton kernels on Hopper (sm_90),
+compiled on this machine: no GPU needed, only Triton (`pip install triton`; its ptxas comes with it).
+
+    python3 bench/kernel_resources.py                 every case below, one table
+    python3 bench/kernel_resources.py --cases gate_up down
+
+Why: a kernel's registers per thread decide how many of its programs an SM holds at once, and
+so how many weight bytes are in flight in a bandwidth-bound decode step. Session 13 found this
+way why a fused variant of gate/up was slower on the H200: its epilogue took the kernel from 96
+to 168 registers (5 to 3 programs per SM). It also catches a kernel that does not compile
+(e.g. a construct the device's Triton refuses) before a device call is spent on it.
+
+Each case compiles one kernel with serving's constexprs (moe_decode.DECODE_CONFIG etc.) and the
+16-divisibility Triton gives at runtime to aligned pointers and to int arguments that are
+multiples of 16 (without it loads are not vectorised and a kernel reads as twice its registers).
+Columns: REG per thread, LOCAL (spill bytes per thread), SHARED bytes per program, and programs
+per SM as the register file (64 K) and shared memory (228 KB) allow. The device's Triton may
+differ from the local one in the last registers; the table is for comparing variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+
+
+def _ptr(dtype: str) -> str:
+    return "*" + dtype
+
+
+def cases() -> dict:
+    """name -> (jit function, argument types (default i32), constexprs, num_warps, num_stages,
+    int arguments that are multiples of 16 at the full preset)."""
+    import triton.language as tl
+
+    from services.backbone.kernels import gdn, moe_decode
+
+    cfg = moe_decode.DECODE_CONFIG
+    dot = dict(DOT=tl.bfloat16, PREC="tf32")
+    moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
+                    num_active_ptr=_ptr("i32"))
+    return {
+        "gate_up": (moe_decode._gate_up_kernel,
+                    dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
+                         ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"), wss_ptr=_ptr("fp32"),
+                         **moe_ptrs),
+                    dict(BM=cfg["BM"], BN=cfg["BN_GU"], SPLIT=cfg["SPLIT"], FP8_DOT=cfg["FP8_DOT"], SHARED=True,
+                         KX=cfg["SHARED_KX"], PDL=True, **dot),
+                    cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"}),
+        "down": (moe_decode._down_kernel,
+                 dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
+                      out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
+                      shared_out_ptr=_ptr("fp32"), **moe_ptrs),
+                 dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PDL=True, **dot),
+                 cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
+                 {"H", "I", "stride_we", "stride_wn", "IS"}),
+        "split_reduce": (moe_decode._split_reduce_shared_kernel,
+                         dict(ws_ptr=_ptr("fp32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), wss_ptr=_ptr("fp32"),
+                              hs_ptr=_ptr("bf16")),
+                         dict(SPLIT=cfg["SPLIT"], SHARED_SPLIT=cfg["SPLIT"] * cfg["SHARED_KX"], BM=16, PDL=True),
+                         4, 3, {"I", "IS"}),
+        "route_quant": (moe_decode._route_quant_kernel,
+                        dict(ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), w_ptr=_ptr("bf16"),
+                             xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), num_active_ptr=_ptr("i32"),
+                             sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16")),
+                        dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, PDL=True),
+                        moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
+        "router_partial": (moe_decode._router_partial_kernel,
+                           dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
+                           dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
+                                BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
+                           4, 3, {"H", "E", "stride_u"}),
+        "gdn_decode": (gdn._gdn_decode_kernel,
+                       dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
+                            b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),
+                            o_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32"),
+                       dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, HAS_SLOTS=True, PDL=True),
+                       4, 3, {"stride_q", "stride_k", "stride_v"}),
+    }
+
+
+def compile_case(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, div16: set):
+    """The kernel compiled for sm_90 (triton.compile: frontend, LLVM, ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    unknown = set(types) | set(constexprs) | div16
+    unknown -= set(names)
+    if unknown:
+        raise ValueError(f"{fn.fn.__name__} has no arguments {sorted(unknown)}")
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n in div16]
+    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(kernel) -> dict:
+    """REG / LOCAL / SHARED of a compiled kernel, from cuobjdump on its cubin."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = dict((key, int(value)) for key, value in re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", text))
+    found["SHARED"] = max(found.get("SHARED", 0), kernel.metadata.shared)
+    return found
+
+
+def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
+    by_regs = REGISTERS_PER_SM // max(1, regs * 32 * num_warps)
+    by_shared = SHARED_PER_SM // shared if shared else by_regs
+    return min(by_regs, by_shared)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", help="default: all")
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit("bench/kernel_resources.py needs Triton (pip install triton); no GPU needed")
+    table = cases()
+    names = args.cases or list(table)
+    missing = [n for n in names if n not in table]
+    if missing:
+        raise SystemExit(f"unknown cases {missing}; known: {list(table)}")
+    print(f"{'kernel':<15} {'warps':>5} {'REG':>4} {'LOCAL':>5} {'SHARED':>7} {'per SM':>6}")
+    rows = []
+    for name in names:
+        fn, types, constexprs, warps, stages, div16 = table[name]
+        found = resources(compile_case(fn, types, constexprs, warps, stages, div16))
+        row = dict(kernel=name, warps=warps, **found,
+                   programs_per_sm=programs_per_sm(found["REG"], found["SHARED"], warps))
+        rows.append(row)
+        print(f"{name:<15} {warps:>5} {row['REG']:>4} {row.get('LOCAL', 0):>5} {row['SHARED']:>7} "
+              f"{row['programs_per_sm']:>6}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
