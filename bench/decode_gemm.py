@@ -109,6 +109,15 @@ def _label(config: dict | None) -> str:
     return "default" if config is None else ",".join(f"{key}{v}" for key, v in config.items())
 
 
+def random_rows(m: int, cols: int, dtype, gen) -> torch.Tensor:
+    """[m, cols] random rows in padded storage (invariant.empty_rows), as serving hands a GEMM its
+    input: linear_rows reads it in place."""
+    from services.common import invariant
+
+    rows = invariant.empty_rows(m, cols, dtype=dtype, device="cuda")
+    return rows.copy_(torch.randn(m, cols, device="cuda", generator=gen))
+
+
 def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list[dict]:
     from services.backbone.kernels import decode_gemm
     from services.common import invariant
@@ -119,13 +128,8 @@ def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list
     inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles)
     out = []
     for m in rows:
-        # inputs as serving has them: padded storage (empty_rows), so linear_rows reads in place
-        x = invariant.empty_rows(m, k, dtype=torch.bfloat16, device="cuda")
-        x.copy_(torch.randn(m, k, device="cuda", generator=gen))
-        r = None
-        if residual:
-            r = invariant.empty_rows(m, n, dtype=dtype, device="cuda")
-            r.copy_(torch.randn(m, n, device="cuda", generator=gen))
+        x = random_rows(m, k, torch.bfloat16, gen)
+        r = random_rows(m, n, dtype, gen) if residual else None
         few = min(m, 4)
         ref = invariant.linear_rows_reference(x[:few], weights[0], None if r is None else r[:few])
         got = decode_gemm.decode_linear(x[:few], weights[0], None if r is None else r[:few], config=config,
@@ -261,12 +265,8 @@ def cublas_tiles(args) -> list[dict]:
         weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(calls)]
         nbytes = n * k * weights[0].element_size()
         for m in args.rows:
-            x = invariant.empty_rows(m, k, dtype=dtype, device="cuda")
-            x.copy_(torch.randn(m, k, device="cuda", generator=gen))
-            r = None
-            if residual:
-                r = invariant.empty_rows(m, n, dtype=dtype, device="cuda")
-                r.copy_(torch.randn(m, n, device="cuda", generator=gen))
+            x = random_rows(m, k, dtype, gen)
+            r = random_rows(m, n, dtype, gen) if residual else None
             cells = []
             for tile in args.cublas_tiles:
                 ms = do_bench(graphed(lambda i: invariant.linear_rows(x, weights[i], r, tile=tile), calls))

@@ -162,7 +162,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     if a is None:                                  # copy the rows into a fresh padded buffer
         a = x.new_empty(padded, x.shape[1]) if x.is_cuda else x.new_zeros(padded, x.shape[1])
         a[:rows].copy_(x)
-    res = None
+    res, res_copied = None, False
     if residual is not None:
         # addmm copies its `self` into a fresh result before the GEMM, so the residual's layout
         # never reaches cuBLAS; it only has to cover the padded rows
@@ -170,6 +170,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         if res is None:
             res = residual.new_empty(padded, n) if residual.is_cuda else residual.new_zeros(padded, n)
             res[:rows].copy_(residual)
+            res_copied = True
     wt = weight.T
     # each tile's GEMM writes its rows of the result in place (a torch.cat of the tiles copied
     # every output once more: 200 copy kernels in a 256-row prefill), except under autograd,
@@ -178,7 +179,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     out_dtype = torch.result_type(x, weight)
     if autograd:
         out = None
-    elif res is not None and res.dtype == out_dtype and (residual_out or res.data_ptr() != residual.data_ptr()):
+    elif res is not None and res.dtype == out_dtype and (residual_out or res_copied):
         out = res            # the caller's residual given up, or our own padded copy of it: no second copy
     else:
         out = torch.empty(padded, n, dtype=out_dtype, device=x.device)
