@@ -284,14 +284,17 @@ def test_shared_expert_rows_do_not_depend_on_the_batch():
 
 
 def test_warps_and_column_blocks_do_not_change_a_bit():
-    """BN, warps and stages only change which threads compute an element, never its sums (the
-    tiles' rows and the K split stay): DECODE_CONFIG and its BN 64, 2-warp variant give the same
-    bits, so either may be tuned without touching a row's results (bench/moe_decode.py --shared)."""
+    """BN, warps, stages and the grid's order (N_FAST) only change which threads compute an
+    element and when, never its sums (the tiles' rows and the K split stay): DECODE_CONFIG and its
+    BN 64, 2-warp, column-blocks-first variant give the same bits, so either may be tuned without
+    touching a row's results (bench/moe_decode.py --shared); so do the 256-row pieces' config and
+    the one it replaced (BN_GU 64, slots first)."""
     h, i, i_s, e, k, t = 256, 256, 128, 16, 4, 40
     weights = experts(e, i, h)
     u, router = router_case(t, e, h)
     gate_up, down, gate = shared_expert(i_s, h)
-    other = dict(moe_decode.DECODE_CONFIG, BN_GU=64, BN_DOWN=64, num_warps=2, DOWN_WARPS=2, num_stages=2)
+    other = dict(moe_decode.DECODE_CONFIG, BN_GU=64, BN_DOWN=64, num_warps=2, DOWN_WARPS=2, num_stages=2,
+                 N_FAST=True)
 
     def run(config):
         route = moe_decode.route_decode(u, router, k, shared_gate=gate)
@@ -300,6 +303,10 @@ def test_warps_and_column_blocks_do_not_change_a_bit():
 
     for a, b in zip(run(moe_decode.DECODE_CONFIG), run(other)):
         assert torch.equal(a, b)
+    piece, before = moe_decode.SMALL_PIECE_CONFIG, dict(moe_decode.SMALL_PIECE_CONFIG, BN_GU=64, N_FAST=False)
+    route = moe_decode.route_decode(u, router, k)
+    assert torch.equal(moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, config=piece),
+                       moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, config=before))
 
 
 def test_shared_expert_arguments_are_checked():

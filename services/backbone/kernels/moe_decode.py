@@ -104,11 +104,16 @@ DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stag
 # DOWN_WARPS 2 for 256-row pieces: down's short K (four steps) runs better in more, smaller
 # programs; the same bits (session 12 run 2, bench/moe_decode.py --prefill --rows 256: 10.20 ->
 # 9.89 ms per 40 layers).
-SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
-                          DOWN_WARPS=2)
+# N_FAST (the column blocks of one expert launched one after another, so the programs in flight
+# stream neighbouring rows of fewer experts) with BN_GU 32 for 256-row pieces, N_FAST for 512: the
+# same bits (session 14 runs 2-3, bench/_probe: 256 rows 9.87 -> 9.52 ms per 40 layers, 512 rows
+# 11.47 -> 11.32; BN_GU 32 without N_FAST had lost in session 12). A plain read of gate/up in the
+# kernel's access pattern reaches 3.8-4.2 TB/s; the kernel ~3.5.
+SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
+                          DOWN_WARPS=2, N_FAST=True)
 # and for 512-row pieces (run 3): 11.92 -> 11.30 ms; BM 64 pieces keep 4 (2: 18.2 against 11.6)
 LARGE_PIECE_CONFIG = dict(BM=32, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
-                          DOWN_WARPS=2)
+                          DOWN_WARPS=2, N_FAST=True)
 WIDE_PIECE_CONFIG = dict(BM=64, BN_GU=64, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True)
 LARGE_PIECE_ROWS = 512       # pieces of this many rows and more: 16+ pairs per expert on average
 WIDE_PIECE_ROWS = 768        # and from here on: 24+
@@ -149,6 +154,14 @@ if HAS_TRITON:
         tl.store(active_ptr + slot, e, mask=count > 0)
 
     @triton.jit
+    def _slot_and_column_block(N_FAST: tl.constexpr):
+        """(expert slot, column block) of this program. The grid is (slots, column blocks) or, with
+        N_FAST, (column blocks, slots): the launch order only, never what a program computes."""
+        if N_FAST:
+            return tl.program_id(1), tl.program_id(0)
+        return tl.program_id(0), tl.program_id(1)
+
+    @triton.jit
     def _shared_gate_up(u_ptr, stride_u, w_ptr, ws_ptr, T, H, IS, pid_n, r0, k_first, k_last,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """The shared expert's share of _gate_up_kernel: partial gate and up sums of rows
@@ -186,7 +199,7 @@ if HAS_TRITON:
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
@@ -194,7 +207,8 @@ if HAS_TRITON:
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
         bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
         pdl_prologue(PDL)
-        slot, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot, pid_n = _slot_and_column_block(N_FAST)
+        pid_k = tl.program_id(2)
         G = tl.cdiv(H, 128)
         if SHARED:
             if slot >= shared_slot:
@@ -273,12 +287,13 @@ if HAS_TRITON:
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
+                     PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
+                     N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
         pdl_prologue(PDL)
-        slot, pid_n = tl.program_id(0), tl.program_id(1)
+        slot, pid_n = _slot_and_column_block(N_FAST)
         if SHARED:
             if slot >= shared_slot:
                 _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM,
@@ -540,6 +555,12 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Ten
     return counts, lists, active, num_active
 
 
+def _expert_grid(slots: int, column_blocks: int, n_fast: bool, *rest: int) -> tuple[int, ...]:
+    """The expert kernels' grid: slots fastest, or with N_FAST the column blocks of one expert
+    (programs launched one after another then stream neighbouring rows of one expert's weights)."""
+    return (column_blocks, slots, *rest) if n_fast else (slots, column_blocks, *rest)
+
+
 def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
                      config: dict | None = None, route: DecodeRoute | None = None,
                      shared: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -588,12 +609,13 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     has_shared = shared is not None
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
-    _gate_up_kernel[(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), split)](
+    n_fast = bool(cfg.get("N_FAST", False))
+    _gate_up_kernel[_expert_grid(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
-        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx, N_FAST=n_fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
@@ -607,11 +629,11 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
             ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    _down_kernel[(slots + shared_tiles, triton.cdiv(h, bn2))](
+    _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
         num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
         **pdl_args())
     pairs = out.view(t, k, h)
