@@ -61,8 +61,8 @@ def per_sequence(args):
         new_states.append((slot, new[0]))
     for slot, new in new_states:
         state[slot] = new
-    b = proj[:, CHANNELS:CHANNELS + hv]            # [m | b | a | z] (GatedDeltaNet.pack_kernels)
-    a = proj[:, CHANNELS + hv:CHANNELS + 2 * hv]
+    b = proj[:, CHANNELS + hv * dv:CHANNELS + hv * dv + hv]
+    a = proj[:, CHANNELS + hv * dv + hv:]
     g, beta = gdn.gdn_gates(a, b, args["A_log"].cpu(), args["dt_bias"].cpu())
     return outs, state, g, beta
 

@@ -59,7 +59,6 @@ from torch import nn
 from services.common import invariant
 from services.common.config import TextConfig
 
-from . import overlap
 from .kernels import decode_gemm
 from .kernels import gdn as kgdn
 from .layers import Linear, RowBatch, Segment, Weight, fuse_linears, per_row, rms_norm
@@ -393,13 +392,9 @@ class GatedDeltaNet(nn.Module):
 
     # kernel path (Backbone.kernels) ----------------------------------------------------------
     def pack_kernels(self) -> None:
-        """Load-time layout of the kernel path: [in_proj_qkv | in_proj_b | in_proj_a | in_proj_z]
-        as one weight (one GEMM per step without overlap; its leading rows `in_proj_front` and
-        trailing rows `in_proj_z_weight` as two GEMMs with it), the conv kernel as [c, K_c],
-        out_proj dense."""
-        self.in_proj_fused = fuse_linears([self.in_proj_qkv, self.in_proj_b, self.in_proj_a, self.in_proj_z])
-        front = self.in_proj_qkv.out_features + 2 * self.num_v_heads
-        self.in_proj_front, self.in_proj_z_weight = self.in_proj_fused[:front], self.in_proj_fused[front:]
+        """Load-time layout of the kernel path: [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
+        as one weight (one GEMM per step), the conv kernel as [c, K_c], out_proj dense."""
+        self.in_proj_fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         self.conv_weight = self.conv1d.weight[:, 0, :].contiguous()
         self.out_weight = self.out_proj.dense_weight()
 
@@ -411,19 +406,10 @@ class GatedDeltaNet(nn.Module):
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
         linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # linear_rows unless DRAMA_DECODE_GEMM=triton
-        # z is read only by the gated norm at the end: with overlap (CUDA) its GEMM runs on the
-        # side stream beside the conv and the recurrence (or fla's chunks), which leave most SMs
-        # idle; so does a prefill's gather of the segments' recurrent states, beside the GEMMs
-        if not plan.decode:
-            state_job = overlap.beside(cache.state.index_select, 0, plan.seg_slots, device=u.device)
-        if overlap.active(u.device):
-            proj = linear(u, self.in_proj_front)                         # [R, c + 2·n_v]: m | b | a
-            z_job = overlap.beside(linear, u, self.in_proj_z_weight, device=u.device)
-        else:
-            proj = linear(u, self.in_proj_fused)                         # [R, c + 2·n_v + n_v·d_v]: m | b | a | z
-            z_job = overlap.Job(proj[:, channels + 2 * hv:], None)
-        b = proj[:, channels:channels + hv]
-        a = proj[:, channels + hv:channels + 2 * hv]
+        proj = linear(u, self.in_proj_fused)                             # [R, c + n_v·d_v + 2·n_v]
+        z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
+        b = proj[:, channels + hv * dv:channels + hv * dv + hv]
+        a = proj[:, channels + hv * dv + hv:]
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)
@@ -437,23 +423,18 @@ class GatedDeltaNet(nn.Module):
                                        (hk, dk, hv, dv), row_mask=plan.row_mask)
             if plan.row_mask is None:       # segments packed along one sequence (fla's varlen)
                 o, state = kgdn.chunk_gated_delta_rule(*(t[None] for t in front),
-                                                       initial_state=state_job.join(),
+                                                       initial_state=cache.state[plan.seg_slots],
                                                        cu_seqlens=plan.cu_seqlens)
                 o = o[0]
             else:                           # padded pieces: one sequence per piece, fla's batch
                 pieces = (plan.seg_slots.shape[0], rows // plan.seg_slots.shape[0])
                 o, state = kgdn.chunk_gated_delta_rule(*(t.unflatten(0, pieces) for t in front),
-                                                       initial_state=state_job.join())
+                                                       initial_state=cache.state[plan.seg_slots])
                 o = o.flatten(0, 1)
-            # the new states go back to the pool beside the gated norm and out_proj (joined below)
-            state_job = overlap.beside(cache.state.index_copy_, 0, plan.seg_slots, state, device=u.device)
-        z = z_job.join().view(rows, hv, dv)
+            cache.state[plan.seg_slots] = state
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
-        out = linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
-        if not plan.decode:
-            state_job.join()
-        return out
+        return linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):
         """Conv output [R, c] -> q, k [R, n_k, d_k], v [R, n_v, d_v] (views; l2 norm and scale in the kernels)."""

@@ -37,7 +37,6 @@ from services.common.config import TextConfig
 from services.common.invariant import empty_rows, linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
-from . import overlap
 from .kernels import decode_gemm
 from .kernels import decode_graph as dg
 from .kernels import moe_decode
@@ -255,8 +254,6 @@ class SparseMoE(nn.Module):
             # took graphed against eager decode rows to a cosine of 0.9995
             # (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
-            if not fuse_shared:   # beside the router and the routed experts (see below)
-                shared_job = overlap.beside(self._shared_kernels, u, dense_decode, gemm_rows, device=u.device)
             logits = None if dense_decode else self._router_logits(u, dense_decode, gemm_rows)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
@@ -266,11 +263,9 @@ class SparseMoE(nn.Module):
                     *args, config=config, route=route, shared=(self.shared_fused[:2 * i_s], self.shared_down))
                 return dg.moe_combine(pairs, h, shared, route.shared_gate_logit, norm_weight, eps)
             pairs = moe_decode.moe_decode_pairs(*args, config=config, route=route)
-            shared, gate_logit = shared_job.join()
+            shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
             return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
-        # the shared expert reads only u: with overlap (CUDA) its GEMMs run on the side stream
-        # beside the router and the routed experts
-        shared_job = overlap.beside(self._shared_kernels, u, dense_decode, gemm_rows, device=u.device)
+        shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
         logits = self._router_logits(u, dense_decode, gemm_rows)
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
@@ -287,5 +282,4 @@ class SparseMoE(nn.Module):
                 rows, rank = torch.nonzero(experts == e, as_tuple=True)
                 y = _swiglu_rows(u[rows], *self.experts.weights(e)).float()
                 pairs[rows, 0] += y * weights[rows, rank, None]
-        shared, gate_logit = shared_job.join()
         return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)

@@ -164,8 +164,8 @@ def prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots,
     tail = torch.where((last >= 0)[..., None], from_rows, from_state.to(m.dtype))
     conv_state[seg_slots] = tail.transpose(1, 2).to(conv_state.dtype)
     q, k, v = _front_split(F.silu(out).to(m.dtype), hk, dk, hv, dv)
-    b = proj[:, channels:channels + hv]
-    a = proj[:, channels + hv:channels + 2 * hv]
+    b = proj[:, channels + hv * dv:channels + hv * dv + hv]
+    a = proj[:, channels + hv * dv + hv:]
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     if row_mask is not None:
         g, beta = g * row_mask[:, None], beta * row_mask[:, None]
@@ -176,8 +176,8 @@ def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first
                   heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
     """The GDN front of a non-decode step (§4.3 steps 2-3) for R rows of N segments packed in order.
 
-    proj [R, c + 2·Hv (+ more)] (unit stride along columns) = [m | b | a | ...], the fused
-    projection (GatedDeltaNet.pack_kernels puts z last, where this never reads it); weight [c, K_c]; conv_state [S, c, K_c−1] slot pool, read for each segment's
+    proj [R, c + Hv·V + 2·Hv] (unit stride along columns) = [m | z | b | a], the fused
+    projection; weight [c, K_c]; conv_state [S, c, K_c−1] slot pool, read for each segment's
     slot and replaced by its last K_c−1 inputs; seg_slots, seg_first, seg_rows int [N]: each
     segment's slot, first row in R and real rows (a padded piece has more rows in R than real
     ones; its padding rows are computed and ignored); row_seg int [R]: each row's segment;
@@ -196,15 +196,15 @@ def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first
     rows, channels, taps = proj.shape[0], weight.shape[0], weight.shape[1]
     if proj.stride(1) != 1 or not conv_state.is_contiguous() or not weight.is_contiguous():
         raise ValueError("prefill_front needs proj with unit column stride, a contiguous conv state and weight")
-    if channels != 2 * hk * dk + hv * dv or proj.shape[1] < channels + 2 * hv:
-        raise ValueError(f"proj [{rows}, {proj.shape[1]}] does not hold m [{channels}] | b | a for heads {heads}")
+    if channels != 2 * hk * dk + hv * dv or proj.shape[1] != channels + hv * dv + 2 * hv:
+        raise ValueError(f"proj [{rows}, {proj.shape[1]}] does not hold m [{channels}] | z | b | a for heads {heads}")
     dev, dtype = proj.device, proj.dtype
     q = torch.empty(rows, hk, dk, dtype=dtype, device=dev)
     k = torch.empty(rows, hk, dk, dtype=dtype, device=dev)
     v = torch.empty(rows, hv, dv, dtype=dtype, device=dev)
     g = torch.empty(rows, hv, dtype=torch.float32, device=dev)
     beta = torch.empty(rows, hv, dtype=dtype, device=dev)
-    b_col = channels
+    b_col = channels + hv * dv
     # 16-row x 256-channel tiles: a tap's rows are contiguous loads, and the taps' overlapping
     # rows come from L1/L2. H200, 256 rows: 11.8 µs per layer; the first version, a program per
     # row and 1024 channels, took 23.7 for ~8 MB of traffic.
