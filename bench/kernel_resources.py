@@ -48,7 +48,6 @@ def cases() -> dict:
     from services.backbone.kernels import gdn, moe_decode
 
     cfg = moe_decode.DECODE_CONFIG
-    piece = moe_decode.SMALL_PIECE_CONFIG          # the 256-row pieces' persistent expert kernels
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
     moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
                     num_active_ptr=_ptr("i32"))
@@ -67,17 +66,6 @@ def cases() -> dict:
                  dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PDL=True, **dot),
                  cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
                  {"H", "I", "stride_we", "stride_wn", "IS"}),
-        "gate_up_piece": (moe_decode._gate_up_persistent_kernel,
-                          dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
-                               ws_ptr=_ptr("fp32"), **moe_ptrs),
-                          dict(BM=piece["BM"], BN=piece["BN_GU"], FP8_DOT=True, PDL=True, **dot),
-                          piece["num_warps"], piece["num_stages"], {"H", "I", "stride_we", "stride_wn"}),
-        "down_piece": (moe_decode._down_persistent_kernel,
-                       dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
-                            out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), **moe_ptrs),
-                       dict(BM=piece["BM"], BN=piece["BN_DOWN"], FP8_DOT=True, PDL=True, **dot),
-                       piece.get("DOWN_WARPS", piece["num_warps"]), piece.get("DOWN_STAGES", piece["num_stages"]),
-                       {"H", "I", "stride_we", "stride_wn"}),
         "split_reduce": (moe_decode._split_reduce_shared_kernel,
                          dict(ws_ptr=_ptr("fp32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), wss_ptr=_ptr("fp32"),
                               hs_ptr=_ptr("bf16")),

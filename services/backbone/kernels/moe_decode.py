@@ -154,49 +154,6 @@ if HAS_TRITON:
         tl.store(active_ptr + slot, e, mask=count > 0)
 
     @triton.jit
-    def _gate_up_step(acc_g, acc_u, xq_ptr, xa_ptr, tokens, r_ok, w_gate, w_up, s_base, n_ok, kb, H, G, SG,
-                      stride_sn, DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
-        """One 128-wide K block of gate and up for a tile of pairs (their tokens' quantised rows
-        xq, scales xa) and BN columns (w_gate, w_up: the expert's rows; s_base: its scale row):
-        each block's dot is promoted to F32 with its scales (§4.7) and added in K order."""
-        kk = kb * 128 + tl.arange(0, 128)
-        k_ok = kk < H
-        xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
-        wm = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
-        wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
-        if not FP8_DOT:
-            xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
-        sg = tl.load(s_base + kb).to(tl.float32)
-        su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
-        acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
-        acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
-        return acc_g, acc_u
-
-    @triton.jit
-    def _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, w_base, s_base, n_ok, kb, I, G,
-                   DOT: tl.constexpr, PREC: tl.constexpr, FP8_DOT: tl.constexpr):
-        """One 128-wide K block of down for a tile of pairs (their quantised h rows hq, scales ha)
-        and BN hidden columns (w_base: the expert's rows), promoted to F32 with its scales."""
-        kk = kb * 128 + tl.arange(0, 128)
-        k_ok = kk < I
-        hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
-        w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if not FP8_DOT:
-            hq, w = hq.to(DOT), w.to(DOT)
-        s = tl.load(s_base + kb).to(tl.float32)
-        acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
-        return acc
-
-    @triton.jit
-    def _down_store(out_ptr, weights_ptr, acc, pairs, r_ok, offs_n, n_ok, H):
-        """out[p, n] = w_p · acc (the pair's routing weight)."""
-        rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None], mask=r_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
     def _slot_and_column_block(N_FAST: tl.constexpr):
         """(expert slot, column block) of this program. The grid is (slots, column blocks) or, with
         N_FAST, (column blocks, slots): the launch order only, never what a program computes."""
@@ -271,6 +228,7 @@ if HAS_TRITON:
         count = tl.load(counts_ptr + expert)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < I
+        offs_k = tl.arange(0, 128)
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         w_up = w_gate + I * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
@@ -282,8 +240,20 @@ if HAS_TRITON:
             acc_g = tl.zeros([BM, BN], dtype=tl.float32)
             acc_u = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(k_first, k_last):
-                acc_g, acc_u = _gate_up_step(acc_g, acc_u, xq_ptr, xa_ptr, tokens, r_ok, w_gate, w_up, s_base,
-                                             n_ok, kb, H, G, SG, stride_sn, DOT, PREC, FP8_DOT)
+                kk = kb * 128 + offs_k
+                k_ok = kk < H
+                xq = tl.load(xq_ptr + tokens[:, None] * H + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
+                wm = n_ok[:, None] & k_ok[None, :]
+                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
+                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
+                if not FP8_DOT:
+                    xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
+                sg = tl.load(s_base + kb).to(tl.float32)
+                su = tl.load(s_base + SG * stride_sn + kb).to(tl.float32)
+                acc_g += tl.dot(xq, tl.trans(wg), input_precision=PREC) * a[:, None] * sg
+                acc_u += tl.dot(xq, tl.trans(wu), input_precision=PREC) * a[:, None] * su
             out = ws_ptr + (pid_k * n_pairs + pairs.to(tl.int64)[:, None]) * (2 * I) + offs_n[None, :]
             mask = r_ok[:, None] & n_ok[None, :]
             tl.store(out, acc_g, mask=mask)
@@ -336,6 +306,7 @@ if HAS_TRITON:
         G = tl.cdiv(I, 128)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < H
+        offs_k = tl.arange(0, 128)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
         for r0 in range(0, count, BM):
@@ -344,122 +315,19 @@ if HAS_TRITON:
             pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(0, G):
-                acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, w_base, s_base, n_ok, kb, I, G, DOT, PREC, FP8_DOT)
-            _down_store(out_ptr, weights_ptr, acc, pairs, r_ok, offs_n, n_ok, H)
-
-    # Persistent forms for prefill pieces (config PERSISTENT: SPLIT 1, no shared expert). A fixed
-    # grid of programs walks the items (active expert slot, column block), column blocks first,
-    # program p taking items p, p + P, p + 2P, ..; each item's first BM pairs go through one loop
-    # of K steps that runs on across items, so the loads of the next item are in flight while
-    # the last steps of this one compute: a program that ends and a new one that starts leave
-    # its SM's memory pipeline empty for about a DRAM latency, ~7% of a 256-row piece's item at
-    # the H200's bandwidth share per program, and a down item is only four K steps. Rows past
-    # BM (an expert with more pairs, rare at 256 rows) follow item by item after that loop. Every
-    # item is computed as the non-persistent kernels compute it (the same step helpers, K blocks
-    # in order, one program per item), so the bits are theirs (tests/test_moe_decode.py).
-
-    @triton.jit
-    def _gate_up_persistent_kernel(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
-                                   num_active_ptr, top_k, T, H, I, SG,
-                                   stride_we, stride_wn, stride_se, stride_sn,
-                                   BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                                   PREC: tl.constexpr, FP8_DOT: tl.constexpr, PDL: tl.constexpr = False):
-        """_gate_up_kernel's ws[0, p, :] for every pair p (SPLIT 1), persistent (see above)."""
-        pdl_prologue(PDL)
-        pid, programs = tl.program_id(0), tl.num_programs(0)
-        G = tl.cdiv(H, 128)
-        blocks = tl.cdiv(I, BN)
-        items = tl.load(num_active_ptr) * blocks
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for step in range(0, tl.cdiv(items - pid, programs) * G):
-            item = pid + (step // G) * programs
-            kb = step % G
-            expert = tl.load(active_ptr + item // blocks)
-            count = tl.load(counts_ptr + expert)
-            offs_n = (item % blocks) * BN + tl.arange(0, BN)
-            n_ok = offs_n < I
-            r_ok = tl.arange(0, BM) < count
-            pairs = tl.load(lists_ptr + expert * T + tl.arange(0, BM), mask=r_ok, other=0)
-            tokens = (pairs // top_k).to(tl.int64)
-            w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-            s_base = s_ptr + expert.to(tl.int64) * stride_se + (((item % blocks) * BN) // 128) * stride_sn
-            acc_g, acc_u = _gate_up_step(acc_g, acc_u, xq_ptr, xa_ptr, tokens, r_ok, w_gate, w_gate + I * stride_wn,
-                                         s_base, n_ok, kb, H, G, SG, stride_sn, DOT, PREC, FP8_DOT)
-            if kb == G - 1:
-                out = ws_ptr + pairs.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :]
-                mask = r_ok[:, None] & n_ok[None, :]
-                tl.store(out, acc_g, mask=mask)
-                tl.store(out + I, acc_u, mask=mask)
-                acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-                acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for item in range(pid, items, programs):          # pairs past the first BM of an expert
-            expert = tl.load(active_ptr + item // blocks)
-            count = tl.load(counts_ptr + expert)
-            offs_n = (item % blocks) * BN + tl.arange(0, BN)
-            n_ok = offs_n < I
-            w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-            s_base = s_ptr + expert.to(tl.int64) * stride_se + (((item % blocks) * BN) // 128) * stride_sn
-            for r0 in range(BM, count, BM):
-                r = r0 + tl.arange(0, BM)
-                r_ok = r < count
-                pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0)
-                tokens = (pairs // top_k).to(tl.int64)
-                acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-                acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-                for kb in range(0, G):
-                    acc_g, acc_u = _gate_up_step(acc_g, acc_u, xq_ptr, xa_ptr, tokens, r_ok, w_gate,
-                                                 w_gate + I * stride_wn, s_base, n_ok, kb, H, G, SG, stride_sn,
-                                                 DOT, PREC, FP8_DOT)
-                out = ws_ptr + pairs.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :]
-                mask = r_ok[:, None] & n_ok[None, :]
-                tl.store(out, acc_g, mask=mask)
-                tl.store(out + I, acc_u, mask=mask)
-
-    @triton.jit
-    def _down_persistent_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr,
-                                active_ptr, num_active_ptr, T, H, I,
-                                stride_we, stride_wn, stride_se, stride_sn,
-                                BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                                PREC: tl.constexpr, FP8_DOT: tl.constexpr, PDL: tl.constexpr = False):
-        """_down_kernel's out[p, :] for every pair p (no shared expert), persistent (see above)."""
-        pdl_prologue(PDL)
-        pid, programs = tl.program_id(0), tl.num_programs(0)
-        G = tl.cdiv(I, 128)
-        blocks = tl.cdiv(H, BN)
-        items = tl.load(num_active_ptr) * blocks
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for step in range(0, tl.cdiv(items - pid, programs) * G):
-            item = pid + (step // G) * programs
-            kb = step % G
-            expert = tl.load(active_ptr + item // blocks)
-            count = tl.load(counts_ptr + expert)
-            offs_n = (item % blocks) * BN + tl.arange(0, BN)
-            n_ok = offs_n < H
-            r_ok = tl.arange(0, BM) < count
-            pairs = tl.load(lists_ptr + expert * T + tl.arange(0, BM), mask=r_ok, other=0).to(tl.int64)
-            w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-            s_base = s_ptr + expert.to(tl.int64) * stride_se + (((item % blocks) * BN) // 128) * stride_sn
-            acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, w_base, s_base, n_ok, kb, I, G, DOT, PREC, FP8_DOT)
-            if kb == G - 1:
-                _down_store(out_ptr, weights_ptr, acc, pairs, r_ok, offs_n, n_ok, H)
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for item in range(pid, items, programs):          # pairs past the first BM of an expert
-            expert = tl.load(active_ptr + item // blocks)
-            count = tl.load(counts_ptr + expert)
-            offs_n = (item % blocks) * BN + tl.arange(0, BN)
-            n_ok = offs_n < H
-            w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-            s_base = s_ptr + expert.to(tl.int64) * stride_se + (((item % blocks) * BN) // 128) * stride_sn
-            for r0 in range(BM, count, BM):
-                r = r0 + tl.arange(0, BM)
-                r_ok = r < count
-                pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for kb in range(0, G):
-                    acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, w_base, s_base, n_ok, kb, I, G,
-                                     DOT, PREC, FP8_DOT)
-                _down_store(out_ptr, weights_ptr, acc, pairs, r_ok, offs_n, n_ok, H)
+                kk = kb * 128 + offs_k
+                k_ok = kk < I
+                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
+                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if not FP8_DOT:
+                    hq, w = hq.to(DOT), w.to(DOT)
+                s = tl.load(s_base + kb).to(tl.float32)
+                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
+            rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
+                     mask=r_ok[:, None] & n_ok[None, :])
 
 
     @triton.jit
@@ -687,17 +555,6 @@ def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Ten
     return counts, lists, active, num_active
 
 
-def _persistent_programs(cfg: dict, device: torch.device) -> int:
-    """Programs of the persistent expert kernels: PERSISTENT per SM (0: the one-item-per-program
-    kernels). On the CPU (the interpreter, tests) a few programs, so items wrap around them."""
-    per_sm = int(cfg.get("PERSISTENT", 0))
-    if not per_sm:
-        return 0
-    if device.type != "cuda":
-        return 3 * per_sm
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _expert_grid(slots: int, column_blocks: int, n_fast: bool, *rest: int) -> tuple[int, ...]:
     """The expert kernels' grid: slots fastest, or with N_FAST the column blocks of one expert
     (programs launched one after another then stream neighbouring rows of one expert's weights)."""
@@ -753,24 +610,13 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
     n_fast = bool(cfg.get("N_FAST", False))
-    programs = _persistent_programs(cfg, dev)
-    if programs and (split != 1 or has_shared):
-        raise ValueError("PERSISTENT expert kernels take SPLIT 1 and no shared expert")
-    if programs:
-        _gate_up_persistent_kernel[(programs,)](
-            xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, k, t, h, i,
-            s_gate_up.shape[1] // 2,
-            w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-            BM=bm, BN=bn1, **bf16_dot_args(), FP8_DOT=fp8_dot,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
-    else:
-        _gate_up_kernel[_expert_grid(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), n_fast, split)](
-            xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
-            s_gate_up.shape[1] // 2,
-            w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-            x, x.stride(0), sw_gate_up, wss, i_s, slots,
-            BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
-            N_FAST=n_fast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+    _gate_up_kernel[_expert_grid(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), n_fast, split)](
+        xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
+        s_gate_up.shape[1] // 2,
+        w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
+        x, x.stride(0), sw_gate_up, wss, i_s, slots,
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx, N_FAST=n_fast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
@@ -783,19 +629,13 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
             ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    down_launch = dict(num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
-                       num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]), **pdl_args())
-    if programs:
-        _down_persistent_kernel[(programs,)](
-            hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
-            w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-            BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, **down_launch)
-    else:
-        _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
-            hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
-            w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-            hs, sw_down, shared_out, i_s, slots,
-            BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast, **down_launch)
+    _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
+        hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
+        w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
+        hs, sw_down, shared_out, i_s, slots,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
+        **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
 
