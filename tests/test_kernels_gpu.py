@@ -359,6 +359,21 @@ def test_norm_kernels_match_references():
 
 
 @cuda
+def test_gated_norm_heads_per_program_change_no_bit(monkeypatch):
+    """gdn.GATED_NORM_HEADS heads per program, one warp each, give the bits of one head per
+    program (a head's squares are summed by one warp in the same order either way), also for a
+    head count it does not divide (the gcd is taken)."""
+    for hv in (32, 6):
+        o = torch.randn(5, hv, 128, device="cuda").to(torch.bfloat16)
+        z = torch.randn(5, hv * 128 + 40, device="cuda").to(torch.bfloat16)[:, :hv * 128].view(5, hv, 128)
+        nw = torch.randn(128, device="cuda").to(torch.bfloat16)
+        monkeypatch.setattr(gdn, "GATED_NORM_HEADS", 1)
+        one = gdn.gated_rms_norm(o, z, nw)
+        monkeypatch.undo()
+        assert torch.equal(gdn.gated_rms_norm(o, z, nw), one), f"{hv} heads"
+
+
+@cuda
 def test_attention_prologue_kernel_matches_reference():
     n_q, n_kv, d_h = 16, 2, 256
     qkv = torch.randn(4, 2 * n_q * d_h + 2 * n_kv * d_h, device="cuda").to(torch.bfloat16)

@@ -423,15 +423,17 @@ class GatedDeltaNet(nn.Module):
                                        (hk, dk, hv, dv), row_mask=plan.row_mask)
             if plan.row_mask is None:       # segments packed along one sequence (fla's varlen)
                 o, state = kgdn.chunk_gated_delta_rule(*(t[None] for t in front),
-                                                       initial_state=cache.state[plan.seg_slots],
+                                                       initial_state=cache.state.index_select(0, plan.seg_slots),
                                                        cu_seqlens=plan.cu_seqlens)
                 o = o[0]
             else:                           # padded pieces: one sequence per piece, fla's batch
                 pieces = (plan.seg_slots.shape[0], rows // plan.seg_slots.shape[0])
                 o, state = kgdn.chunk_gated_delta_rule(*(t.unflatten(0, pieces) for t in front),
-                                                       initial_state=cache.state[plan.seg_slots])
+                                                       initial_state=cache.state.index_select(0, plan.seg_slots))
                 o = o.flatten(0, 1)
-            cache.state[plan.seg_slots] = state
+            # index_select / index_copy_ rather than indexing: the same copies, ~0.3-0.7 µs less
+            # each for a piece's 2 MB state (H200, session 14 run 6); the slots are distinct
+            cache.state.index_copy_(0, plan.seg_slots, state)
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
         return linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
