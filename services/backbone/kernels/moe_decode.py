@@ -199,7 +199,7 @@ if HAS_TRITON:
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        N_FAST: tl.constexpr = False, EVICT_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                        N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
@@ -246,12 +246,8 @@ if HAS_TRITON:
                              mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 a = tl.load(xa_ptr + tokens * G + kb, mask=r_ok, other=0.0)
                 wm = n_ok[:, None] & k_ok[None, :]
-                if EVICT_FIRST:      # an expert's weights are read once per step: keep L2 for the rest
-                    wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-                    wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-                else:
-                    wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
-                    wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
+                wg = tl.load(w_gate + kk[None, :], mask=wm, other=0.0)
+                wu = tl.load(w_up + kk[None, :], mask=wm, other=0.0)
                 if not FP8_DOT:
                     xq, wg, wu = xq.to(DOT), wg.to(DOT), wu.to(DOT)
                 sg = tl.load(s_base + kb).to(tl.float32)
@@ -292,7 +288,7 @@ if HAS_TRITON:
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
-                     N_FAST: tl.constexpr = False, EVICT_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                     N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
         `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
@@ -324,11 +320,7 @@ if HAS_TRITON:
                 hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
                              mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
-                if EVICT_FIRST:
-                    w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                                eviction_policy="evict_first")
-                else:
-                    w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if not FP8_DOT:
                     hq, w = hq.to(DOT), w.to(DOT)
                 s = tl.load(s_base + kb).to(tl.float32)
@@ -618,14 +610,13 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
     n_fast = bool(cfg.get("N_FAST", False))
-    evict = bool(cfg.get("EVICT_FIRST", False))
     _gate_up_kernel[_expert_grid(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx, N_FAST=n_fast,
-        EVICT_FIRST=evict, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
     if has_shared:
@@ -642,7 +633,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast, EVICT_FIRST=evict,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
         num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
         **pdl_args())
     pairs = out.view(t, k, h)
