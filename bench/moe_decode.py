@@ -99,6 +99,12 @@ def main(argv=None) -> dict:
             variants.append(("moe_decode gu/down", dict(small, BN_GU=bn1, num_warps=warps, num_stages=stages,
                                                         BN_DOWN=bn2, DOWN_WARPS=down_warps,
                                                         DOWN_STAGES=down_stages), moe_decode.moe_decode_pairs))
+        # the grid's order (N_FAST: an expert's column blocks one after another) with gate/up's
+        # column blocks, against the slots-first grid served before session 14
+        for bn1, n_fast in [(64, False), (32, False), (64, True), (128, True)]:
+            variants.append(("moe_decode grid", dict(small, BN_GU=bn1, N_FAST=n_fast), moe_decode.moe_decode_pairs))
+        variants.append(("moe_decode grid", dict(moe_decode.LARGE_PIECE_CONFIG, N_FAST=False),
+                         moe_decode.moe_decode_pairs))
         for cfg in (moe_decode.LARGE_PIECE_CONFIG, moe_decode.WIDE_PIECE_CONFIG):
             for down_warps, down_stages in [(2, 3), (2, 4), (8, 3)]:
                 variants.append(("moe_decode down", dict(cfg, DOWN_WARPS=down_warps, DOWN_STAGES=down_stages),

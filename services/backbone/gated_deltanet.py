@@ -432,7 +432,7 @@ class GatedDeltaNet(nn.Module):
                                                        initial_state=cache.state.index_select(0, plan.seg_slots))
                 o = o.flatten(0, 1)
             # index_select / index_copy_ rather than indexing: the same copies, ~0.3-0.7 µs less
-            # each for a piece's 2 MB state (H200, session 14 run 6); the slots are distinct
+            # each for a piece's 2 MB state (H200, bench/prefill_parts.py); the slots are distinct
             cache.state.index_copy_(0, plan.seg_slots, state)
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))

@@ -173,6 +173,14 @@ def prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots,
     return PrefillFront(q, k, v, g, beta.to(v.dtype))
 
 
+# The front's rows x channels per program. A tap's rows are contiguous loads, and the taps'
+# overlapping rows come from L1/L2. H200, 256 rows (bench/prefill_parts.py, session 14 run 6):
+# 32 x 128 10.4 µs per layer, 16 x 256 11.1 (11.8 in session 8), 16 x 512 223; any tile gives the
+# same bits (elementwise per row and channel, taps in order). The first version, a program per
+# row and 1024 channels, took 23.7 for ~8 MB of traffic.
+FRONT_TILE = (32, 128)
+
+
 def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows, row_seg,
                   heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
     """The GDN front of a non-decode step (§4.3 steps 2-3) for R rows of N segments packed in order.
@@ -206,11 +214,7 @@ def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first
     g = torch.empty(rows, hv, dtype=torch.float32, device=dev)
     beta = torch.empty(rows, hv, dtype=dtype, device=dev)
     b_col = channels + hv * dv
-    # 32-row x 128-channel tiles: a tap's rows are contiguous loads, and the taps' overlapping
-    # rows come from L1/L2. H200, 256 rows: 10.4 µs per layer (16 x 256: 11.1-11.8, 16 x 512:
-    # 223, session 14 run 6; any tile gives the same bits); the first version, a program per row
-    # and 1024 channels, took 23.7 for ~8 MB of traffic.
-    br, bc = 32, 128
+    br, bc = FRONT_TILE
     _prefill_conv_kernel[(triton.cdiv(rows, br), triton.cdiv(channels, bc) + 1)](
         proj, proj.stride(0), weight, conv_state, seg_slots, seg_first, row_seg, q, k, v,
         proj[:, b_col:], proj[:, b_col + hv:], A_log, dt_bias, row_mask if row_mask is not None else g, g, beta,
@@ -355,8 +359,9 @@ def naive_gated_rms_norm(o, z, weight, eps: float = 1e-6):
 
 # Heads per program of the gated norm, one warp each (HV must be a multiple; gcd otherwise). One
 # warp sums a head's V squares in the same lanes and order whatever the head count, so the bits
-# are those of one head per program (session 14 run 6 checked them equal); at 256 rows x 32 heads
-# 8192 one-warp programs took 6.35 µs, 2048 four-warp ones 3.01 (H200).
+# are those of one head per program (tests/test_kernels_gpu.py); at 256 rows x 32 heads 8192
+# one-warp programs took 6.35 µs, 2048 four-warp ones 3.01 (H200, bench/prefill_parts.py,
+# session 14 run 6; 2 warps for 4 heads changed bits).
 GATED_NORM_HEADS = 4
 
 

@@ -106,9 +106,9 @@ DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stag
 # 9.89 ms per 40 layers).
 # N_FAST (the column blocks of one expert launched one after another, so the programs in flight
 # stream neighbouring rows of fewer experts) with BN_GU 32 for 256-row pieces, N_FAST for 512: the
-# same bits (session 14 runs 2-3, bench/_probe: 256 rows 9.87 -> 9.52 ms per 40 layers, 512 rows
-# 11.47 -> 11.32; BN_GU 32 without N_FAST had lost in session 12). A plain read of gate/up in the
-# kernel's access pattern reaches 3.8-4.2 TB/s; the kernel ~3.5.
+# same bits (bench/moe_decode.py --prefill --rows 256 512, session 14 runs 2-3: 256 rows 9.87 ->
+# 9.52 ms per 40 layers, 512 rows 11.47 -> 11.32; BN_GU 32 without N_FAST had lost in session
+# 12). A plain read of gate/up in the kernel's access pattern reaches 3.8-4.2 TB/s, the kernel ~3.5.
 SMALL_PIECE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=64, SPLIT=1, num_warps=4, num_stages=3, FP8_DOT=True,
                           DOWN_WARPS=2, N_FAST=True)
 # and for 512-row pieces (run 3): 11.92 -> 11.30 ms; BM 64 pieces keep 4 (2: 18.2 against 11.6)
