@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,7 @@ TREE_PARTS = ("services", "drama", "bench")
 
 def prepare(rev: str, into: Path) -> None:
     """`git archive rev` of the code a backbone benchmark imports, unpacked into `into` (replaced)."""
-    if into.exists():
-        subprocess.run(["rm", "-rf", str(into)], check=True)
+    shutil.rmtree(into, ignore_errors=True)
     into.mkdir(parents=True)
     with tempfile.TemporaryFile() as archive:
         subprocess.run(["git", "-C", str(ROOT), "archive", rev, *TREE_PARTS], stdout=archive, check=True)
