@@ -32,18 +32,11 @@ HK, DK, HV, DV = 16, 128, 32, 128
 
 
 def graphed_us(fn, calls: int = 20) -> float:
-    """µs per call of fn, replayed `calls` times from one CUDA graph."""
-    import triton.testing
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()                                     # compile, allocate, warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
+    """µs per call of fn, replayed `calls` times from one CUDA graph (warmed up before capture)."""
+    from bench.moe_decode import do_bench
+    from services.backbone.kernels.decode_graph import GraphedStep
+    step = GraphedStep(lambda: [fn() for _ in range(calls)], warmup=1)
+    return do_bench(step.replay) * 1e3 / calls
 
 
 def states(rows: int) -> None:
