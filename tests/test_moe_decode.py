@@ -141,6 +141,35 @@ def test_route_decode_matches_reference(t, e, h, k):
     assert torch.equal(given.ids, ref.ids) and torch.equal(given.xq.view(torch.uint8), got.xq.view(torch.uint8))
 
 
+@pytest.mark.parametrize("t,e,h,tile,split", [(256, 256, 2048, 256, 8), (96, 64, 384, 32, 4), (48, 16, 200, 16, 8)])
+def test_router_partials(t, e, h, tile, split):
+    """A piece's router (moe_decode.router_partials): the partials sum, in range order, to the
+    float64 logits within F32 rounding; routing on them equals routing on the plain F32 product
+    (no near-ties here); a row's partials are the same bits at every position of a tile and in
+    every tile (cuBLAS's kernel is one per GEMM shape), and route_decode takes the stack as it is.
+    h = 200 with split 8 does not divide: one range."""
+    u, router = router_case(t, e, h)
+    partials = moe_decode.router_partials(u, router, tile, split)
+    ranges = split if h % split == 0 else 1
+    assert partials.shape == (ranges, t, e) and partials.dtype == torch.float32
+    summed = partials[0].clone()
+    for s in range(1, ranges):
+        summed += partials[s]
+    exact = u.double() @ router.double().T
+    torch.testing.assert_close(summed.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+    got = moe_decode.route_decode(u, router, 8 if e > 16 else 4, logits=partials)
+    ref = moe_decode.route_decode(u, router, 8 if e > 16 else 4, logits=(u.float() @ router.T).contiguous())
+    assert torch.equal(got.ids, ref.ids)
+    torch.testing.assert_close(got.weights.float(), ref.weights.float(), rtol=2 ** -7, atol=0)
+    # one row moved to every position of the first tile, and into the last tile: the same bits
+    row = u[3:4]
+    for pos in sorted({0, 1, tile // 2, tile - 1}) + [t - 1]:
+        moved = u.clone()
+        moved[pos] = row[0]
+        again = moe_decode.router_partials(moved, router, tile, split)
+        assert torch.equal(bits(again[:, pos]), bits(partials[:, 3])), pos
+
+
 @pytest.mark.parametrize("layout,route_config", [(None, None), (LOOP_LAYOUT, ARGMAX)], ids=["default", "today"])
 def test_route_decode_rows_do_not_depend_on_the_batch(layout, route_config):
     u, router = router_case(40, 64, 384)

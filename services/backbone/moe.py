@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import TextConfig
+from services.common import invariant
 from services.common.invariant import empty_rows, linear_rows
 from services.common.fp8 import dequantize_block_fp8
 
@@ -247,14 +248,16 @@ class SparseMoE(nn.Module):
             # (moe_decode.route_decode), then the routed experts. A decode step computes its
             # router logits in route_decode's own GEMV, with the shared expert's gate logit, and,
             # with BF16 weights, the shared expert in the routed experts' launches
-            # (moe_decode_pairs(shared=)). A piece takes the cuBLAS logits and shared expert of an
-            # eager prefill, so a prompt gives nearly the same rows on either prefill path: the
-            # GEMV took 44 µs per layer at 256 rows against cuBLAS's 17 (H200), and the fused
+            # (moe_decode_pairs(shared=)). A piece takes cuBLAS F32 logits (as K-range partials,
+            # moe_decode.router_partials) and the shared expert of an eager prefill, so a prompt
+            # gives nearly the same rows on either prefill path: the GEMV took 44 µs per layer at
+            # 256 rows against cuBLAS's 17 (H200), and the fused
             # shared expert's other rounding, through flipped near-ties in later layers' routing,
             # took graphed against eager decode rows to a cosine of 0.9995
             # (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
-            logits = None if dense_decode else self._router_logits(u, dense_decode, gemm_rows)
+            logits = None if dense_decode else moe_decode.router_partials(
+                u, self.gate.weight, gemm_rows or invariant.TILE)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)

@@ -454,6 +454,14 @@ ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
 # 10.72 / 29.17 (argmax 11.26 / 29.47); 2 warps 11.26 / 29.68; 1 warp 12.43 / 30.89.
 ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
 
+# Padded prefill pieces' router logits as PIECE_ROUTER_SPLIT partial sums over K ranges (F32,
+# cuBLAS): router_partials. One cuBLAS SGEMM of [256, 2048] x [2048, 256] has 16 output tiles, so
+# cuBLAS splits K itself and reduces in a kernel of its own (H200, session 15 run 1: 10.5 + 5.7 µs
+# per layer, plus u's F32 copy 3.0); as a strided-batched GEMM over PIECE_ROUTER_SPLIT ranges the
+# partials go straight to the routing launch, which adds them in range order as it adds the decode
+# GEMV's.
+PIECE_ROUTER_SPLIT = 8
+
 
 class DecodeRoute(NamedTuple):
     """What route_decode hands to moe_decode_pairs: the step's routing and quantised rows."""
@@ -475,6 +483,32 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
     return DecodeRoute(ids, weights, xq, xa, torch.zeros(1, dtype=torch.int32, device=u.device), gate)
 
 
+def router_partials(u: torch.Tensor, router_weight: torch.Tensor, tile: int,
+                    split: int = PIECE_ROUTER_SPLIT) -> torch.Tensor:
+    """F32 router logits of u [T, H] (bf16 or F32) as `split` partial sums [split, T, E] over
+    consecutive K ranges of H/split (route_decode(logits=) adds them in range order): one
+    strided-batched cuBLAS GEMM per `tile` rows, IEEE F32 products and sums (MODEL.md §4.6; torch
+    leaves TF32 off for matmuls).
+
+    Batch invariance (issue #8) as invariant.linear_rows: each GEMM holds `tile` rows (a piece's
+    gemm_rows, model.piece_gemm_rows, so rows of one piece at their positions in it), and its
+    shape, so cuBLAS's kernel and each element's summation order, depends on `tile`, `split` and
+    the router's shape only (tests/test_moe_decode.py puts one row at every position). A split
+    that does not divide H falls back to 1 range (the tiny test configs)."""
+    t, h = u.shape
+    e = router_weight.shape[0]
+    if split < 1 or h % split:
+        split = 1
+    kr = h // split
+    u32 = u.float()
+    a = u32.view(t, split, kr).transpose(0, 1)                       # [split, T, kr], row stride H
+    w = router_weight.view(e, split, kr).permute(1, 2, 0)            # [split, kr, E], column-major
+    out = torch.empty(split, t, e, dtype=torch.float32, device=u.device)
+    for i in range(0, t, tile):
+        torch.bmm(a[:, i:i + tile], w, out=out[:, i:i + tile])
+    return out
+
+
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
                  layout: dict | None = None, shared_gate: torch.Tensor | None = None,
                  route_config: dict | None = None) -> DecodeRoute:
@@ -486,8 +520,9 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     the bf16 cast of the weights, the quantiser, the zeroing of num_active). Logits are F32 sums in a
     fixed order; they may differ from cuBLAS's in the last bits, which can flip a near-tie in the
     routing: decode rows and prefill rows take different router kernels, each batch-invariant.
-    `logits` (F32 [T, E], unit stride along E): computed by the caller; then one launch (padded
-    prefill pieces pass the cuBLAS logits an eager prefill computes: moe.SparseMoE.forward_kernels).
+    `logits` (F32 [T, E], or [S, T, E] partial sums over S K ranges, unit stride along E):
+    computed by the caller; then one launch (padded prefill pieces pass `router_partials`:
+    moe.SparseMoE.forward_kernels).
     `layout`: the GEMV's, ROUTER_LAYOUT unless given; `route_config`: the routing launch's, keys
     given override ROUTE_CONFIG's (bench/router_decode.py compares them).
     `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
@@ -510,9 +545,12 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
             RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
             num_warps=lay.get("num_warps", 4), **pdl_args())
     else:
-        if logits.shape != (t, e) or logits.stride(1) != 1 or logits.dtype != torch.float32:
-            raise ValueError(f"logits must be F32 [{t}, {e}] with unit stride along E")
-        partials, split = logits, 1
+        partials = logits if logits.dim() == 3 else logits.unsqueeze(0)
+        if (partials.shape[1:] != (t, e) or partials.stride(-1) != 1 or partials.dtype != torch.float32
+                or partials.stride(0) != t * partials.stride(1)):
+            raise ValueError(f"logits must be F32 [{t}, {e}] or [S, {t}, {e}] (S stacked row blocks), "
+                             f"unit stride along E; got {tuple(logits.shape)} {logits.dtype}")
+        split = partials.shape[0]
     ids = torch.empty(t, k, dtype=torch.int32, device=dev)
     weights = torch.empty(t, k, dtype=torch.bfloat16, device=dev)
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
