@@ -10,9 +10,10 @@ variant against the served one, and checks the bits:
   index_select / index_copy_; one piece's state is 32 x 128 x 128 F32, 2 MB);
 - the GDN front (kernels/gdn.prefill_front) by rows x channels per program (gdn.FRONT_TILE);
 - the gated norm by heads per program (gdn.GATED_NORM_HEADS, one warp each);
-- the router: cuBLAS's F32 logits + the routing launch (what pieces run) against
-  moe_decode.route_decode's own Triton GEMV in other layouts (IEEE F32 partials; the same experts
-  is checked, not the same bits: other sums).
+- the router: K-range partials from strided-batched cuBLAS GEMMs + the routing launch (what
+  pieces run, moe_decode.router_partials) by the number of ranges, against one cuBLAS SGEMM
+  (served before session 15) and moe_decode.route_decode's own Triton GEMV in other layouts
+  (IEEE F32 throughout; the same experts is checked, not the same bits: other sums).
 Each time is the mean of 20 calls replayed from one CUDA graph (triton.testing.do_bench median).
 """
 
@@ -92,22 +93,31 @@ def gated_norm(rows: int) -> None:
 
 
 def router(rows: int) -> None:
+    from services.backbone import model
     from services.backbone.kernels import moe_decode
     from services.common import invariant
     weight = torch.randn(E, H, device="cuda") * 0.02
     u = torch.randn(rows, H, device="cuda").bfloat16()
-    u32 = invariant.empty_rows(rows, H, dtype=torch.float32, device="cuda")
+    tile = model.piece_gemm_rows(rows) if rows in model.PREFILL_BUCKETS else rows
+    served = moe_decode.piece_router_split(tile)
 
-    def cublas():
-        return moe_decode.route_decode(u, weight, K, logits=invariant.linear_rows(u32.copy_(u), weight, tile=rows))
-    ref = cublas().ids.sort(-1).values
-    print(f"router: u's F32 copy + cuBLAS + routing launch (served for pieces) {graphed_us(cublas):7.2f} us")
+    def sgemm():
+        return moe_decode.route_decode(u, weight, K, logits=invariant.linear_rows(u.float(), weight, tile=tile))
+    ref = sgemm().ids.sort(-1).values
+    print(f"router: u's F32 copy + one cuBLAS SGEMM per {tile} rows + routing launch {graphed_us(sgemm):7.2f} us")
+    for split in sorted({2, 4, 8, 16, 32, served}):
+        def partials(split=split):
+            return moe_decode.route_decode(u, weight, K, logits=moe_decode.router_partials(u, weight, tile, split))
+        same = (partials().ids.sort(-1).values == ref).all(-1).float().mean()
+        print(f"router: u's F32 copy + {split:2d} K-range partials (strided-batched cuBLAS) + routing launch "
+              f"{graphed_us(partials):7.2f} us  rows with the SGEMM's experts {same.item():.4f}"
+              f"{'  (served)' if split == served else ''}")
     for rb, be, bk, split, dot in [(8, 16, 32, 16, False), (32, 32, 32, 8, True), (64, 64, 16, 8, True),
                                    (32, 64, 32, 8, True), (64, 64, 32, 4, True)]:
         lay = dict(RB=rb, BE=be, BK=bk, SPLIT=split, DOT=dot, UNROLL=False)
         same = (moe_decode.route_decode(u, weight, K, layout=lay).ids.sort(-1).values == ref).all(-1).float().mean()
         print(f"router: Triton GEMV {lay}: {graphed_us(lambda: moe_decode.route_decode(u, weight, K, layout=lay)):7.2f} us"
-              f"  rows with cuBLAS's experts {same.item():.4f}")
+              f"  rows with the SGEMM's experts {same.item():.4f}")
 
 
 def main(argv=None) -> None:

@@ -346,6 +346,9 @@ def test_norm_kernels_match_references():
     x = torch.randn(5, 2048 + 64, device="cuda").to(torch.bfloat16)[:, :2048]
     w = torch.randn(2048, device="cuda").to(torch.bfloat16) * 0.1
     assert_close(dg.rms_norm_plus(x, w), dg.naive_rms_norm_plus(x, w), 1e-2, "rms_norm_plus")
+    # the widened form (the MoE norm on prefill steps): the same bf16 bits, and their exact F32
+    u, u32 = dg.rms_norm_plus(x, w, widened=True)
+    assert torch.equal(u, dg.rms_norm_plus(x, w)) and u32.dtype == torch.float32 and torch.equal(u32, u.float())
     o = torch.randn(3, 32, 128, device="cuda").to(torch.bfloat16)
     z = torch.randn(3, 32 * 128 + 40, device="cuda").to(torch.bfloat16)[:, :4096].view(3, 32, 128)
     nw = torch.randn(128, device="cuda").to(torch.bfloat16)

@@ -229,11 +229,13 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned)
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
-        # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only
-        return self.mlp.forward_kernels(dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), h,
-                                        decode=batch.plan.decode or batch.plan.row_mask is not None,
+        # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only. Other
+        # steps route on cuBLAS's F32 logits, whose input the norm writes in F32 too (no copy).
+        u, u32 = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=True) \
+            if not batch.plan.decode else (dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), None)
+        return self.mlp.forward_kernels(u, h, decode=batch.plan.decode or batch.plan.row_mask is not None,
                                         config=batch.plan.moe_config, dense_decode=batch.plan.decode,
-                                        gemm_rows=batch.plan.gemm_rows, norm_weight=next_norm, eps=self.eps)
+                                        gemm_rows=batch.plan.gemm_rows, norm_weight=next_norm, eps=self.eps, u32=u32)
 
 
 def default_kernels(device, dtype: torch.dtype, exact: bool) -> bool:

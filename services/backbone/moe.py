@@ -217,18 +217,21 @@ class SparseMoE(nn.Module):
         shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         return shared, fused[:, 2 * i_s]
 
-    def _router_logits(self, u: torch.Tensor, dense_decode: bool, gemm_rows: int | None = None) -> torch.Tensor:
-        """F32 router logits [R, E] (§4.6) through the dense GEMM path."""
+    def _router_logits(self, u: torch.Tensor, dense_decode: bool, gemm_rows: int | None = None,
+                       u32: torch.Tensor | None = None) -> torch.Tensor:
+        """F32 router logits [R, E] (§4.6) through the dense GEMM path. u32: u as F32, when the
+        caller has it (DecoderLayer: the norm's second output), else copied here."""
         linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # linear_rows unless DRAMA_DECODE_GEMM=triton
         if decode_gemm.enabled(dense_decode, u):
             # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             return linear(u, self.gate.weight)
-        u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
-        return linear(u32.copy_(u), self.gate.weight)
+        if u32 is None:
+            u32 = empty_rows(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device).copy_(u)
+        return linear(u32, self.gate.weight)
 
     def forward_kernels(self, u: torch.Tensor, h: torch.Tensor, decode: bool = False,
                         config: dict | None = None, dense_decode: bool = False, gemm_rows: int | None = None,
-                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6, u32: torch.Tensor | None = None):
         """h + MoE(u) [R, H] BF16 for u = RMSNorm⁺(h): routed sum and gated shared expert in F32,
         rounded once, then added to the residual (decode_graph.moe_combine).
 
@@ -241,7 +244,9 @@ class SparseMoE(nn.Module):
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
         (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
         `gemm_rows`: rows per dense GEMM call (StepPlan.gemm_rows; None: invariant.TILE).
-        `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch."""
+        `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch.
+        `u32`: u as F32 (the same values), the cuBLAS router's input on steps that are not decode
+        steps (eager prefill, pieces): the norm's second output saves a copy kernel per layer."""
         i_s = self.shared_down.shape[1]
         if self.fp8_kernels and decode and use_triton(u, self.w_gate_up):
             # a decode step or padded prefill pieces: top-k and u's quantisation in one launch
@@ -257,7 +262,7 @@ class SparseMoE(nn.Module):
             # (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
             logits = None if dense_decode else moe_decode.router_partials(
-                u, self.gate.weight, gemm_rows or invariant.TILE)
+                u if u32 is None else u32, self.gate.weight, gemm_rows or invariant.TILE)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
@@ -269,7 +274,7 @@ class SparseMoE(nn.Module):
             shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
             return dg.moe_combine(pairs, h, shared, gate_logit, norm_weight, eps)
         shared, gate_logit = self._shared_kernels(u, dense_decode, gemm_rows)
-        logits = self._router_logits(u, dense_decode, gemm_rows)
+        logits = self._router_logits(u, dense_decode, gemm_rows, u32)
         if self.fp8_kernels:
             ids, weights = fp8_moe.router_topk(logits, self.top_k)
             args = (u, ids, weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)

@@ -91,13 +91,18 @@ def naive_moe_combine(pairs, residual, shared=None, shared_gate_logit=None):
 # dispatch
 # --------------------------------------------------------------------------------------------
 
-def rms_norm_plus(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm_plus(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, widened: bool = False):
+    """RMSNorm⁺(x) in bf16; with `widened`, (that, the same values as F32) from the one launch:
+    the F32 router GEMM's input without a copy kernel (moe.SparseMoE._router_logits)."""
     if not use_triton(x) or x.dim() != 2 or x.stride(1) != 1:
-        return naive_rms_norm_plus(x, w, eps)
+        out = naive_rms_norm_plus(x, w, eps)
+        return (out, out.float()) if widened else out
     m, h = x.shape
     out = empty_rows(m, h, dtype=torch.bfloat16, device=x.device)      # a GEMM input: padded storage
-    _rms_norm_kernel[(m,)](x, w, out, eps, h, x.stride(0), BH=triton.next_power_of_2(h), num_warps=8, **pdl_args())
-    return out
+    out32 = empty_rows(m, h, dtype=torch.float32, device=x.device) if widened else out
+    _rms_norm_kernel[(m,)](x, w, out, out32, eps, h, x.stride(0), BH=triton.next_power_of_2(h), WIDE=widened,
+                           num_warps=8, **pdl_args())
+    return (out, out32) if widened else out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -213,15 +218,18 @@ class EagerStep:
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, H, stride_x, BH: tl.constexpr, PDL: tl.constexpr = False):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out32_ptr, eps, H, stride_x, BH: tl.constexpr,
+                         WIDE: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
         x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        y = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * (1.0 + w)
-        tl.store(out_ptr + row * H + offs, y.to(tl.bfloat16), mask=ok)
+        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * (1.0 + w)).to(tl.bfloat16)
+        tl.store(out_ptr + row * H + offs, y, mask=ok)
+        if WIDE:     # the bf16 values widened (exact): what u.float() holds
+            tl.store(out32_ptr + row * H + offs, y.to(tl.float32), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BN: tl.constexpr, PDL: tl.constexpr = False):

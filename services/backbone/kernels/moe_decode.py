@@ -454,13 +454,17 @@ ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
 # 10.72 / 29.17 (argmax 11.26 / 29.47); 2 warps 11.26 / 29.68; 1 warp 12.43 / 30.89.
 ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
 
-# Padded prefill pieces' router logits as PIECE_ROUTER_SPLIT partial sums over K ranges (F32,
-# cuBLAS): router_partials. One cuBLAS SGEMM of [256, 2048] x [2048, 256] has 16 output tiles, so
-# cuBLAS splits K itself and reduces in a kernel of its own (H200, session 15 run 1: 10.5 + 5.7 µs
-# per layer, plus u's F32 copy 3.0); as a strided-batched GEMM over PIECE_ROUTER_SPLIT ranges the
-# partials go straight to the routing launch, which adds them in range order as it adds the decode
-# GEMV's.
-PIECE_ROUTER_SPLIT = 8
+# Padded prefill pieces' router logits as partial sums over K ranges (F32, cuBLAS): router_partials.
+# One cuBLAS SGEMM of [256, 2048] x [2048, 256] has 16 output tiles, so cuBLAS splits K itself and
+# reduces in a kernel of its own; as one strided-batched GEMM over `piece_router_split(tile)` ranges
+# the partials go straight to the routing launch, which adds them in range order as it adds the
+# decode GEMV's. H200 (session 15 run 2, as `bench/prefill_parts.py --parts router` times it: u's F32 copy + GEMM +
+# routing launch, µs per layer): 256-row tiles 23.9 -> 19.6 (split 16; 8: 23.0, 32: 20.0); 512 rows
+# in 256-row tiles 44.0 -> 35.0; one 1024-row tile 49.9 -> 46.2 (split 8; 16: 48.6).
+def piece_router_split(tile: int) -> int:
+    """K ranges of a piece's router GEMM for `tile` rows per GEMM (a function of the piece's
+    bucket only, so of nothing another session's rows decide: issue #8)."""
+    return 16 if tile <= 512 else 8
 
 
 class DecodeRoute(NamedTuple):
@@ -484,11 +488,11 @@ def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
 
 
 def router_partials(u: torch.Tensor, router_weight: torch.Tensor, tile: int,
-                    split: int = PIECE_ROUTER_SPLIT) -> torch.Tensor:
+                    split: int | None = None) -> torch.Tensor:
     """F32 router logits of u [T, H] (bf16 or F32) as `split` partial sums [split, T, E] over
-    consecutive K ranges of H/split (route_decode(logits=) adds them in range order): one
-    strided-batched cuBLAS GEMM per `tile` rows, IEEE F32 products and sums (MODEL.md §4.6; torch
-    leaves TF32 off for matmuls).
+    consecutive K ranges of H/split (piece_router_split(tile) unless given; route_decode(logits=)
+    adds them in range order): one strided-batched cuBLAS GEMM per `tile` rows, IEEE F32 products
+    and sums (MODEL.md §4.6; torch leaves TF32 off for matmuls).
 
     Batch invariance (issue #8) as invariant.linear_rows: each GEMM holds `tile` rows (a piece's
     gemm_rows, model.piece_gemm_rows, so rows of one piece at their positions in it), and its
@@ -497,6 +501,7 @@ def router_partials(u: torch.Tensor, router_weight: torch.Tensor, tile: int,
     that does not divide H falls back to 1 range (the tiny test configs)."""
     t, h = u.shape
     e = router_weight.shape[0]
+    split = piece_router_split(tile) if split is None else split
     if split < 1 or h % split:
         split = 1
     kr = h // split
