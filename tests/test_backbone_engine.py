@@ -212,7 +212,7 @@ def test_rows_are_checked_all_at_once_as_entry_by_entry(model, engine):
             refused = True
         assert bool(flagged[r]) == refused, r
     assert 0 < int(flagged.sum()) < 40
-    bad = int(flagged.nonzero()[0])
+    bad = int(flagged.nonzero()[0][0])              # the first flagged row (numpy)
     slots = [engine.open() for _ in range(3)]
     work = [(slots[0], tokens[:bad], frames[:bad]) if bad else (slots[0], tokens[:1], frames[:1]),
             (slots[1], rows_t[bad:bad + 1], rows_f[bad:bad + 1]), (slots[2], tokens[:2], frames[:2])]
