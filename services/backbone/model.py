@@ -552,6 +552,7 @@ class Backbone(nn.Module):
         self.graph_replays += 1
         return graph.replay()[:rows]
 
+    @torch.inference_mode()       # as forward_rows: the graphs' static tensors are inference tensors
     def decode_from_ids(self, token_ids: torch.Tensor, frames: torch.Tensor | None, segments: list[Segment],
                         caches: BackboneCaches) -> torch.Tensor | None:
         """A decode step from its rows' ids on the host (BackboneEngine.step): final-norm hidden
