@@ -204,14 +204,10 @@ class BackboneEngine:
             self._wait_ready(seen)
         done = False
         try:
-            # a decode step replayed from a graph takes the ids as they are (Backbone.decode_from_ids)
-            hidden = self.model.decode_from_ids(all_ids, all_frames if self.num_codebooks else None,
-                                                segments, self.caches)
-            if hidden is None:
-                device = self.model.device
-                token_ids = all_ids.to(device)
-                frames = all_frames.to(device) if self.num_codebooks else None
-                hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
+            device = self.model.device
+            token_ids = all_ids.to(device)
+            frames = all_frames.to(device) if self.num_codebooks else None
+            hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
             hidden = hidden.clone()        # one copy (the kernel path may return a graph's buffer)
             if self._cuda:
                 # Done before the slots are let go: a slot released meanwhile may be reset on
