@@ -20,6 +20,7 @@ import torch
 
 from services.backbone.engine import BackboneEngine, cuda_warm_up_plan
 from services.backbone.kernels import attention as kattn
+from services.backbone.model import AudioSpec
 from services.backbone.weights import random_backbone
 from test_backbone_gpu import MID, copy_to, cosine
 
@@ -157,6 +158,44 @@ def test_served_sequence_graphs_equal_eager_and_replay():
     # recurrent decode kernel: other BF16 roundings, amplified by the FP8 activation quantisation
     # (the same comparison on CPU through the references: min 0.9995)
     assert whole.min() >= 0.998 and whole.median() >= 0.9999, (float(whole.min()), float(whole.median()))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_decode_steps_from_ids_equal_embed_then_graph(device, monkeypatch):
+    """With decode_from_ids on (DRAMA_DECODE_FROM_IDS=1), engine.step's decode steps go to the
+    graph from their ids (one staged copy, the embedding written into the graph's input rows);
+    the same bits as embedding first and replaying through forward_rows, for text and audio rows,
+    at batch 3 (bucket 4, a padding row) and 1, and the graph replays either way. On the CPU both
+    models run their decode graphs' functions eagerly (Backbone._graph_device, _can_graph)."""
+    audio = AudioSpec(semantic_start_token_id=300, num_codebooks=4, codebook_vocab_size=64,
+                      semantic_codebook_size=60, residual_codebook_size=64)
+    ref = random_backbone(MID, audio, device="cpu", seed=3)
+    models = [copy_to(ref, device, kernels=True, decode_graphs=True) for _ in range(2)]
+    models[0].decode_from_ids_on = True
+    assert not models[1].decode_from_ids_on                                # off by default
+    if device == "cpu":
+        monkeypatch.setattr(models[0], "_graph_device", lambda: True)
+        monkeypatch.setattr(models[1], "_can_graph", lambda x: True)
+    outs = []
+    for model in models:
+        engine = BackboneEngine(model, max_sessions=4, max_context=100)
+        gen = torch.Generator().manual_seed(5)
+        slots = [engine.open() for _ in range(3)]
+        rows = engine.step([(s, torch.randint(0, 300, (7,), generator=gen), None) for s in slots])
+        replays = model.graph_replays
+        for step in range(6):
+            work = []
+            for s in slots[:1] if step >= 4 else slots:
+                if (step + s) % 2:              # an audio row: c_0 and the residual codes
+                    codes = torch.cat([torch.randint(0, 60, (1, 1), generator=gen),
+                                       torch.randint(0, 64, (1, 3), generator=gen)], 1)
+                    work.append((s, audio.semantic_start_token_id + codes[:, 0], codes))
+                else:
+                    work.append((s, torch.randint(0, 300, (1,), generator=gen), None))
+            rows += engine.step(work)
+        assert model.graph_replays - replays == 6
+        outs.append(torch.cat(rows))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_warm_up_plan_covers_both_routings_and_fits_the_pool():

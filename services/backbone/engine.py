@@ -205,9 +205,13 @@ class BackboneEngine:
         done = False
         try:
             device = self.model.device
-            token_ids = all_ids.to(device)
-            frames = all_frames.to(device) if self.num_codebooks else None
-            hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
+            # a decode step replayed from a graph may take the ids as they are (Backbone.decode_from_ids)
+            hidden = self.model.decode_from_ids(all_ids, all_frames if self.num_codebooks else None,
+                                                segments, self.caches)
+            if hidden is None:
+                token_ids = all_ids.to(device)
+                frames = all_frames.to(device) if self.num_codebooks else None
+                hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
             hidden = hidden.clone()        # one copy (the kernel path may return a graph's buffer)
             if self._cuda:
                 # Done before the slots are let go: a slot released meanwhile may be reset on

@@ -265,6 +265,9 @@ class Backbone(nn.Module):
             prefill_graphs = self.decode_graphs and env_switch("DRAMA_PREFILL_GRAPHS") is not False
         # prefill_graphs=True off CUDA runs the same padded pieces eagerly (tests of their math)
         self.prefill_graphs = prefill_graphs and self.kernels
+        # decode steps staged into their graph from the ids (decode_from_ids): off unless
+        # DRAMA_DECODE_FROM_IDS=1 until measured on a GPU (docs/perf.md, session 15)
+        self.decode_from_ids_on = env_switch("DRAMA_DECODE_FROM_IDS") is True
         self._packed = False
         self._graphs: dict = {}
         # (memory pool, capture stream) of every prefill graph: own ones, because prefill groups
@@ -293,12 +296,14 @@ class Backbone(nn.Module):
         return self._rotary
 
     # ----------------------------------------------------------------------------------------
-    def embed(self, token_ids: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, frames: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """Input rows (§4.1). token_ids int64 [R]; frames int64 [R, N], a row all −1 is a text row.
 
         Audio row: (embed_tokens[semantic_start + c_0] + Σ_k codebook_embeddings[k·B + c_k]) / √(N+1),
         summed in F32 in that order (elementwise, so each row's bits are its own).
-        Ids and codes are assumed valid (the engine checks them first).
+        Ids and codes are assumed valid (the engine checks them first). `out`: [R, H] to write
+        the rows into (a decode graph's static input), else a new tensor.
         """
         table = self.embed_tokens.weight
         if self.kernels and dg.use_triton(token_ids, table) and table.dtype == self.dtype and table.is_contiguous():
@@ -306,7 +311,12 @@ class Backbone(nn.Module):
             return dg.embed_rows(token_ids, frames if frames is not None and frames.numel() else None, table,
                                  self.codebook_embeddings.weight if spec is not None else None,
                                  spec.semantic_start_token_id if spec is not None else 0,
-                                 spec.codebook_vocab_size if spec is not None else 0)
+                                 spec.codebook_vocab_size if spec is not None else 0, out=out)
+        x = self._embed_torch(token_ids, frames)
+        return x if out is None else out.copy_(x)
+
+    def _embed_torch(self, token_ids: torch.Tensor, frames: torch.Tensor | None) -> torch.Tensor:
+        table = self.embed_tokens.weight
         x = table[token_ids].float()
         if frames is None or frames.numel() == 0:
             return x.to(self.dtype)
@@ -487,6 +497,10 @@ class Backbone(nn.Module):
     def _can_graph(self, x: torch.Tensor) -> bool:
         return x.device.type == "cuda"
 
+    def _graph_device(self) -> bool:
+        """Does this model replay decode graphs on its device (decode_from_ids)? CUDA only."""
+        return self.device.type == "cuda"
+
     def _eager_kernels(self, x: torch.Tensor, segments: list[Segment], caches: BackboneCaches) -> torch.Tensor:
         # Batch invariance: decode attention sizes its splits by `context`, so with padding on an
         # eager step takes the pool length, as a captured graph does, not its own longest row.
@@ -535,7 +549,7 @@ class Backbone(nn.Module):
         Returns a view of the graph's output (valid until the next replay)."""
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-        graph, static_x, index = self._decode_graph(bucket, caches)
+        graph, static_x, index, _, _ = self._decode_graph(bucket, caches)
         pad = caches.slots
         host = torch.tensor([[s.slot for s in segments] + [pad] * (bucket - rows),
                              [s.start for s in segments] + [0] * (bucket - rows)], dtype=torch.int64)
@@ -545,14 +559,66 @@ class Backbone(nn.Module):
         self.graph_replays += 1
         return graph.replay()[:rows]
 
+    @torch.inference_mode()       # as forward_rows: the graphs' static tensors are inference tensors
+    def decode_from_ids(self, token_ids: torch.Tensor, frames: torch.Tensor | None, segments: list[Segment],
+                        caches: BackboneCaches) -> torch.Tensor | None:
+        """A decode step from its rows' ids on the host (BackboneEngine.step): final-norm hidden
+        [R, H] (a view of the graph's output, valid until the next replay), or None when the
+        decode graphs do not serve it (a segment of more than one row, graphs off or not on CUDA,
+        more rows than the largest bucket): the caller then embeds and calls forward_rows.
+
+        Why: the host work before a replay is GPU idle time, and engine.step measured ~0.5 ms
+        above its graph's 2.8 ms at batch 1 on the H200 (session 15). Here the ids, frames, slots
+        and positions go to the graph's static inputs in one copy from pinned memory (was three
+        pageable copies) and the embedding is written straight into the graph's input rows (was
+        a copy and a zeroing launch): the same kernels on the same values as embed +
+        forward_rows, so the same bits. Padding rows embed token 0 as a text row (their outputs
+        are dropped, their writes go to the spare slot). Off unless `decode_from_ids_on`
+        (DRAMA_DECODE_FROM_IDS=1): not yet measured on a GPU. `_graph_device` off CUDA is for
+        tests: the same staging before the graph's function run eagerly."""
+        if not (self.decode_from_ids_on and self.kernels and self.decode_graphs and self._graph_device()
+                and 0 < len(segments) <= DECODE_BUCKETS[-1] and all(s.count == 1 for s in segments)):
+            return None
+        self.prepare()
+        rows = len(segments)
+        bucket = next(b for b in DECODE_BUCKETS if b >= rows)
+        graph, static_x, index, inputs, host = self._decode_graph(bucket, caches)
+        width = 0 if frames is None else frames.shape[1]
+        staged = host.numpy()                  # [slots | positions | ids | frames], pinned
+        staged[:rows] = [s.slot for s in segments]
+        staged[rows:bucket] = caches.slots
+        staged[bucket:bucket + rows] = [s.start for s in segments]
+        staged[bucket + rows:2 * bucket] = 0
+        staged[2 * bucket:2 * bucket + rows] = token_ids.numpy()
+        staged[2 * bucket + rows:3 * bucket] = 0
+        if width:
+            codes = staged[3 * bucket:].reshape(bucket, width)
+            codes[:rows] = frames.numpy()
+            codes[rows:] = -1
+        # The step's end syncs its stream (engine.step), so the next step never refills `host`
+        # while this copy may still read it.
+        inputs.copy_(host, non_blocking=True)
+        ids = inputs[2 * bucket:3 * bucket]
+        self.embed(ids, inputs[3 * bucket:].view(bucket, width) if width else None, out=static_x)
+        self.graph_replays += 1
+        return graph.replay()[:rows]
+
     def _decode_graph(self, bucket: int, caches: BackboneCaches):
-        """(graph, static rows [bucket, H], static index [2, bucket]) of a bucket, captured once per pool."""
+        """(graph, static rows [bucket, H], static index [2, bucket], staged inputs, their pinned
+        host copy) of a bucket, captured once per pool. The staged inputs are int64 [slots (bucket)
+        | positions (bucket) | ids (bucket) | frames (bucket·N)] on the device, index a view of
+        their first 2·bucket (decode_from_ids fills them all in one copy)."""
         key = (bucket, id(caches))
         if key not in self._graphs:
             from .kernels.decode_graph import GraphedStep
 
             device = self.device
-            index = torch.zeros(2, bucket, dtype=torch.int64, device=device)
+            width = self.audio.num_codebooks if self.audio is not None else 0
+            inputs = torch.zeros((3 + width) * bucket, dtype=torch.int64, device=device)
+            host = torch.zeros_like(inputs, device="cpu")
+            if device.type == "cuda":
+                host = host.pin_memory()         # the staged copy is then asynchronous
+            index = inputs[:2 * bucket].view(2, bucket)
             index[0] = caches.slots                                   # padding rows: the spare slot
             plan = StepPlan(index[0], index[1], index[0],
                             torch.arange(bucket + 1, dtype=torch.int64, device=device),
@@ -560,10 +626,13 @@ class Backbone(nn.Module):
             static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
             segments = tuple(Segment(caches.slots, 0, 1, i) for i in range(bucket))
             batch = RowBatch(segments, None, False, plan)
-            if self._decode_stream is None:      # one capture stream for the decode graphs (one cuBLAS workspace)
-                self._decode_stream = torch.cuda.Stream(device)
-            graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches), stream=self._decode_stream)
-            self._graphs[key] = (graph, static_x, index)
+            if device.type == "cuda":
+                if self._decode_stream is None:  # one capture stream for the decode graphs (one cuBLAS workspace)
+                    self._decode_stream = torch.cuda.Stream(device)
+                graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches), stream=self._decode_stream)
+            else:                                # tests of the staging (decode_from_ids) off CUDA
+                graph = dg.EagerStep(lambda: self._layers_kernels(static_x, batch, caches))
+            self._graphs[key] = (graph, static_x, index, inputs, host)
         return self._graphs[key]
 
     def capture_decode_graphs(self, caches: BackboneCaches, max_batch: int) -> list[int]:

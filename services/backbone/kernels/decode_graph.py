@@ -165,13 +165,18 @@ def _inv_sqrt_f32(n: int) -> float:
 
 
 def embed_rows(token_ids: torch.Tensor, frames: torch.Tensor | None, table: torch.Tensor,
-               codebooks: torch.Tensor | None, semantic_start: int, codebook_vocab: int) -> torch.Tensor:
+               codebooks: torch.Tensor | None, semantic_start: int, codebook_vocab: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA: Backbone.embed in one launch, one program per row and column block. token_ids int64 [R];
     frames int64 [R, N] (a row whose c_0 < 0 is a text row) or None. Bit for bit the torch code's
     result on the GPU: the same F32 sum order, and the division by √(N+1) done as torch's CUDA
-    kernel does a division by a Python scalar, a product with the F32 reciprocal."""
+    kernel does a division by a Python scalar, a product with the F32 reciprocal. `out`: a
+    contiguous [R, hidden] tensor of the table's dtype to write (a decode graph's input rows)."""
     rows, hidden = token_ids.shape[0], table.shape[1]
-    out = torch.empty(rows, hidden, dtype=table.dtype, device=table.device)
+    if out is None:
+        out = torch.empty(rows, hidden, dtype=table.dtype, device=table.device)
+    elif tuple(out.shape) != (rows, hidden) or out.dtype != table.dtype or not out.is_contiguous():
+        raise ValueError(f"embed_rows: out must be a contiguous {table.dtype} [{rows}, {hidden}] tensor")
     if rows == 0:
         return out
     token_ids, table = token_ids.contiguous(), table.contiguous()          # no-ops for the model's own
