@@ -15,6 +15,9 @@ prompt length, graphed or eager decode step ms (median) per batch.
 `--prepare REV` writes `git archive REV` (services, drama, bench) into the old tree's folder. `_ab/`
 is git-ignored: on the lent machine, name it in the device tool's `carry`. Both trees share one
 Triton cache (its entries are keyed by kernel source).
+
+A switch instead of a commit: `--old . --new-env DRAMA_DECODE_FROM_IDS=1` runs this tree against
+itself, the "new" processes with that variable set (`--new-env` repeats; nothing to carry).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ def prepare(rev: str, into: Path) -> None:
     print(f"{rev} -> {into}")
 
 
-def run_tree(tree: Path, args: list[str], timeout: float) -> dict:
-    """One bench/backbone.py process in `tree`; its --out JSON (an "error" key when it failed)."""
+def run_tree(tree: Path, args: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> dict:
+    """One bench/backbone.py process in `tree` (with `extra_env` added to the environment); its
+    --out JSON (an "error" key when it failed)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "backbone.json"
-        env = dict(os.environ)
+        env = dict(os.environ, **(extra_env or {}))
         env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                            if p and Path(p).resolve() != ROOT])
         try:
@@ -101,7 +105,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", type=int, default=2, help="processes per tree")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per process")
     parser.add_argument("--json", type=Path, help="write the runs and the table here")
+    parser.add_argument("--new-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="set VAR in the new tree's processes only (with --old .: a switch A/B)")
     args = parser.parse_args(argv[:split])
+    new_env = {}
+    for item in args.new_env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            parser.error(f"--new-env wants VAR=VALUE, got {item!r}")
+        new_env[name] = value
     bench_args = argv[split + 1:]
     if args.prepare:
         prepare(args.prepare, args.old)
@@ -111,7 +123,8 @@ def main(argv=None) -> dict:
     runs: dict[str, list[dict]] = {"new": [], "old": []}
     for i in range(args.runs):
         for tree in (("new", "old") if i % 2 == 0 else ("old", "new")):
-            result = run_tree(args.new if tree == "new" else args.old, bench_args, args.timeout)
+            result = (run_tree(args.new, bench_args, args.timeout, new_env) if tree == "new"
+                      else run_tree(args.old, bench_args, args.timeout))
             runs[tree].append(result)
             shown = result.get("error") or ", ".join(f"{k} {v:.2f}" for k, v in figures(result).items())
             print(f"run {i + 1} {tree}: {shown}", flush=True)
@@ -122,7 +135,7 @@ def main(argv=None) -> dict:
         diff = entry["new - old"]
         print(f"{entry['row']:<24} {cells[0]:<28} {cells[1]:<28} {'-' if diff is None else f'{diff:+.2f}':>10}")
     report = {"runs": runs, "table": rows, "bench_args": bench_args,
-              "trees": {"new": str(args.new), "old": str(args.old)}}
+              "trees": {"new": str(args.new), "old": str(args.old)}, "new_env": new_env}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report

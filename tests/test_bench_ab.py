@@ -48,3 +48,15 @@ def test_a_missing_old_tree_is_a_clear_exit(tmp_path):
 def test_a_failed_run_is_reported_not_raised(tmp_path):
     result = ab.run_tree(ROOT, ["--preset", "no-such-preset"], timeout=60)
     assert "error" in result and "exit" in result["error"]
+
+
+def test_new_env_reaches_the_new_processes_only(monkeypatch, tmp_path):
+    """--old . --new-env VAR=VALUE: one tree against itself, the variable set in the new runs."""
+    seen = []
+    monkeypatch.setattr(ab, "run_tree", lambda tree, args, timeout, extra_env=None: seen.append(extra_env) or {})
+    report = ab.main(["--old", str(ROOT), "--runs", "2", "--new-env", "DRAMA_DECODE_FROM_IDS=1", "--",
+                      "--preset", "tiny"])
+    assert seen == [{"DRAMA_DECODE_FROM_IDS": "1"}, None, None, {"DRAMA_DECODE_FROM_IDS": "1"}]
+    assert report["new_env"] == {"DRAMA_DECODE_FROM_IDS": "1"}
+    with pytest.raises(SystemExit):
+        ab.main(["--old", str(ROOT), "--new-env", "NO_EQUALS", "--", "--preset", "tiny"])
