@@ -256,10 +256,9 @@ class SparseMoE(nn.Module):
             # (moe_decode_pairs(shared=)). A piece takes cuBLAS F32 logits (as K-range partials,
             # moe_decode.router_partials) and the shared expert of an eager prefill, so a prompt
             # gives nearly the same rows on either prefill path: the GEMV took 44 µs per layer at
-            # 256 rows against cuBLAS's 17 (H200), and the fused
-            # shared expert's other rounding, through flipped near-ties in later layers' routing,
-            # took graphed against eager decode rows to a cosine of 0.9995
-            # (tests/test_backbone_gpu.py holds 0.9999).
+            # 256 rows against cuBLAS's 17 (H200), and the fused shared expert's other rounding,
+            # through flipped near-ties in later layers' routing, took graphed against eager
+            # decode rows to a cosine of 0.9995 (tests/test_backbone_gpu.py holds 0.9999).
             fuse_shared = dense_decode and u.dtype == self.shared_fused.dtype == self.shared_down.dtype == torch.bfloat16
             logits = None if dense_decode else moe_decode.router_partials(
                 u if u32 is None else u32, self.gate.weight, gemm_rows or invariant.TILE)

@@ -93,7 +93,8 @@ def naive_moe_combine(pairs, residual, shared=None, shared_gate_logit=None):
 
 def rms_norm_plus(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, widened: bool = False):
     """RMSNorm⁺(x) in bf16; with `widened`, (that, the same values as F32) from the one launch:
-    the F32 router GEMM's input without a copy kernel (moe.SparseMoE._router_logits)."""
+    the cuBLAS F32 router's input without a copy kernel (moe.SparseMoE.forward_kernels on steps
+    that are not decode steps)."""
     if not use_triton(x) or x.dim() != 2 or x.stride(1) != 1:
         out = naive_rms_norm_plus(x, w, eps)
         return (out, out.float()) if widened else out
