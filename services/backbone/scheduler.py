@@ -639,13 +639,16 @@ class Scheduler:
         return self._inflight_limit() - len(self._inflight) - self._claimed
 
     async def _sleep(self) -> None:
-        """Wait for a wake-up, the oldest response or the poll interval (queue timeouts)."""
+        """Wait for a wake-up, a response (each step's result sets `_wake` when done, see `_send`)
+        or the poll interval (queue timeouts). The loop's own task waits on the event: an
+        asyncio.wait over a new `_wake.wait()` task and the oldest result cost a task per sleep
+        and one more trip through the event loop between a frame's arrival and its routing."""
         self._wake.clear()
-        waits = [asyncio.ensure_future(self._wake.wait())]
-        if self._inflight:
-            waits.append(self._inflight[0].result)
-        await asyncio.wait(waits, timeout=self.idle_poll_s, return_when=asyncio.FIRST_COMPLETED)
-        waits[0].cancel()
+        timer = asyncio.get_running_loop().call_later(self.idle_poll_s, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
 
     def _reap(self) -> None:
         """End cancelled sessions and sessions past their deadline (queued ones too)."""
@@ -991,20 +994,21 @@ class Scheduler:
     async def _send(self, entries: list[_Entry], hidden: Tensor, span, *, lane: bool) -> None:
         """Send a computed step to the tower (with the releases so far). Entries whose session
         ended, or moved to a new timeline, while the step was computed are left out."""
-        keep, parts, offset = [], [], 0
+        keep = [e.session.state != "done" and e.timeline == e.session.timeline for e in entries]
         for e in entries:
             e.session.in_step = False
-            n = len(e.rows)
-            if e.session.state != "done" and e.timeline == e.session.timeline:
-                keep.append(e)
-                parts.append(hidden[offset:offset + n])
-            offset += n
-        if not keep and entries:
+        if entries and not any(keep):
             if span is not None:
                 span.end()
             return                             # nothing left to send; releases go with the next step
-        if len(keep) < len(entries):
-            entries, hidden = keep, torch.cat(parts)
+        if not all(keep):
+            # the kept entries' rows, sliced only now: a slice per entry costs ~2 us of host time
+            parts, offset = [], 0
+            for e, kept in zip(entries, keep):
+                if kept:
+                    parts.append(hidden[offset:offset + len(e.rows)])
+                offset += len(e.rows)
+            entries, hidden = [e for e, kept in zip(entries, keep) if kept], torch.cat(parts)
         tower_entries = []
         for e in entries:
             s = e.session
@@ -1040,9 +1044,13 @@ class Scheduler:
                 exc = TowerUnavailable(f"tower send failed: {type(exc).__name__}: {exc}")
             result = asyncio.get_running_loop().create_future()
             result.set_exception(exc)
+        result.add_done_callback(self._result_done)
         self._inflight.append(_InFlight(entries, result, span, lane))
         self.lane_steps += lane
         self._lane_wake.set()                  # sessions sent on: the lane may plan their next piece
+
+    def _result_done(self, _result: asyncio.Future) -> None:
+        self._wake.set()                       # the main loop routes it (in request order)
 
     def _compute(self, work, store_slots: list[int], lane: bool):
         """On an engine thread (the main one, or the lane's): the step (timed here), snapshots of
