@@ -83,3 +83,17 @@ def test_ids_round_trip():
     assert ids_to_bytes(torch.tensor(ids)) == data
     with pytest.raises(ValueError, match="int32"):
         ids_from_bytes(b"\x00" * 5)
+
+
+def test_integer_casts_on_the_way_match_torch():
+    """tensor_to_bytes(t, dtype) and tensor_from_bytes(..., cast=) cast integers by numpy: the
+    same bytes and values as torch's `.to`, wrapping included; floats still cast by torch."""
+    codes = torch.tensor([[-1, 0, 7], [1023, 2 ** 15, -(2 ** 15) - 1]])
+    assert tensor_to_bytes(codes, torch.int16) == tensor_to_bytes(codes.to(torch.int16))
+    data = tensor_to_bytes(codes, torch.int16)
+    back = tensor_from_bytes(data, "int16", (2, 3), cast=torch.int64)
+    assert back.dtype == torch.int64 and torch.equal(back, codes.to(torch.int16).to(torch.int64))
+    hidden = torch.randn(2, 4)
+    assert tensor_to_bytes(hidden, torch.bfloat16) == tensor_to_bytes(hidden.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="integer dtypes only"):
+        tensor_from_bytes(tensor_to_bytes(hidden), "float32", (2, 4), cast=torch.int64)

@@ -47,8 +47,8 @@ def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> to
             row.repetition_penalty = s.repetition_penalty
         rows.append(row)
     return tower_pb2.StepRequest(
-        step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden.to(hidden_dtype)),
-        targets=tensor_to_bytes(step.targets.to(torch.int16)), release=step.release,
+        step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden, hidden_dtype),
+        targets=tensor_to_bytes(step.targets, torch.int16), release=step.release,
         trace_context=step.trace_context)
 
 
@@ -57,7 +57,7 @@ def step_result(response: tower_pb2.StepResponse, n_entries: int, codebooks: int
     if len(response.codes) != n_entries * codebooks * 2 or len(response.stop) != n_entries:
         raise TowerUnavailable(f"malformed StepResponse for {n_entries} entries "
                                f"({len(response.codes)} code bytes, {len(response.stop)} stops)")
-    codes = tensor_from_bytes(response.codes, "int16", (n_entries, codebooks)).to(torch.int64)
+    codes = tensor_from_bytes(response.codes, "int16", (n_entries, codebooks), cast=torch.int64)
     errors = {}
     for err in response.row_errors:
         # NOT_FOUND (the tower lost the session) goes to the caller as is; anything else means

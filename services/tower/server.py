@@ -62,7 +62,7 @@ def entries_from_request(request: tower_pb2.StepRequest) -> list[StepEntry]:
 
 def response_from_result(step_id: int, result: StepResult) -> tower_pb2.StepResponse:
     return tower_pb2.StepResponse(
-        step_id=step_id, codes=tensor_to_bytes(result.codes.to(torch.int16)), stop=result.stop,
+        step_id=step_id, codes=tensor_to_bytes(result.codes, torch.int16), stop=result.stop,
         row_errors=[tower_pb2.RowError(row_index=e.row_index, code=grpc.StatusCode[e.code].value[0],
                                        message=e.message) for e in result.row_errors],
         tower_us=result.tower_us)
