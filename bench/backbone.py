@@ -11,7 +11,8 @@ out: prefill of one session with 256 and 1024 text rows (the first call, then th
 `--prefill-repeats`), then for each batch size B, B sessions prefilled with `--context` rows and
 `--steps` decode steps of one row per session (median and p90 ms, rows/s). `--served-warm-up`
 first runs the server's warm-up (BackboneEngine.warm_up) and times it; `--profile-prefill ROWS`
-prints profiler tables of one prefill. Peak memory is the device's max allocated bytes during each measurement.
+prints profiler tables of one prefill; `--host-phases B` stamps where a decode step's wall time goes
+on the host (the host's time before the graph's replay call is GPU idle time). Peak memory is the device's max allocated bytes during each measurement.
 This times the model code of services/backbone as it is: on CUDA in BF16 that is the kernel path
 (issue #7); --decode-graphs times each batch size eagerly and then replayed from CUDA graphs (the
 first graphed step of each batch bucket captures, so keep --warmup >= 1, or --served-warm-up).
@@ -69,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-decode", type=int, nargs="+", metavar="BATCH",
                         help="print the top kernels of a decode step at each of these batch sizes (graph replay "
                              "with --decode-graphs): where the step's device time goes, kernel by kernel")
+    parser.add_argument("--host-phases", type=int, nargs="+", metavar="BATCH",
+                        help="where a decode step's wall time goes on the host at each of these batch sizes: "
+                             "stamps around the row check, the embedding, the forward, the graph replay call "
+                             "and the final wait for the device (host time before the replay is GPU idle time)")
     parser.add_argument("--profile-rows", type=int, default=30, metavar="N",
                         help="rows of each profiler table (the top N kernels or ops)")
     parser.add_argument("--prefill-sessions", type=int, nargs="+", default=[1], metavar="P",
@@ -172,6 +177,82 @@ def profile_decode(engine, batch: int, args, gen, device, steps: int = 5, rows: 
     return head + "\n" + events.table(sort_by=sort, row_limit=rows, max_name_column_width=70)
 
 
+# host_phases: (label, where the phase starts, where it ends); stamps are "<name>>" on entry and
+# "<name><" on exit of the wrapped calls, "step>" / "step<" around engine.step
+HOST_PHASES = (("row check", "check>", "check<"),
+               ("embed", "embed>", "embed<"),
+               ("step start -> replay call", "step>", "replay>"),
+               ("replay call", "replay>", "replay<"),
+               ("replay -> wait", "replay<", "sync>"),
+               ("wait for the device", "sync>", "sync<"),
+               ("after the wait", "sync<", "step<"),
+               ("engine.step", "step>", "step<"))
+
+
+def host_phases(engine, batch: int, args, gen, device) -> dict:
+    """Median µs per phase of --steps decode steps at `batch` (HOST_PHASES): perf_counter stamps
+    at the entry and exit of the engine's row check, the model's embedding, the graph replay call
+    and the stream wait, with no synchronisation added. The host's time before the replay call is
+    GPU idle time; the wait is the graph's device time less what ran while the host worked. A
+    phase a step never reaches (no graph: no replay) is left out."""
+    model = engine.model
+    stamps: list[tuple[str, float]] = []
+
+    def wrapped(fn, name):
+        def call(*a, **k):
+            stamps.append((name + ">", time.perf_counter()))
+            try:
+                return fn(*a, **k)
+            finally:
+                stamps.append((name + "<", time.perf_counter()))
+        return call
+
+    patches = [(engine, "_check_work", "check"), (model, "embed", "embed")]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    for obj, attr, name in patches:
+        setattr(obj, attr, wrapped(getattr(obj, attr), name))
+    classes = []
+    if device.type == "cuda":
+        classes = [(torch.cuda.CUDAGraph, "replay", "replay"), (torch.cuda.Stream, "synchronize", "sync")]
+    saved_cls = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in classes]
+    for cls, attr, name in classes:
+        setattr(cls, attr, wrapped(cls.__dict__[attr], name))
+    vocab = engine.model.config.vocab_size
+    slots = [engine.open() for _ in range(batch)]
+    phases: dict[str, list[float]] = {}
+    try:
+        engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+        for step in range(args.warmup + args.steps):
+            work = [(s, *_text_rows(1, vocab, gen)) for s in slots]
+            _sync(device)
+            stamps.clear()
+            stamps.append(("step>", time.perf_counter()))
+            engine.step(work)
+            stamps.append(("step<", time.perf_counter()))
+            if step < args.warmup:
+                continue
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+            for key, t in stamps:
+                first.setdefault(key, t)
+                last[key] = t
+            for label, start, end in HOST_PHASES:
+                if start in first and end in last:
+                    phases.setdefault(label, []).append((last[end] if end.endswith("<") else first[end])
+                                                        - first[start])
+    finally:
+        for obj, attr, fn in saved:
+            if attr in obj.__dict__:
+                delattr(obj, attr)            # the instance's own wrapper: the class's method again
+            if getattr(obj, attr) is not fn:
+                setattr(obj, attr, fn)
+        for cls, attr, fn in saved_cls:
+            setattr(cls, attr, fn)
+        for s in slots:
+            engine.release(s)
+    return {label: statistics.median(times) * 1e6 for label, times in phases.items()}
+
+
 def bench_decode(engine, batch: int, args, gen, device) -> dict:
     vocab = engine.model.config.vocab_size
     slots = [engine.open() for _ in range(batch)]
@@ -266,7 +347,8 @@ def main(argv=None) -> dict:
     max_context = max(max(args.prefill), args.context + args.warmup + args.steps) + 8
     if args.max_context:        # the serving pool's context (prefill and decode graphs attend over it)
         max_context = max(max_context, args.max_context)
-    engine = BackboneEngine(model, max_sessions=max(args.batch + args.prefill_sessions + [args.max_sessions]),
+    engine = BackboneEngine(model, max_sessions=max(args.batch + args.prefill_sessions + (args.host_phases or [])
+                                                    + [args.max_sessions]),
                             max_context=max_context)
     mem = engine.memory_bytes()
     gen = torch.Generator().manual_seed(0)
@@ -302,6 +384,13 @@ def main(argv=None) -> dict:
                   f"{_fmt(r['peak_gib']):>9}")
     for batch in args.profile_decode or ():
         print(profile_decode(engine, batch, args, gen, device, rows=args.profile_rows))
+    if args.host_phases:
+        results["host_phases"] = {}
+        model.decode_graphs = bool(args.decode_graphs)
+        for batch in args.host_phases:
+            phases = results["host_phases"][batch] = host_phases(engine, batch, args, gen, device)
+            print(f"host phases of a decode step, batch {batch}, graphs {model.decode_graphs} (median µs): "
+                  + ", ".join(f"{label} {us:.0f}" for label, us in phases.items()))
     if args.peer:
         del engine, model
         if device.type == "cuda":
