@@ -12,7 +12,8 @@ out: prefill of one session with 256 and 1024 text rows (the first call, then th
 `--steps` decode steps of one row per session (median and p90 ms, rows/s). `--served-warm-up`
 first runs the server's warm-up (BackboneEngine.warm_up) and times it; `--profile-prefill ROWS`
 prints profiler tables of one prefill; `--host-phases B` stamps where a decode step's wall time goes
-on the host (the host's time before the graph's replay call is GPU idle time). Peak memory is the device's max allocated bytes during each measurement.
+on the host (the host's time before the graph's replay call is GPU idle time). Peak memory is the
+device's max allocated bytes during each measurement.
 This times the model code of services/backbone as it is: on CUDA in BF16 that is the kernel path
 (issue #7); --decode-graphs times each batch size eagerly and then replayed from CUDA graphs (the
 first graphed step of each batch bucket captures, so keep --warmup >= 1, or --served-warm-up).
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "with --decode-graphs): where the step's device time goes, kernel by kernel")
     parser.add_argument("--host-phases", type=int, nargs="+", metavar="BATCH",
                         help="where a decode step's wall time goes on the host at each of these batch sizes: "
-                             "stamps around the row check, the embedding, the forward, the graph replay call "
+                             "stamps around the row check, the embedding, the graph replay call "
                              "and the final wait for the device (host time before the replay is GPU idle time)")
     parser.add_argument("--profile-rows", type=int, default=30, metavar="N",
                         help="rows of each profiler table (the top N kernels or ops)")
@@ -208,7 +209,6 @@ def host_phases(engine, batch: int, args, gen, device) -> dict:
         return call
 
     patches = [(engine, "_check_work", "check"), (model, "embed", "embed")]
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, name in patches:
         setattr(obj, attr, wrapped(getattr(obj, attr), name))
     classes = []
@@ -241,11 +241,8 @@ def host_phases(engine, batch: int, args, gen, device) -> dict:
                     phases.setdefault(label, []).append((last[end] if end.endswith("<") else first[end])
                                                         - first[start])
     finally:
-        for obj, attr, fn in saved:
-            if attr in obj.__dict__:
-                delattr(obj, attr)            # the instance's own wrapper: the class's method again
-            if getattr(obj, attr) is not fn:
-                setattr(obj, attr, fn)
+        for obj, attr, _ in patches:
+            delattr(obj, attr)                # the instance's own wrapper: the class's method again
         for cls, attr, fn in saved_cls:
             setattr(cls, attr, fn)
         for s in slots:

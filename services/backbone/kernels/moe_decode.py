@@ -458,9 +458,9 @@ ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
 # One cuBLAS SGEMM of [256, 2048] x [2048, 256] has 16 output tiles, so cuBLAS splits K itself and
 # reduces in a kernel of its own; as one strided-batched GEMM over `piece_router_split(tile)` ranges
 # the partials go straight to the routing launch, which adds them in range order as it adds the
-# decode GEMV's. H200 (session 15 run 2, as `bench/prefill_parts.py --parts router` times it: u's F32 copy + GEMM +
-# routing launch, µs per layer): 256-row tiles 23.9 -> 19.6 (split 16; 8: 23.0, 32: 20.0); 512 rows
-# in 256-row tiles 44.0 -> 35.0; one 1024-row tile 49.9 -> 46.2 (split 8; 16: 48.6).
+# decode GEMV's. H200 (session 15 run 2, timed as `bench/prefill_parts.py --parts router` does: u's
+# F32 copy + GEMM + routing launch, µs per layer): 256-row tiles 23.9 -> 19.6 (split 16; 8: 23.0,
+# 32: 20.0); 512 rows in 256-row tiles 44.0 -> 35.0; one 1024-row tile 49.9 -> 46.2 (split 8; 16: 48.6).
 def piece_router_split(tile: int) -> int:
     """K ranges of a piece's router GEMM for `tile` rows per GEMM (a function of the piece's
     bucket only, so of nothing another session's rows decide: issue #8)."""
@@ -553,7 +553,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         partials = logits if logits.dim() == 3 else logits.unsqueeze(0)
         if (partials.shape[1:] != (t, e) or partials.stride(-1) != 1 or partials.dtype != torch.float32
                 or partials.stride(0) != t * partials.stride(1)):
-            raise ValueError(f"logits must be F32 [{t}, {e}] or [S, {t}, {e}] (S stacked row blocks), "
+            raise ValueError(f"logits must be F32 [{t}, {e}] or [S, {t}, {e}] (S K-range partials), "
                              f"unit stride along E; got {tuple(logits.shape)} {logits.dtype}")
         split = partials.shape[0]
     ids = torch.empty(t, k, dtype=torch.int32, device=dev)
