@@ -6,8 +6,8 @@
     python bench/backbone.py --out backbone.json            also write the numbers as JSON
 
 Random weights are made on the device (`random_backbone`, no checkpoint, no LM head). Timed
-through `BackboneEngine.step`, i.e. what the server runs per step, host ids in and hidden rows
-out: prefill of one session with 256 and 1024 text rows (the first call, then the median of
+through `BackboneEngine.step_to_host`, i.e. what the server runs per step, host ids in and hidden
+rows out on the host: prefill of one session with 256 and 1024 text rows (the first call, then the median of
 `--prefill-repeats`), then for each batch size B, B sessions prefilled with `--context` rows and
 `--steps` decode steps of one row per session (median and p90 ms, rows/s). `--served-warm-up`
 first runs the server's warm-up (BackboneEngine.warm_up) and times it; `--profile-prefill ROWS`
@@ -121,7 +121,7 @@ def bench_prefill(engine, n: int, gen, device, repeats: int = 3, sessions: int =
         work = [(slot, *_text_rows(n, vocab, gen)) for slot in slots]
         _sync(device)
         started = time.perf_counter()
-        engine.step(work)
+        engine.step_to_host(work)
         _sync(device)
         times.append((time.perf_counter() - started) * 1000)
         for slot in slots:
@@ -135,13 +135,13 @@ def profile_prefill(engine, n: int, gen, device, rows: int = 25) -> str:
     """torch.profiler tables (by device time and by host time) of one steady-state prefill of n rows."""
     vocab = engine.model.config.vocab_size
     slot = engine.open()
-    engine.step([(slot, *_text_rows(n, vocab, gen))])
+    engine.step_to_host([(slot, *_text_rows(n, vocab, gen))])
     engine.release(slot)
     slot = engine.open()
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        engine.step([(slot, *_text_rows(n, vocab, gen))])
+        engine.step_to_host([(slot, *_text_rows(n, vocab, gen))])
         _sync(device)
     engine.release(slot)
     table = prof.key_averages()
@@ -156,15 +156,15 @@ def profile_decode(engine, batch: int, args, gen, device, steps: int = 5, rows: 
     total per step, to compare with the wall time and the bandwidth floor."""
     vocab = engine.model.config.vocab_size
     slots = [engine.open() for _ in range(batch)]
-    engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+    engine.step_to_host([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
     for _ in range(3):
-        engine.step([(s, *_text_rows(1, vocab, gen)) for s in slots])
+        engine.step_to_host([(s, *_text_rows(1, vocab, gen)) for s in slots])
     _sync(device)
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.step([(s, *_text_rows(1, vocab, gen)) for s in slots])
+            engine.step_to_host([(s, *_text_rows(1, vocab, gen)) for s in slots])
         _sync(device)
     for s in slots:
         engine.release(s)
@@ -179,15 +179,15 @@ def profile_decode(engine, batch: int, args, gen, device, steps: int = 5, rows: 
 
 
 # host_phases: (label, where the phase starts, where it ends); stamps are "<name>>" on entry and
-# "<name><" on exit of the wrapped calls, "step>" / "step<" around engine.step
+# "<name><" on exit of the wrapped calls, "step>" / "step<" around engine.step_to_host
 HOST_PHASES = (("row check", "check>", "check<"),
                ("embed", "embed>", "embed<"),
-               ("step start -> replay call", "step>", "replay>"),
-               ("replay call", "replay>", "replay<"),
+               ("step start -> first replay call", "step>", "replay>"),
+               ("replay calls", "replay>", "replay<"),       # the embedding's graph, then the layers'
                ("replay -> wait", "replay<", "sync>"),
                ("wait for the device", "sync>", "sync<"),
                ("after the wait", "sync<", "step<"),
-               ("engine.step", "step>", "step<"))
+               ("the whole step", "step>", "step<"))
 
 
 def host_phases(engine, batch: int, args, gen, device) -> dict:
@@ -221,13 +221,13 @@ def host_phases(engine, batch: int, args, gen, device) -> dict:
     slots = [engine.open() for _ in range(batch)]
     phases: dict[str, list[float]] = {}
     try:
-        engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+        engine.step_to_host([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
         for step in range(args.warmup + args.steps):
             work = [(s, *_text_rows(1, vocab, gen)) for s in slots]
             _sync(device)
             stamps.clear()
             stamps.append(("step>", time.perf_counter()))
-            engine.step(work)
+            engine.step_to_host(work)
             stamps.append(("step<", time.perf_counter()))
             if step < args.warmup:
                 continue
@@ -253,18 +253,18 @@ def host_phases(engine, batch: int, args, gen, device) -> dict:
 def bench_decode(engine, batch: int, args, gen, device) -> dict:
     vocab = engine.model.config.vocab_size
     slots = [engine.open() for _ in range(batch)]
-    engine.step([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
+    engine.step_to_host([(s, *_text_rows(args.context, vocab, gen)) for s in slots])
     _reset_peak(device)
     times = []
     for step in range(args.warmup + args.steps):
         work = [(s, *_text_rows(1, vocab, gen)) for s in slots]
         _sync(device)
         started = time.perf_counter()
-        hidden = engine.step(work)
+        hidden = engine.step_to_host(work)
         _sync(device)
         if step >= args.warmup:
             times.append((time.perf_counter() - started) * 1000)
-        assert len(hidden) == batch
+        assert hidden.shape[0] == batch
     for s in slots:
         engine.release(s)
     times.sort()

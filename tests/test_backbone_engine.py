@@ -203,7 +203,8 @@ def test_rows_are_checked_all_at_once_as_entry_by_entry(model, engine):
         else:
             rows_f[r, 0] = spec.semantic_codebook_size
             rows_t[r] = spec.semantic_start_token_id + spec.semantic_codebook_size
-    flagged = engine._bad_rows(rows_t, rows_f)
+    flagged = engine._bad_rows(rows_t, rows_f)                       # numpy's path (40 rows)
+    assert len(rows_t) > engine._FEW_ROWS
     for r in range(40):
         try:
             engine._check_rows(0, rows_t[r:r + 1], rows_f[r:r + 1])
@@ -211,6 +212,10 @@ def test_rows_are_checked_all_at_once_as_entry_by_entry(model, engine):
         except ValueError:
             refused = True
         assert bool(flagged[r]) == refused, r
+        assert engine._bad_rows(rows_t[r:r + 1], rows_f[r:r + 1]).tolist() == [refused], r   # Python's path
+    text = torch.full((2, spec.num_codebooks), -1, dtype=torch.int64)
+    assert engine._bad_rows(torch.tensor([0, model.config.vocab_size]), text).tolist() == [False, True]
+    assert engine._bad_rows(torch.tensor([-1, 5]), text).tolist() == [True, False]
     assert 0 < int(flagged.sum()) < 40
     bad = int(flagged.nonzero()[0][0])              # the first flagged row (numpy)
     slots = [engine.open() for _ in range(3)]

@@ -167,8 +167,9 @@ def test_served_sequence_graphs_equal_eager_and_replay():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_decode_steps_from_ids_equal_embed_then_graph(device, monkeypatch):
-    """With decode_from_ids on (DRAMA_DECODE_FROM_IDS=1), engine.step's decode steps go to the
-    graph from their ids (one staged copy, the embedding written into the graph's input rows);
+    """With decode_from_ids on (the default; DRAMA_DECODE_FROM_IDS=0 turns it off), engine.step's
+    decode steps go to the graph from their ids (one staged copy, the embedding's own graph
+    writing the graph's input rows);
     the same bits as embedding first and replaying through forward_rows, for text and audio rows,
     at batch 3 (bucket 4, a padding row) and 1, and the graph replays either way. On the CPU both
     models run their decode graphs' functions eagerly (Backbone._graph_device, _can_graph)."""
@@ -176,8 +177,8 @@ def test_decode_steps_from_ids_equal_embed_then_graph(device, monkeypatch):
                       semantic_codebook_size=60, residual_codebook_size=64)
     ref = random_backbone(MID, audio, device="cpu", seed=3)
     models = [copy_to(ref, device, kernels=True, decode_graphs=True) for _ in range(2)]
-    models[0].decode_from_ids_on = True
-    assert not models[1].decode_from_ids_on                                # off by default
+    assert models[0].decode_from_ids_on                                    # on by default
+    models[1].decode_from_ids_on = False
     if device == "cpu":
         monkeypatch.setattr(models[0], "_graph_device", lambda: True)
         monkeypatch.setattr(models[1], "_can_graph", lambda x: True)

@@ -75,6 +75,7 @@ class BackboneEngine:
         self._busy: set[int] = set()                       # slots inside a running step
         self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
         self._cuda = model.device.type == "cuda"
+        self._code_limits: np.ndarray | None = None        # _bad_rows' bound per codebook column
         self._lock = threading.Lock()
         if not getattr(model, "kernels", False):
             # The exact and batched paths look rotary angles up in a table that grows on demand;
@@ -185,6 +186,20 @@ class BackboneEngine:
         """
         if not work:
             return []
+        hidden, segments = self._step(work, to_host=False)
+        return [hidden[seg.rows] for seg in segments]
+
+    def step_to_host(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+        """`step`, its rows in one host tensor [R, H] (hidden_dtype; all entries' rows in order,
+        pinned memory on CUDA): what the scheduler sends on. On CUDA the graph's output goes
+        straight to pinned memory in one asynchronous copy before the step's one wait; `step`'s
+        device copy, and the caller's concatenation and copy with a second wait, cost the host
+        ~40 µs on the path of every frame."""
+        if not work:
+            return torch.empty(0, self.hidden_size, dtype=self.hidden_dtype)
+        return self._step(work, to_host=True)[0]
+
+    def _step(self, work, to_host: bool) -> tuple[torch.Tensor, list[Segment]]:
         counts, all_ids, all_frames = self._check_work(work)
         with self._lock:
             segments, offset, seen = [], 0, set()
@@ -212,7 +227,14 @@ class BackboneEngine:
                 token_ids = all_ids.to(device)
                 frames = all_frames.to(device) if self.num_codebooks else None
                 hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
-            hidden = hidden.clone()        # one copy (the kernel path may return a graph's buffer)
+            # one copy (the kernel path may return a graph's buffer, valid until its next replay)
+            if to_host and self._cuda:
+                rows = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+                hidden = rows.copy_(hidden, non_blocking=True)
+            elif to_host:
+                hidden = hidden.to("cpu", copy=True)
+            else:
+                hidden = hidden.clone()
             if self._cuda:
                 # Done before the slots are let go: a slot released meanwhile may be reset on
                 # another stream as soon as it is free, and the rows go to the host next anyway.
@@ -224,7 +246,7 @@ class BackboneEngine:
                 for seg in segments if done else ():
                     if self._open[seg.slot]:       # not released while the step ran
                         self._lengths[seg.slot] += seg.count
-        return [hidden[seg.rows] for seg in segments]
+        return hidden, segments
 
     def _mark_ready(self, slot: int) -> None:
         """After queuing a slot's reset or restore (CUDA): its next user, on any stream, waits for it."""
@@ -260,7 +282,7 @@ class BackboneEngine:
             ids.append(token_ids.cpu())
             frames.append(torch.full((n, width), -1, dtype=torch.int64) if entry_frames is None
                           else entry_frames.cpu())
-        all_ids, all_frames = torch.cat(ids), torch.cat(frames)
+        all_ids, all_frames = (ids[0], frames[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(frames))
         if bool(self._bad_rows(all_ids, all_frames).any()):
             for index, (_, token_ids, entry_frames) in enumerate(work):
                 self._check_rows(index, token_ids, entry_frames)        # raises for the first bad entry
@@ -283,19 +305,41 @@ class BackboneEngine:
     def _bad_rows(self, token_ids: torch.Tensor, frames: torch.Tensor) -> np.ndarray:
         """bool [R]: the rows `_check_rows` refuses (the same conditions, all rows at once). In
         numpy on the tensors' memory (host tensors, no copy): each small torch op costs ~5 µs of
-        host time, and this runs before every step's GPU work is queued (~70 -> ~20 µs a step)."""
+        host time, and this runs before every step's GPU work is queued (~70 -> ~20 µs a step).
+        Bounds through the uint64 view, where a negative value is huge: `v < 0 or v >= n` in one
+        comparison (a few µs less again; numpy's calls cost ~1 µs each at these sizes)."""
+        vocab = self.model.config.vocab_size
+        if token_ids.shape[0] <= self._FEW_ROWS:
+            return np.array([self._bad_row(i, row, vocab) for i, row in zip(token_ids.tolist(), frames.tolist())],
+                            dtype=bool).reshape(-1)
         ids = token_ids.numpy()
-        bad = (ids < 0) | (ids >= self.model.config.vocab_size)
+        bad = ids.view(np.uint64) >= vocab
         if frames.shape[1]:
             spec = self.model.audio
             codes = frames.numpy()
-            audio = ~(codes == -1).all(axis=1)
-            c0, residual = codes[:, 0], codes[:, 1:]
-            wrong = ((c0 < 0) | (c0 >= spec.semantic_codebook_size)
-                     | ((residual < 0) | (residual >= spec.residual_codebook_size)).any(axis=1)
-                     | (ids != spec.semantic_start_token_id + c0))
+            if self._code_limits is None or self._code_limits.shape[0] != codes.shape[1]:
+                self._code_limits = np.array([spec.semantic_codebook_size]
+                                             + [spec.residual_codebook_size] * (codes.shape[1] - 1), dtype=np.uint64)
+            audio = (codes != -1).any(axis=1)
+            wrong = ((codes.view(np.uint64) >= self._code_limits).any(axis=1)
+                     | (ids != spec.semantic_start_token_id + codes[:, 0]))
             bad |= audio & wrong
         return bad
+
+    # Up to this many rows, _bad_rows checks in Python on the rows' lists: ~3 µs for a decode row
+    # against ~15 for numpy's dozen calls (each ~1 µs at these sizes)
+    _FEW_ROWS = 8
+
+    def _bad_row(self, token_id: int, codes: list[int], vocab: int) -> bool:
+        """One row of _bad_rows in plain Python (the same conditions)."""
+        if not 0 <= token_id < vocab:
+            return True
+        if not codes or all(c == -1 for c in codes):
+            return False                                    # a text row
+        spec = self.model.audio
+        return (not 0 <= codes[0] < spec.semantic_codebook_size
+                or any(not 0 <= c < spec.residual_codebook_size for c in codes[1:])
+                or token_id != spec.semantic_start_token_id + codes[0])
 
     def _check_rows(self, index: int, token_ids: torch.Tensor, frames: torch.Tensor | None) -> None:
         """One entry's values, with the message naming it (the slow path of `_check_work`, after

@@ -265,9 +265,9 @@ class Backbone(nn.Module):
             prefill_graphs = self.decode_graphs and env_switch("DRAMA_PREFILL_GRAPHS") is not False
         # prefill_graphs=True off CUDA runs the same padded pieces eagerly (tests of their math)
         self.prefill_graphs = prefill_graphs and self.kernels
-        # decode steps staged into their graph from the ids (decode_from_ids): off unless
-        # DRAMA_DECODE_FROM_IDS=1 until measured on a GPU (docs/perf.md, session 15)
-        self.decode_from_ids_on = env_switch("DRAMA_DECODE_FROM_IDS") is True
+        # decode steps staged into their graph from the ids (decode_from_ids): on unless
+        # DRAMA_DECODE_FROM_IDS=0 (~0.1 ms less host time a step on the H200, docs/perf.md session 16)
+        self.decode_from_ids_on = env_switch("DRAMA_DECODE_FROM_IDS") is not False
         self._packed = False
         self._graphs: dict = {}
         # (memory pool, capture stream) of every prefill graph: own ones, because prefill groups
@@ -549,7 +549,7 @@ class Backbone(nn.Module):
         Returns a view of the graph's output (valid until the next replay)."""
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-        graph, static_x, index, _, _ = self._decode_graph(bucket, caches)
+        graph, static_x, index, _, _, _ = self._decode_graph(bucket, caches)
         pad = caches.slots
         host = torch.tensor([[s.slot for s in segments] + [pad] * (bucket - rows),
                              [s.start for s in segments] + [0] * (bucket - rows)], dtype=torch.int64)
@@ -582,32 +582,31 @@ class Backbone(nn.Module):
         self.prepare()
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-        graph, static_x, index, inputs, host = self._decode_graph(bucket, caches)
+        graph, static_x, index, inputs, host, embed = self._decode_graph(bucket, caches)
         width = 0 if frames is None else frames.shape[1]
-        staged = host.numpy()                  # [slots | positions | ids | frames], pinned
-        staged[:rows] = [s.slot for s in segments]
-        staged[rows:bucket] = caches.slots
-        staged[bucket:bucket + rows] = [s.start for s in segments]
-        staged[bucket + rows:2 * bucket] = 0
-        staged[2 * bucket:2 * bucket + rows] = token_ids.numpy()
-        staged[2 * bucket + rows:3 * bucket] = 0
+        pad = bucket - rows
+        # [slots | positions | ids | frames] as one list, one numpy assignment into the pinned
+        # buffer (~4 µs at batch 1 where eight slice assignments took ~9)
+        staged = ([s.slot for s in segments] + [caches.slots] * pad + [s.start for s in segments] + [0] * pad
+                  + token_ids.tolist() + [0] * pad)
         if width:
-            codes = staged[3 * bucket:].reshape(bucket, width)
-            codes[:rows] = frames.numpy()
-            codes[rows:] = -1
+            staged += frames.reshape(-1).tolist() + [-1] * (pad * width)
+        host.numpy()[:] = staged
         # The step's end syncs its stream (engine.step), so the next step never refills `host`
         # while this copy may still read it.
         inputs.copy_(host, non_blocking=True)
-        ids = inputs[2 * bucket:3 * bucket]
-        self.embed(ids, inputs[3 * bucket:].view(bucket, width) if width else None, out=static_x)
+        embed.replay()                         # the embedding of the staged rows into static_x
         self.graph_replays += 1
         return graph.replay()[:rows]
 
     def _decode_graph(self, bucket: int, caches: BackboneCaches):
         """(graph, static rows [bucket, H], static index [2, bucket], staged inputs, their pinned
-        host copy) of a bucket, captured once per pool. The staged inputs are int64 [slots (bucket)
-        | positions (bucket) | ids (bucket) | frames (bucket·N)] on the device, index a view of
-        their first 2·bucket (decode_from_ids fills them all in one copy)."""
+        host copy, embedding graph) of a bucket, captured once per pool. The staged inputs are int64
+        [slots (bucket) | positions (bucket) | ids (bucket) | frames (bucket·N)] on the device, index
+        a view of their first 2·bucket (decode_from_ids fills them all in one copy). The embedding
+        graph writes the staged rows' embedding into the static rows: a graph of its own, so the
+        layers' graph still serves forward_rows' rows as they come, and its replay costs the host
+        ~10 µs where the embedding's Triton launch took ~45 µs (H200, session 16)."""
         key = (bucket, id(caches))
         if key not in self._graphs:
             from .kernels.decode_graph import GraphedStep
@@ -626,13 +625,22 @@ class Backbone(nn.Module):
             static_x = torch.zeros(bucket, self.config.hidden_size, dtype=self.dtype, device=device)
             segments = tuple(Segment(caches.slots, 0, 1, i) for i in range(bucket))
             batch = RowBatch(segments, None, False, plan)
+            staged_ids = inputs[2 * bucket:3 * bucket]
+            staged_frames = inputs[3 * bucket:].view(bucket, width) if width else None
+
+            def embed():
+                return self.embed(staged_ids, staged_frames, out=static_x)
+
             if device.type == "cuda":
                 if self._decode_stream is None:  # one capture stream for the decode graphs (one cuBLAS workspace)
                     self._decode_stream = torch.cuda.Stream(device)
                 graph = GraphedStep(lambda: self._layers_kernels(static_x, batch, caches), stream=self._decode_stream)
+                # captured after the layers' graph: its warm-up runs see the zeros staged above
+                embedding = GraphedStep(embed, stream=self._decode_stream)
             else:                                # tests of the staging (decode_from_ids) off CUDA
                 graph = dg.EagerStep(lambda: self._layers_kernels(static_x, batch, caches))
-            self._graphs[key] = (graph, static_x, index, inputs, host)
+                embedding = dg.EagerStep(embed)
+            self._graphs[key] = (graph, static_x, index, inputs, host, embedding)
         return self._graphs[key]
 
     def capture_decode_graphs(self, caches: BackboneCaches, max_batch: int) -> list[int]:

@@ -1060,12 +1060,11 @@ class Scheduler:
         stream = self._lane_stream if lane else self._main_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             started = time.perf_counter()
-            hidden = self.engine.step(work)
+            # The rows come back on the host (pinned), copied here, on this thread: the event
+            # loop never waits for a stream, and no other stream ever reads memory this one allocated.
+            hidden = self.engine.step_to_host(work)
             elapsed = time.perf_counter() - started
             snapshots = [self.engine.snapshot(slot) for slot in store_slots]
-            # To the host here, on this thread: the event loop never waits for a stream, and no
-            # other stream ever reads memory this one allocated.
-            hidden = torch.cat(hidden).cpu()
         rows = sum(len(token_ids) for _, token_ids, _ in work)
         if lane:
             self._lane_step_seconds.record(elapsed)
