@@ -67,7 +67,7 @@ def test_config_never_depends_on_the_row_count():
     same for M = 1..300; only the row partition (tiles per program, row groups) changes, and its
     groups cover every row."""
     for _, n, k, dtype, _ in REAL + [("odd", 80, 256, torch.bfloat16, False)]:
-        rows = (1, 2, 3, 16, 17, 64, 127, 128, 300)
+        rows = (1, 2, 3, 16, 17, 24, 33, 48, 64, 80, 96, 112, 127, 128, 300)    # the decode buckets among them
         plans = [decode_gemm.launch_plan(m, n, k, dtype) for m in rows]
         fixed = [{key: v for key, v in p.items() if key not in ("tiles", "groups")} for p in plans]
         assert all(f == fixed[0] for f in fixed), fixed
@@ -75,6 +75,18 @@ def test_config_never_depends_on_the_row_count():
             assert 1 <= p["tiles"] <= decode_gemm.MAX_TILES_PER_PROGRAM, (m, p)
             assert p["groups"] * p["tiles"] * 16 >= m > (p["groups"] - 1) * p["tiles"] * 16, (m, p)
         assert plans[0]["tiles"] == plans[3]["tiles"] == 1
+
+
+def test_row_partition_is_a_power_of_two_at_every_decode_bucket():
+    """tiles_for answers 1, 2, 4 or 8 tiles whatever the grid: 33-48 rows (the decode bucket 48)
+    once started from 3 tiles, which launch_plan refuses, on grids wide enough to stop there
+    (DRAMA_DECODE_GEMM=triton failed so at the full geometry on the H200, session 16)."""
+    from services.backbone.model import DECODE_BUCKETS
+
+    for m in DECODE_BUCKETS + (3, 33, 40, 300):
+        for programs in (1, 64, 600, 5000):
+            for weight_bytes in (1, 100 << 20):
+                assert decode_gemm.tiles_for(m, programs, weight_bytes) in (1, 2, 4, 8), (m, programs, weight_bytes)
 
 
 def test_forced_row_partition():

@@ -132,13 +132,20 @@ def tiles_for(m: int, programs: int, weight_bytes: int) -> int:
     re-reading its weight tiles from L2) while the grid has fewer than 4 programs per SM and the
     extra weight reads stay small (<= 64 MB through L2: the shared expert, router, out_proj at
     32 rows; never GDN in_proj or attention qkv, whose weights alone are 38-51 MB)."""
-    tiles = min(MAX_TILES_PER_PROGRAM, max(1, _cdiv(m, ROWS)))
+    tiles = min(MAX_TILES_PER_PROGRAM, _pow2_tiles(m))
     while tiles > 1:
         finer = _cdiv(_cdiv(m, ROWS), tiles // 2)
         if programs * _cdiv(_cdiv(m, ROWS), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
             break
         tiles //= 2
     return tiles
+
+
+def _pow2_tiles(m: int) -> int:
+    """16-row tiles covering m rows, rounded up to a power of two: tiles_for halves it, and its
+    answer must be 1, 2, 4 or 8 (33-48 rows, the decode bucket 48, started from 3 and were refused
+    at launch; launch_plan then caps the tiles at the rows' own)."""
+    return 1 << (max(1, _cdiv(m, ROWS)) - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
