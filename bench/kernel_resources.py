@@ -88,15 +88,6 @@ def cases() -> dict:
                             o_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32"),
                        dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, HAS_SLOTS=True, PDL=True),
                        4, 3, {"stride_q", "stride_k", "stride_v"}),
-        "gdn_prefill_front": (gdn._prefill_conv_kernel,
-                              dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"),
-                                   first_ptr=_ptr("i64"), seg_ptr=_ptr("i64"), q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"),
-                                   v_ptr=_ptr("bf16"), b_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"),
-                                   dt_bias_ptr=_ptr("fp32"), mask_ptr=_ptr("fp32"), g_ptr=_ptr("fp32"),
-                                   beta_ptr=_ptr("bf16")),
-                              dict(TAPS=4, BR=gdn.FRONT_TILE[0], BC=gdn.FRONT_TILE[1], BH=32, HAS_MASK=True,
-                                   NORM_QK=True, HD=128),
-                              4, 3, {"stride_x", "C", "KD"}),
     }
 
 

@@ -88,33 +88,16 @@ def test_reference_matches_each_sequence_alone(counts, pad_to):
         assert (front.beta[mask == 0] == 0).all() and (front.g[mask == 0] == 0).all()
 
 
-def test_reference_normalizes_q_and_k_per_head():
-    """normalize_qk: q and k are the plain front's rows scaled to unit length per head (in F32,
-    rounded once), v, g, beta and the new conv state the same bits."""
-    args = step([5, 1, 9])
-    plain = gdn.prefill_front_reference(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
-    normed = gdn.prefill_front_reference(**args, normalize_qk=True)
-    for name in ("q", "k"):
-        x = getattr(plain, name)
-        assert torch.allclose(getattr(normed, name), x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), atol=1e-6)
-        assert torch.allclose(getattr(normed, name).norm(dim=-1), torch.ones(x.shape[:2]), atol=1e-3)
-    for name in ("v", "g", "beta"):
-        assert torch.equal(getattr(normed, name), getattr(plain, name))
-
-
 @kernels
-@pytest.mark.parametrize("normalize_qk", [False, True])
 @pytest.mark.parametrize("counts,pad_to", [([5, 1, 9], None), ([1, 2, 70], None), ([3, 1], 8), ([40, 64], 64)])
-def test_kernels_match_the_reference(counts, pad_to, normalize_qk):
+def test_kernels_match_the_reference(counts, pad_to):
     """Conv rows to rounding, the new conv states bit for bit (they are copies), the gates to
-    rounding (log(1 + e^x) in the kernel, torch's softplus in the reference); with normalize_qk
-    q and k per head as the reference's l2norm_heads (v heads sharing a channel tile with k heads
-    untouched: the test's heads are 8 channels, the tile 128)."""
+    rounding (log(1 + e^x) in the kernel, torch's softplus in the reference)."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     args = step(counts, pad_to=pad_to, dtype=dtype, device=DEVICE)
     ref_args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    got = gdn.prefill_front(**args, normalize_qk=normalize_qk)
-    want = gdn.prefill_front_reference(**ref_args, normalize_qk=normalize_qk)
+    got = gdn.prefill_front(**args)
+    want = gdn.prefill_front_reference(**ref_args)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for name in ("q", "k", "v", "beta"):
         a, b = getattr(got, name).float(), getattr(want, name).float()
@@ -131,13 +114,13 @@ def test_kernel_rows_do_not_depend_on_the_other_segments():
     """A segment's rows and new conv state are the same bits alone or packed with others."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     together = step([6, 2, 11], seed=3, dtype=dtype, device=DEVICE, slots=[4, 0, 2])
-    got = gdn.prefill_front(**together, normalize_qk=True)
+    got = gdn.prefill_front(**together)
     first, n = 6, 2                                   # the middle segment alone, slot 0
     alone = dict(together, proj=together["proj"][first:first + n].clone(),
                  conv_state=step([6, 2, 11], seed=3, dtype=dtype, device=DEVICE)["conv_state"],
                  seg_slots=together["seg_slots"][1:2], seg_first=torch.zeros(1, dtype=torch.int64, device=DEVICE),
                  seg_rows=together["seg_rows"][1:2], row_seg=torch.zeros(n, dtype=torch.int64, device=DEVICE))
-    one = gdn.prefill_front(**alone, normalize_qk=True)
+    one = gdn.prefill_front(**alone)
     for name in ("q", "k", "v", "g", "beta"):
         assert torch.equal(getattr(got, name)[first:first + n], getattr(one, name)), name
     assert torch.equal(together["conv_state"][0], alone["conv_state"][0])

@@ -420,17 +420,16 @@ class GatedDeltaNet(nn.Module):
             # after its last real row
             front = kgdn.prefill_front(proj, self.conv_weight, cache.conv, self.A_log, self.dt_bias,
                                        plan.seg_slots, plan.seg_first, plan.seg_rows, plan.row_seg,
-                                       (hk, dk, hv, dv), row_mask=plan.row_mask, normalize_qk=True)
+                                       (hk, dk, hv, dv), row_mask=plan.row_mask)
             if plan.row_mask is None:       # segments packed along one sequence (fla's varlen)
                 o, state = kgdn.chunk_gated_delta_rule(*(t[None] for t in front),
                                                        initial_state=cache.state.index_select(0, plan.seg_slots),
-                                                       cu_seqlens=plan.cu_seqlens, qk_normalized=True)
+                                                       cu_seqlens=plan.cu_seqlens)
                 o = o[0]
             else:                           # padded pieces: one sequence per piece, fla's batch
                 pieces = (plan.seg_slots.shape[0], rows // plan.seg_slots.shape[0])
                 o, state = kgdn.chunk_gated_delta_rule(*(t.unflatten(0, pieces) for t in front),
-                                                       initial_state=cache.state.index_select(0, plan.seg_slots),
-                                                       qk_normalized=True)
+                                                       initial_state=cache.state.index_select(0, plan.seg_slots))
                 o = o.flatten(0, 1)
             # index_select / index_copy_ rather than indexing: the same copies, ~0.3-0.7 µs less
             # each for a piece's 2 MB state (H200, bench/prefill_parts.py); the slots are distinct

@@ -138,18 +138,10 @@ def _front_split(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int):
             y[:, 2 * key_dim:].reshape(rows, hv, dv).contiguous())
 
 
-def l2norm_heads(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] with each last-dim vector scaled to unit length, as fla's l2norm_fwd does it: in
-    F32, y = x·(1/√(Σx² + 1e-6)), rounded to x's dtype."""
-    x32 = x.float()
-    return (x32 * (1 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) + L2_EPS))).to(x.dtype)
-
-
 def prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows, row_seg,
-                            heads: tuple[int, int, int, int], row_mask=None, normalize_qk: bool = False) -> PrefillFront:
+                            heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
     """`prefill_front` with torch ops (any device): the taps gathered row by row, summed in order
-    in F32 with separate multiplies and adds (the CPU kernel path's arithmetic), silu, the gates;
-    normalize_qk: q and k per head through `l2norm_heads`."""
+    in F32 with separate multiplies and adds (the CPU kernel path's arithmetic), silu, the gates."""
     hk, dk, hv, dv = heads
     rows, channels, taps = proj.shape[0], weight.shape[0], weight.shape[1]
     m = proj[:, :channels]
@@ -173,8 +165,6 @@ def prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots,
     tail = torch.where((last >= 0)[..., None], from_rows, from_state.to(m.dtype))
     conv_state[seg_slots] = tail.transpose(1, 2).to(conv_state.dtype)
     q, k, v = _front_split(F.silu(out).to(m.dtype), hk, dk, hv, dv)
-    if normalize_qk:
-        q, k = l2norm_heads(q), l2norm_heads(k)
     b = proj[:, channels + hv * dv:channels + hv * dv + hv]
     a = proj[:, channels + hv * dv + hv:]
     g, beta = gdn_gates(a, b, A_log, dt_bias)
@@ -192,7 +182,7 @@ FRONT_TILE = (32, 128)
 
 
 def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows, row_seg,
-                  heads: tuple[int, int, int, int], row_mask=None, normalize_qk: bool = False) -> PrefillFront:
+                  heads: tuple[int, int, int, int], row_mask=None) -> PrefillFront:
     """The GDN front of a non-decode step (§4.3 steps 2-3) for R rows of N segments packed in order.
 
     proj [R, c + Hv·V + 2·Hv] (unit stride along columns) = [m | z | b | a], the fused
@@ -207,18 +197,11 @@ def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first
     `causal_conv1d_update`, so a row's bits do not depend on the other rows of the step. Two
     launches (conv + silu + gates, then the new states, which the first reads the old values of),
     where the torch ops took about 30 per layer (the prefill profile's gathers and elementwise
-    kernels).
-
-    normalize_qk: q and k come back scaled to unit length per head (fla's l2norm_fwd on the
-    rounded conv output: `l2norm_heads`), for `chunk_gated_delta_rule(qk_normalized=True)`. fla's
-    chunk kernel otherwise normalizes them itself, in two launches of its own per layer (~60 per
-    prefill piece). Needs a channel tile holding whole heads (FRONT_TILE's 128 channels a multiple
-    of K). A row's norm is its own heads' sum, so a row's bits still do not depend on the others
-    (they differ from fla's l2norm in the last bit where the two reductions add in other orders)."""
+    kernels)."""
     hk, dk, hv, dv = heads
     if not (HAS_TRITON and (proj.is_cuda or INTERPRET)):    # the interpreter runs the kernels on the CPU (tests)
         return prefill_front_reference(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first, seg_rows,
-                                       row_seg, heads, row_mask, normalize_qk)
+                                       row_seg, heads, row_mask)
     rows, channels, taps = proj.shape[0], weight.shape[0], weight.shape[1]
     if proj.stride(1) != 1 or not conv_state.is_contiguous() or not weight.is_contiguous():
         raise ValueError("prefill_front needs proj with unit column stride, a contiguous conv state and weight")
@@ -232,13 +215,11 @@ def prefill_front(proj, weight, conv_state, A_log, dt_bias, seg_slots, seg_first
     beta = torch.empty(rows, hv, dtype=dtype, device=dev)
     b_col = channels + hv * dv
     br, bc = FRONT_TILE
-    if normalize_qk and bc % dk:
-        raise ValueError(f"prefill_front(normalize_qk=True): the channel tile ({bc}) must hold whole heads of {dk}")
     _prefill_conv_kernel[(triton.cdiv(rows, br), triton.cdiv(channels, bc) + 1)](
         proj, proj.stride(0), weight, conv_state, seg_slots, seg_first, row_seg, q, k, v,
         proj[:, b_col:], proj[:, b_col + hv:], A_log, dt_bias, row_mask if row_mask is not None else g, g, beta,
         rows, channels, hk * dk, hv, TAPS=taps, BR=br, BC=bc, BH=triton.next_power_of_2(hv),
-        HAS_MASK=row_mask is not None, NORM_QK=normalize_qk, HD=dk, num_warps=4)
+        HAS_MASK=row_mask is not None, num_warps=4)
     block = 1024
     _conv_tail_kernel[(seg_slots.shape[0], triton.cdiv(channels, block))](
         proj, proj.stride(0), conv_state, seg_slots, seg_first, seg_rows, channels,
@@ -258,7 +239,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
 
 def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = None,
                                      initial_state: torch.Tensor | None = None,
-                                     dtype: torch.dtype = torch.float32, normalize_qk: bool = True):
+                                     dtype: torch.dtype = torch.float32):
     """§4.3 steps 4-5 one row at a time, in `dtype` (float32 here, float64 for CPU checks).
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; initial_state [B, Hv, K, V].
@@ -270,10 +251,8 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = Non
     rep = hv // hk
     q = q.to(dtype).repeat_interleave(rep, dim=2)
     k = k.to(dtype).repeat_interleave(rep, dim=2)
-    if normalize_qk:                 # False: the caller's q and k are unit vectors already
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
-    q = q * scale
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * scale
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
     v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
     state = (torch.zeros(bsz, hv, dk, dv, dtype=dtype, device=q.device) if initial_state is None
              else initial_state.to(dtype).clone())
@@ -288,32 +267,28 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = Non
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True,
-                           cu_seqlens: torch.Tensor | None = None, qk_normalized: bool = False):
+                           cu_seqlens: torch.Tensor | None = None):
     """Prefill: fla's chunk kernel on CUDA (native GVA, l2 norm in kernel), else the reference.
     Same arguments and layout as naive_recurrent_gated_delta_rule; o comes back in v.dtype.
-    qk_normalized: q and k are unit vectors already (prefill_front(normalize_qk=True)): neither
-    fla nor the reference normalizes them again.
 
     cu_seqlens: int64 [N+1] row offsets of N sequences packed along T (B must be 1; fla's varlen
     mode, chunks start at each sequence's first row); initial_state is then [N, Hv, K, V]."""
     ops = _fla() if q.is_cuda else None
     if ops is None:
         if cu_seqlens is None:
-            o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-                                                    normalize_qk=not qk_normalized)
+            o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
             return o.to(v.dtype), s
         bounds = cu_seqlens.tolist()
         outs, states = [], []
         for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             h0 = None if initial_state is None else initial_state[n:n + 1]
             o, s = naive_recurrent_gated_delta_rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi],
-                                                    beta[:, lo:hi], scale, h0, normalize_qk=not qk_normalized)
+                                                    beta[:, lo:hi], scale, h0)
             outs.append(o.to(v.dtype))
             states.append(s)
         return torch.cat(outs, dim=1), torch.cat(states)
     return ops[0](q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=not qk_normalized,
-                  cu_seqlens=cu_seqlens)
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, output_final_state=True):
@@ -442,7 +417,7 @@ if HAS_TRITON:
     def _prefill_conv_kernel(x_ptr, stride_x, w_ptr, state_ptr, slot_ptr, first_ptr, seg_ptr, q_ptr, k_ptr, v_ptr,
                              b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, mask_ptr, g_ptr, beta_ptr, R, C, KD, HV,
                              TAPS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-                             HAS_MASK: tl.constexpr, NORM_QK: tl.constexpr = False, HD: tl.constexpr = 1):
+                             HAS_MASK: tl.constexpr):
         """Rows r0..r0+BR−1, channel block cb: silu(Σ_j x[r − (TAPS−1−j)]·w[:, j]), the taps
         before a segment's first row from its slot's conv state, into q | k | v. The block after
         the last channel block: the rows' gates (as _gdn_decode_kernel computes them)."""
@@ -483,13 +458,6 @@ if HAS_TRITON:
         y = (acc * tl.sigmoid(acc)).to(q_ptr.dtype.element_ty)
         row = rows.to(tl.int64)[:, None]
         c2 = ch[None, :]
-        if NORM_QK:
-            if cb * BC < 2 * KD:        # q / k heads in this block (whole heads of HD: KD and BC are multiples of HD)
-                y32 = tl.reshape(y.to(tl.float32), (BR, BC // HD, HD))
-                rstd = 1 / tl.sqrt(tl.sum(y32 * y32, axis=2) + 1e-6)      # fla's l2norm_fwd
-                qk_head = (cb * BC + tl.arange(0, BC // HD) * HD) < 2 * KD
-                rstd = tl.where(qk_head[None, :], rstd, 1.0)              # v heads: times 1, exact
-                y = tl.reshape(y32 * rstd[:, :, None], (BR, BC)).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + row * KD + c2, y, mask=ok & (c2 < KD))
         tl.store(k_ptr + row * KD + c2 - KD, y, mask=ok & (c2 >= KD) & (c2 < 2 * KD))
         tl.store(v_ptr + row * (C - 2 * KD) + c2 - 2 * KD, y, mask=ok & (c2 >= 2 * KD))
