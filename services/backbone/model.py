@@ -571,11 +571,13 @@ class Backbone(nn.Module):
         above its graph's 2.8 ms at batch 1 on the H200 (session 15). Here the ids, frames, slots
         and positions go to the graph's static inputs in one copy from pinned memory (was three
         pageable copies) and the embedding is written straight into the graph's input rows (was
-        a copy and a zeroing launch): the same kernels on the same values as embed +
-        forward_rows, so the same bits. Padding rows embed token 0 as a text row (their outputs
-        are dropped, their writes go to the spare slot). Off unless `decode_from_ids_on`
-        (DRAMA_DECODE_FROM_IDS=1): not yet measured on a GPU. `_graph_device` off CUDA is for
-        tests: the same staging before the graph's function run eagerly."""
+        a copy and a zeroing launch), and the embedding replays from a graph of its own (its
+        Triton launch alone took ~45 µs of host time): the same kernels on the same values as
+        embed + forward_rows, so the same bits. Padding rows embed token 0 as a text row (their
+        outputs are dropped, their writes go to the spare slot). On unless DRAMA_DECODE_FROM_IDS=0
+        (`decode_from_ids_on`): the host's time before the replay went 0.2 -> 0.05 ms on the H200
+        (docs/perf.md, session 16). `_graph_device` off CUDA is for tests: the same staging before
+        the graph's function run eagerly."""
         if not (self.decode_from_ids_on and self.kernels and self.decode_graphs and self._graph_device()
                 and 0 < len(segments) <= DECODE_BUCKETS[-1] and all(s.count == 1 for s in segments)):
             return None
@@ -592,7 +594,7 @@ class Backbone(nn.Module):
         if width:
             staged += frames.reshape(-1).tolist() + [-1] * (pad * width)
         host.numpy()[:] = staged
-        # The step's end syncs its stream (engine.step), so the next step never refills `host`
+        # The step's end syncs its stream (BackboneEngine._step), so the next step never refills `host`
         # while this copy may still read it.
         inputs.copy_(host, non_blocking=True)
         embed.replay()                         # the embedding of the staged rows into static_x

@@ -10,7 +10,7 @@ A step of one group of sessions:
     1. admit queued sessions FIFO while the engine has free slots (each gets its first chunk's rows);
     2. plan: at most one entry per session, decode rows first (one row: the frame the tower just
        drew), then prefill pieces within the step's prefill row budget, at most `max_rows` entries;
-    3. `engine.step` on the engine thread (the event loop never blocks on the model);
+    3. `engine.step_to_host` on the engine thread (the event loop never blocks on the model);
     4. send one TowerStep with every row (hidden, targets, draws, and the releases so far);
     5. when its StepResponse comes back, route the drawn frames: buffer and emit them, end chunks
        on `stop` (STOP) or at `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
@@ -55,7 +55,7 @@ a session restored from the voice prefix has its further pieces wait for the res
 the lane: on the CPU exact path they are bit-identical with it on and off
 (tests/test_prefill_lane.py).
 
-Engine calls: `open` and `release` are made by the coroutines on the event loop; `engine.step`
+Engine calls: `open` and `release` are made by the coroutines on the event loop; `engine.step_to_host`
 runs on the main engine thread (decode groups) or the lane's thread, never two steps on one slot
 (engine.py: its lock guards bookkeeping only, so the two steps overlap). `cancel` and the
 tower's loss callback only set flags and wake the loop.
@@ -1055,7 +1055,7 @@ class Scheduler:
     def _compute(self, work, store_slots: list[int], lane: bool):
         """On an engine thread (the main one, or the lane's): the step (timed here), snapshots of
         the slots that just ended a prefix, and the rows copied to the host. On CUDA with the
-        lane each thread runs on its own stream; engine.step waits for its stream's work, so the
+        lane each thread runs on its own stream; engine.step_to_host waits for its stream's work, so the
         time includes the GPU's."""
         stream = self._lane_stream if lane else self._main_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
