@@ -74,7 +74,8 @@ class BackboneEngine:
         self._open = [False] * max_sessions
         self._busy: set[int] = set()                       # slots inside a running step
         self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
-        self._cuda = model.device.type == "cuda"
+        self._device = model.device                         # the property costs ~5 µs a read (nn.Module lookups)
+        self._cuda = self._device.type == "cuda"
         self._code_limits: np.ndarray | None = None        # _bad_rows' bound per codebook column
         self._lock = threading.Lock()
         if not getattr(model, "kernels", False):
@@ -219,7 +220,7 @@ class BackboneEngine:
             self._wait_ready(seen)
         done = False
         try:
-            device = self.model.device
+            device = self._device
             # a decode step replayed from a graph may take the ids as they are (Backbone.decode_from_ids)
             hidden = self.model.decode_from_ids(all_ids, all_frames if self.num_codebooks else None,
                                                 segments, self.caches)
