@@ -46,10 +46,16 @@ def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> to
             row.temperature, row.top_p, row.top_k = s.temperature, s.top_p, s.top_k
             row.repetition_penalty = s.repetition_penalty
         rows.append(row)
-    return tower_pb2.StepRequest(
+    request = tower_pb2.StepRequest(
         step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden, hidden_dtype),
-        targets=tensor_to_bytes(step.targets, torch.int16), release=step.release,
-        trace_context=step.trace_context)
+        targets=tensor_to_bytes(step.targets, torch.int16))
+    # set only when there is something to set: an empty map costs ~2 µs a step (most steps have
+    # no releases and no trace context)
+    if step.release:
+        request.release.extend(step.release)
+    if step.trace_context:
+        request.trace_context.update(step.trace_context)
+    return request
 
 
 def step_result(response: tower_pb2.StepResponse, n_entries: int, codebooks: int) -> TowerResult:
