@@ -90,6 +90,22 @@ def test_decode_row_equals_prefill_row(model, engine):
     assert torch.equal(decoded[130], full[130])
 
 
+def test_step_to_host_equals_step(model, engine):
+    """step_to_host (what the scheduler calls) gives the rows `step` gives, in one host tensor,
+    for a step of two entries (a prompt beside a decode row), and the sessions advance alike."""
+    tokens, frames = make_prompt(model, 12, seed=4)
+    other = BackboneEngine(model, max_sessions=4, max_context=512)
+    got = []
+    for eng in (engine, other):
+        a, b = eng.open(), eng.open()
+        eng.step([(b, tokens[:3], frames[:3])])
+        work = [(a, tokens[3:10], frames[3:10]), (b, tokens[10:11], frames[10:11])]
+        got.append(torch.cat(eng.step(work)) if eng is engine else eng.step_to_host(work))
+        assert (eng.length(a), eng.length(b)) == (7, 4)
+    assert got[1].device.type == "cpu" and torch.equal(got[0], got[1])
+    assert other.step_to_host([]).shape == (0, model.config.hidden_size)
+
+
 def test_rows_do_not_depend_on_batch_neighbours_or_slot(model, engine):
     """A session's rows are bit-identical alone (slot 0) and beside two others (slot 2), whose
     pieces have other sizes in the same steps."""

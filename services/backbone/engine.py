@@ -76,7 +76,9 @@ class BackboneEngine:
         self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
         self._device = model.device                         # the property costs ~5 µs a read (nn.Module lookups)
         self._cuda = self._device.type == "cuda"
-        self._code_limits: np.ndarray | None = None        # _bad_rows' bound per codebook column
+        spec = model.audio                                  # _bad_rows' bound per codebook column
+        self._code_limits = None if spec is None else np.array(
+            [spec.semantic_codebook_size] + [spec.residual_codebook_size] * (spec.num_codebooks - 1), dtype=np.uint64)
         self._lock = threading.Lock()
         if not getattr(model, "kernels", False):
             # The exact and batched paths look rotary angles up in a table that grows on demand;
@@ -228,12 +230,10 @@ class BackboneEngine:
                 token_ids = all_ids.to(device)
                 frames = all_frames.to(device) if self.num_codebooks else None
                 hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
-            # one copy (the kernel path may return a graph's buffer, valid until its next replay)
+            # one copy (the kernel path may return a graph's buffer, valid until its next replay);
+            # on the CPU the rows are on the host already
             if to_host and self._cuda:
-                rows = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-                hidden = rows.copy_(hidden, non_blocking=True)
-            elif to_host:
-                hidden = hidden.to("cpu", copy=True)
+                hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True).copy_(hidden, non_blocking=True)
             else:
                 hidden = hidden.clone()
             if self._cuda:
@@ -318,9 +318,6 @@ class BackboneEngine:
         if frames.shape[1]:
             spec = self.model.audio
             codes = frames.numpy()
-            if self._code_limits is None or self._code_limits.shape[0] != codes.shape[1]:
-                self._code_limits = np.array([spec.semantic_codebook_size]
-                                             + [spec.residual_codebook_size] * (codes.shape[1] - 1), dtype=np.uint64)
             audio = (codes != -1).any(axis=1)
             wrong = ((codes.view(np.uint64) >= self._code_limits).any(axis=1)
                      | (ids != spec.semantic_start_token_id + codes[:, 0]))

@@ -231,8 +231,9 @@ class DecoderLayer(nn.Module):
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
         # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only. Other
         # steps route on cuBLAS's F32 logits, whose input the norm writes in F32 too (no copy).
-        u, u32 = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=True) \
-            if not batch.plan.decode else (dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps), None)
+        widened = not batch.plan.decode
+        normed = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=widened)
+        u, u32 = normed if widened else (normed, None)
         return self.mlp.forward_kernels(u, h, decode=batch.plan.decode or batch.plan.row_mask is not None,
                                         config=batch.plan.moe_config, dense_decode=batch.plan.decode,
                                         gemm_rows=batch.plan.gemm_rows, norm_weight=next_norm, eps=self.eps, u32=u32)
