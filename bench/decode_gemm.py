@@ -209,12 +209,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--backbone", action="store_true", help="time the whole graphed decode step instead")
     parser.add_argument("--cublas-tiles", type=int, nargs="+", metavar="ROWS",
                         help="time linear_rows with these padded tiles instead (M = --rows)")
+    parser.add_argument("--variants", action="store_true",
+                        help="time the default config with other MMA tiles (BM 16 / 64), row partitions and "
+                             "L2 prefetch before the PDL wait, at --rows")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_gemm.py needs a CUDA GPU")
     if args.backbone:
         results = backbone(args)
+    elif args.variants:
+        results = variants(args)
     elif args.cublas_tiles:
         results = cublas_tiles(args)
     else:
@@ -247,6 +252,30 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results
+
+
+def variants(args) -> list[dict]:
+    """--variants: per shape, config_for's config with BM (rows per MMA tile: 16 is the per-warp
+    mma.sync, 64 Hopper's warpgroup MMA) 16 or 64, the row partitions each allows at 128 rows, and
+    PREFETCH 0 or 8 (weight lines asked of L2 before the PDL wait), against cuBLAS; `inv` checks
+    each variant's rows alone against themselves inside 128."""
+    from services.backbone.kernels import decode_gemm
+
+    print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second; PDL "
+          f"{'on' if decode_gemm.pdl_args() else 'off'}")
+    print(HEADER)
+    out = []
+    for shape in SHAPES:
+        name, n, k, dtype = shape[:4]
+        if (args.shapes and name not in args.shapes) or dtype == torch.float32:
+            continue
+        base = decode_gemm.config_for(n, k, dtype)
+        out += bench_shape(shape, args.rows, [None], args)
+        for bm, tiles in ((16, None), (16, 8), (64, 1), (64, 2)):
+            for prefetch in (0, 8):
+                config = dict(base, BM=bm, PREFETCH=prefetch)
+                out += bench_shape(shape, args.rows, [config], args, tiles=(tiles,))
+    return out
 
 
 def cublas_tiles(args) -> list[dict]:

@@ -45,9 +45,16 @@ def cases() -> dict:
     int arguments that are multiples of 16 at the full preset)."""
     import triton.language as tl
 
-    from services.backbone.kernels import gdn, moe_decode
+    from services.backbone.kernels import decode_gemm, gdn, moe_decode
 
     cfg = moe_decode.DECODE_CONFIG
+    gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"))
+    gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "K_RANGE"}
+
+    def gemm(bm, tiles, prefetch=8):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
+        return (decode_gemm._decode_gemm_kernel, gemm_ptrs,
+                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True,
+                     PREFETCH=prefetch, LINE=64, **dot), 4, 3, gemm_div16)
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
     moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
                     num_active_ptr=_ptr("i32"))
@@ -82,6 +89,11 @@ def cases() -> dict:
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
+        "gemm_bm16_t4": gemm(16, 4),
+        "gemm_bm16_t8": gemm(16, 8),
+        "gemm_bm64_t1": gemm(64, 1),
+        "gemm_bm64_t2": gemm(64, 2),
+        "gemm_bm64_t2_nopf": gemm(64, 2, prefetch=0),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),

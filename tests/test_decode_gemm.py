@@ -326,9 +326,9 @@ def test_backbone_decode_steps_take_decode_linear(monkeypatch):
     def forced(decode, x, gemm_rows=None):      # decode_gemm.dense_linear's signature
         if not decode:
             return invariant.linear_rows
-        def linear(x, weight, residual=None):
+        def linear(x, weight, residual=None, **hints):     # residual_out= (linear_rows' hint)
             calls.append((x.shape[0], weight.dtype))
-            return decode_gemm.decode_linear(x, weight, residual)
+            return decode_gemm.decode_linear(x, weight, residual, **hints)
         return linear
 
     ref = random_backbone(MID, device="cpu", seed=4)

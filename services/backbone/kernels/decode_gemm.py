@@ -65,22 +65,29 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from services.common import invariant
 from services.common.grpcutil import env_choice
 
-from . import HAS_TRITON, INTERPRET, bf16_dot_args
+from . import HAS_TRITON, INTERPRET, bf16_dot_args, pdl_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from . import pdl_prologue
+
 ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
 MAX_TILES_PER_PROGRAM = 4   # default cap on 16-row tiles per program (the kernel takes up to 8)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 BACKEND = env_choice("DRAMA_DECODE_GEMM", ("cublas", "triton"))   # read once at import
+# (measuring, session 17) rows per MMA tile of the bf16 shapes (16: mma.sync; 64: Hopper's
+# warpgroup MMA) and the weight lines each program asks L2 for before its PDL wait
+MMA_ROWS = int(os.environ.get("DRAMA_DECODE_GEMM_BM", "16"))
+PREFETCH_LINES = int(os.environ.get("DRAMA_DECODE_GEMM_PREFETCH", "0"))
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -119,10 +126,11 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
             split *= 2
         if _cdiv(n, bn) * split < 256:
             bn = 32
-    return dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
+    return dict(BM=ROWS if f32 else MMA_ROWS, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3,
+                PREFETCH=PREFETCH_LINES)
 
 
-def tiles_for(m: int, programs: int, weight_bytes: int) -> int:
+def tiles_for(m: int, programs: int, weight_bytes: int, bm: int = ROWS) -> int:
     """16-row tiles per program for M = m rows: how the rows are dealt out to programs, the one
     launch choice that may depend on M (it never changes a row's bits, see the module docstring).
 
@@ -132,20 +140,20 @@ def tiles_for(m: int, programs: int, weight_bytes: int) -> int:
     re-reading its weight tiles from L2) while the grid has fewer than 4 programs per SM and the
     extra weight reads stay small (<= 64 MB through L2: the shared expert, router, out_proj at
     32 rows; never GDN in_proj or attention qkv, whose weights alone are 38-51 MB)."""
-    tiles = min(MAX_TILES_PER_PROGRAM, _pow2_tiles(m))
+    tiles = min(max(1, MAX_TILES_PER_PROGRAM * ROWS // bm), _pow2_tiles(m, bm))
     while tiles > 1:
-        finer = _cdiv(_cdiv(m, ROWS), tiles // 2)
-        if programs * _cdiv(_cdiv(m, ROWS), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
+        finer = _cdiv(_cdiv(m, bm), tiles // 2)
+        if programs * _cdiv(_cdiv(m, bm), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
             break
         tiles //= 2
     return tiles
 
 
-def _pow2_tiles(m: int) -> int:
+def _pow2_tiles(m: int, bm: int = ROWS) -> int:
     """16-row tiles covering m rows, rounded up to a power of two: tiles_for halves it, and its
     answer must be 1, 2, 4 or 8 (33-48 rows, the decode bucket 48, started from 3 and were refused
     at launch; launch_plan then caps the tiles at the rows' own)."""
-    return 1 << (max(1, _cdiv(m, ROWS)) - 1).bit_length()
+    return 1 << (max(1, _cdiv(m, bm)) - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -159,16 +167,19 @@ def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None 
     partition, the only M-dependent part: `tiles` (16-row tiles per program, tiles_for unless
     given) and `groups` (row groups of 16·tiles rows, one grid axis)."""
     cfg = dict(config or config_for(n, k, dtype))
+    cfg.setdefault("BM", ROWS)
+    cfg.setdefault("PREFETCH", 0)
+    bm = cfg["BM"]
     steps = _cdiv(k, cfg["BK"])
     k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
     splits = _cdiv(k, k_range)
     if tiles is None:
         itemsize = 4 if dtype == torch.float32 else 2
-        tiles = tiles_for(m, _cdiv(n, cfg["BN"]) * splits, n * k * itemsize)
+        tiles = tiles_for(m, _cdiv(n, cfg["BN"]) * splits, n * k * itemsize, bm)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles per program must be 1, 2, 4 or 8, got {tiles}")
-    tiles = min(tiles, max(1, _cdiv(m, ROWS)))
-    return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, groups=max(1, _cdiv(m, ROWS * tiles)))
+    tiles = min(tiles, max(1, _cdiv(m, bm)))
+    return dict(cfg, k_range=k_range, splits=splits, tiles=tiles, groups=max(1, _cdiv(m, bm * tiles)))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
@@ -224,16 +235,19 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     # row groups on the fastest grid axis: the programs that share a weight tile start together,
     # so one reads it from HBM and the others find it in L2
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
+    pdl = pdl_args()
+    line = 128 // weight.element_size()                  # elements per 128-byte line
+    prefetch = min(plan["PREFETCH"], triton.next_power_of_2(triton.cdiv(plan["k_range"], line))) if pdl else 0
     _decode_gemm_kernel[grid](
         x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
-        plan["k_range"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
-        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
+        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec, PREFETCH=prefetch, LINE=line,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl)
     if splits > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl)
     return out
 
 
@@ -241,7 +255,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_dot(acc, x_ptr, rows, M, stride_xm, kk, k_ok, w, DOT: tl.constexpr, PREC: tl.constexpr):
-        """acc [16, BN] + x[rows, kk] · w [BK, BN]: one 16-row MMA step, rows past M as zeros."""
+        """acc [BM, BN] + x[rows, kk] · w [BK, BN]: one MMA step of a BM-row tile, rows past M as zeros."""
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
         return tl.dot(x.to(DOT), w, acc, input_precision=PREC, out_dtype=tl.float32)
@@ -261,31 +275,47 @@ if HAS_TRITON:
             tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
+    def _prefetch_l2(ptrs, mask):
+        """`prefetch.global.L2` of the 128-byte lines at ptrs (where mask): no registers held, no
+        result; the loads that follow find the lines in L2."""
+        tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];", "=r,l,b", [ptrs, mask], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                             stride_om, K_RANGE,
-                            BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr, FINAL: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """Program (row group, column block, K range): out[rows, block] for the group's 16·TILES
-        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
+                            FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr,
+                            PREC: tl.constexpr, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
+                            PDL: tl.constexpr = False):
+        """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
+        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials).
+        PREFETCH: before waiting for the kernel ahead (PDL), ask L2 for the first PREFETCH lines
+        (LINE elements each) of every weight row this program reads: the weight is not written by
+        any kernel of the step, so its reads need not wait, and they overlap the kernel ahead."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
-        offs_k = tl.arange(0, BK)
-        rows0 = tl.arange(0, 16)
         k_lo = pid_k * K_RANGE
         k_hi = tl.minimum(K, k_lo + K_RANGE)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
+        if PREFETCH > 0:
+            lines = k_lo + tl.arange(0, PREFETCH) * LINE
+            _prefetch_l2(w_cols + lines[:, None], (lines < k_hi)[:, None] & n_ok[None, :])
+        pdl_prologue(PDL)
+        offs_k = tl.arange(0, BK)
+        rows0 = tl.arange(0, BM)
         out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
-        m0 = pid_m * (16 * TILES)                          # this program's first row
-        # one accumulator per 16-row tile; tiles >= TILES are pruned at compile time
-        acc0 = tl.zeros([16, BN], dtype=tl.float32)
-        acc1 = tl.zeros([16, BN], dtype=tl.float32)
-        acc2 = tl.zeros([16, BN], dtype=tl.float32)
-        acc3 = tl.zeros([16, BN], dtype=tl.float32)
-        acc4 = tl.zeros([16, BN], dtype=tl.float32)
-        acc5 = tl.zeros([16, BN], dtype=tl.float32)
-        acc6 = tl.zeros([16, BN], dtype=tl.float32)
-        acc7 = tl.zeros([16, BN], dtype=tl.float32)
+        m0 = pid_m * (BM * TILES)                          # this program's first row
+        # one accumulator per BM-row tile; tiles >= TILES are pruned at compile time
+        acc0 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc4 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc5 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc6 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc7 = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
             kk = k0 + offs_k
             k_ok = kk < k_hi
@@ -293,46 +323,47 @@ if HAS_TRITON:
             w = w.to(DOT)
             acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 1:
-                acc1 = _tile_dot(acc1, x_ptr, m0 + 16 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc1 = _tile_dot(acc1, x_ptr, m0 + BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 2:
-                acc2 = _tile_dot(acc2, x_ptr, m0 + 32 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc2 = _tile_dot(acc2, x_ptr, m0 + 2 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 3:
-                acc3 = _tile_dot(acc3, x_ptr, m0 + 48 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc3 = _tile_dot(acc3, x_ptr, m0 + 3 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 4:
-                acc4 = _tile_dot(acc4, x_ptr, m0 + 64 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc4 = _tile_dot(acc4, x_ptr, m0 + 4 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 5:
-                acc5 = _tile_dot(acc5, x_ptr, m0 + 80 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc5 = _tile_dot(acc5, x_ptr, m0 + 5 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 6:
-                acc6 = _tile_dot(acc6, x_ptr, m0 + 96 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc6 = _tile_dot(acc6, x_ptr, m0 + 6 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 7:
-                acc7 = _tile_dot(acc7, x_ptr, m0 + 112 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+                acc7 = _tile_dot(acc7, x_ptr, m0 + 7 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
         _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
         if TILES > 1:
-            _tile_store(acc1, m0 + 16 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc1, m0 + BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 2:
-            _tile_store(acc2, m0 + 32 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc2, m0 + 2 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 3:
-            _tile_store(acc3, m0 + 48 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc3, m0 + 3 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 4:
-            _tile_store(acc4, m0 + 64 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc4, m0 + 4 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 5:
-            _tile_store(acc5, m0 + 80 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc5, m0 + 5 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 6:
-            _tile_store(acc6, m0 + 96 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc6, m0 + 6 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
         if TILES > 7:
-            _tile_store(acc7, m0 + 112 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
+            _tile_store(acc7, m0 + 7 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
 
     @triton.jit
     def _split_reduce_kernel(part_ptr, r_ptr, out_ptr, MN, N, stride_rm, stride_om, SPLIT: tl.constexpr,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """out = ((p0 + p1) + ..) + residual, rounded once: the K ranges in order, for every element."""
+        pdl_prologue(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < MN
         row, col = offs // N, offs % N
