@@ -18,8 +18,8 @@ triton.testing.do_bench); µs per call and GB/s of weight bytes read. The router
 includes its F32 copy of u, as serving does it (decode_linear reads bf16 u). Before timing:
 `err` is decode_linear's max |diff| / max |ref| against the float64 reference on 4 rows, and
 `inv` says whether rows alone (M = 1) and inside M = 8 and 32 equal their bits inside M = 128 at
-positions 0, 1, 15, 16, 31, 63, 64, 127, and M = 128 equals the single-program partition (all 8
-tiles in one program, tiles=8) ("yes" or the first failure). The last column is the config and
+positions 0, 1, 15, 16, 31, 63, 64, 127, and M = 128 equals the single-program partition (all
+its tiles in one program, tiles=8) ("yes" or the first failure). The last column is the config and
 the row partition (t tiles per program x g row groups).
 What to look for: inv = yes everywhere; at M = 1 most shapes near 3 TB/s+; at M = 32 and 128
 the Triton time at most cuBLAS's (the decode step needs both to take triton as its default).
@@ -175,7 +175,7 @@ def sweep_configs(n: int, k: int, dtype) -> list[dict]:
                 programs = -(-n // bn) * split
                 if k // split < bk or programs < 64 or programs > 1024:
                     continue
-                out.append(dict(BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3))
+                out.append(dict(BM=16 if f32 else 64, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3))
     return out
 
 
@@ -210,8 +210,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--cublas-tiles", type=int, nargs="+", metavar="ROWS",
                         help="time linear_rows with these padded tiles instead (M = --rows)")
     parser.add_argument("--variants", action="store_true",
-                        help="time the default config with other MMA tiles (BM 16 / 64), row partitions and "
-                             "L2 prefetch before the PDL wait, at --rows")
+                        help="time the default config with other MMA tiles (BM 16 / 64) and row partitions, "
+                             "at --rows")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -256,9 +256,8 @@ def main(argv=None) -> dict:
 
 def variants(args) -> list[dict]:
     """--variants: per shape, config_for's config with BM (rows per MMA tile: 16 is the per-warp
-    mma.sync, 64 Hopper's warpgroup MMA) 16 or 64, the row partitions each allows at 128 rows, and
-    PREFETCH 0 or 8 (weight lines asked of L2 before the PDL wait), against cuBLAS; `inv` checks
-    each variant's rows alone against themselves inside 128."""
+    mma.sync, 64 Hopper's warpgroup MMA) 16 or 64 and the row partitions each allows at 128 rows,
+    against cuBLAS; `inv` checks each variant's rows alone against themselves inside 128."""
     from services.backbone.kernels import decode_gemm
 
     print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second; PDL "
@@ -272,9 +271,7 @@ def variants(args) -> list[dict]:
         base = decode_gemm.config_for(n, k, dtype)
         out += bench_shape(shape, args.rows, [None], args)
         for bm, tiles in ((16, None), (16, 8), (64, 1), (64, 2)):
-            for prefetch in (0, 8):
-                config = dict(base, BM=bm, PREFETCH=prefetch)
-                out += bench_shape(shape, args.rows, [config], args, tiles=(tiles,))
+            out += bench_shape(shape, args.rows, [dict(base, BM=bm)], args, tiles=(tiles,))
     return out
 
 

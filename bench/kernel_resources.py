@@ -51,10 +51,11 @@ def cases() -> dict:
     gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "K_RANGE"}
 
-    def gemm(bm, tiles, prefetch=8):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
+    def gemm(bm, tiles):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
         return (decode_gemm._decode_gemm_kernel, gemm_ptrs,
-                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True,
-                     PREFETCH=prefetch, LINE=64, **dot), 4, 3, gemm_div16)
+                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True, **dot),
+                4, 3, gemm_div16)
+
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
     moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
                     num_active_ptr=_ptr("i32"))
@@ -89,11 +90,9 @@ def cases() -> dict:
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
-        "gemm_bm16_t4": gemm(16, 4),
-        "gemm_bm16_t8": gemm(16, 8),
-        "gemm_bm64_t1": gemm(64, 1),
+        "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
-        "gemm_bm64_t2_nopf": gemm(64, 2, prefetch=0),
+        "gemm_bm16_t4": gemm(16, 4),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),

@@ -63,17 +63,20 @@ def assert_matches_reference(got, x, w, r):
 # --- runs everywhere ---------------------------------------------------------------------------
 
 def test_config_never_depends_on_the_row_count():
-    """Everything that sets a row's summation order (BN, BK, the K ranges, warps, stages) is the
-    same for M = 1..300; only the row partition (tiles per program, row groups) changes, and its
-    groups cover every row."""
+    """Everything that sets a row's summation order (BM, BN, BK, the K ranges, warps, stages) is
+    the same for M = 1..300; only the row partition (tiles per program, row groups) changes, and
+    its groups cover every row. bf16 weights take the warpgroup MMA's 64-row tiles, the F32
+    router 16-row ones."""
     for _, n, k, dtype, _ in REAL + [("odd", 80, 256, torch.bfloat16, False)]:
         rows = (1, 2, 3, 16, 17, 24, 33, 48, 64, 80, 96, 112, 127, 128, 300)    # the decode buckets among them
         plans = [decode_gemm.launch_plan(m, n, k, dtype) for m in rows]
         fixed = [{key: v for key, v in p.items() if key not in ("tiles", "groups")} for p in plans]
         assert all(f == fixed[0] for f in fixed), fixed
+        bm = plans[0]["BM"]
+        assert bm == (16 if dtype == torch.float32 else 64)
         for m, p in zip(rows, plans):
-            assert 1 <= p["tiles"] <= decode_gemm.MAX_TILES_PER_PROGRAM, (m, p)
-            assert p["groups"] * p["tiles"] * 16 >= m > (p["groups"] - 1) * p["tiles"] * 16, (m, p)
+            assert 1 <= p["tiles"] <= max(1, decode_gemm.MAX_ROWS_PER_PROGRAM // bm), (m, p)
+            assert p["groups"] * p["tiles"] * bm >= m > (p["groups"] - 1) * p["tiles"] * bm, (m, p)
         assert plans[0]["tiles"] == plans[3]["tiles"] == 1
 
 
@@ -86,18 +89,24 @@ def test_row_partition_is_a_power_of_two_at_every_decode_bucket():
     for m in DECODE_BUCKETS + (3, 33, 40, 300):
         for programs in (1, 64, 600, 5000):
             for weight_bytes in (1, 100 << 20):
-                assert decode_gemm.tiles_for(m, programs, weight_bytes) in (1, 2, 4, 8), (m, programs, weight_bytes)
+                for bm in (16, 64):
+                    assert decode_gemm.tiles_for(m, programs, weight_bytes, bm) in (1, 2, 4, 8), (m, programs, bm)
 
 
 def test_forced_row_partition():
     """decode_linear(tiles=..) (benchmarks, tests) takes 1, 2, 4 or 8 tiles per program, capped at
     the tiles M needs; anything else is an error."""
-    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=8)
+    narrow = dict(decode_gemm.config_for(2048, 4096, torch.bfloat16), BM=16)
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, narrow, tiles=8)
     assert (plan["tiles"], plan["groups"]) == (8, 1)
-    plan = decode_gemm.launch_plan(40, 2048, 4096, torch.bfloat16, tiles=8)
+    plan = decode_gemm.launch_plan(40, 2048, 4096, torch.bfloat16, narrow, tiles=8)
     assert (plan["tiles"], plan["groups"]) == (3, 1)
-    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=1)
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, narrow, tiles=1)
     assert (plan["tiles"], plan["groups"]) == (1, 8)
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=8)       # BM 64
+    assert (plan["BM"], plan["tiles"], plan["groups"]) == (64, 2, 1)
+    plan = decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16)
+    assert (plan["tiles"], plan["groups"]) == (1, 2)
     with pytest.raises(ValueError, match="tiles per program"):
         decode_gemm.launch_plan(128, 2048, 4096, torch.bfloat16, tiles=3)
 
@@ -136,16 +145,16 @@ def test_rejects_bad_arguments():
 
 
 def test_switch(monkeypatch):
-    """cublas (the default) always gives invariant.linear_rows; triton only on a decode step with
-    x on CUDA; a bad value is an error."""
+    """triton (the default) only on a decode step with x on CUDA; cublas always gives
+    invariant.linear_rows; a bad value is an error."""
     x = torch.zeros(1, 8)
-    read = lambda: env_choice("DRAMA_DECODE_GEMM", ("cublas", "triton"))  # noqa: E731 (as decode_gemm reads it)
+    read = lambda: env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))  # noqa: E731 (as decode_gemm reads it)
     monkeypatch.delenv("DRAMA_DECODE_GEMM", raising=False)
-    assert read() == "cublas"
-    monkeypatch.setenv("DRAMA_DECODE_GEMM", "")
-    assert read() == "cublas"
-    monkeypatch.setenv("DRAMA_DECODE_GEMM", "Triton ")
     assert read() == "triton"
+    monkeypatch.setenv("DRAMA_DECODE_GEMM", "")
+    assert read() == "triton"
+    monkeypatch.setenv("DRAMA_DECODE_GEMM", "CUBLAS ")
+    assert read() == "cublas"
     monkeypatch.setenv("DRAMA_DECODE_GEMM", "cutlass")
     with pytest.raises(ValueError, match="DRAMA_DECODE_GEMM"):
         read()
@@ -162,6 +171,7 @@ def test_switch(monkeypatch):
 # --- the kernel (GPU or interpreter) -----------------------------------------------------------
 
 WHOLE_K = dict(BN=32, BK=128, SPLIT=1, num_warps=4, num_stages=3)      # the GEMM kernel rounds
+WIDE = dict(WHOLE_K, BM=64)                                              # 64-row (warpgroup) tiles
 
 
 @kernel
@@ -170,8 +180,9 @@ WHOLE_K = dict(BN=32, BK=128, SPLIT=1, num_warps=4, num_stages=3)      # the GEM
     (80, 256, torch.bfloat16, False, WHOLE_K),       # N % BN != 0
     (80, 256, torch.bfloat16, True, WHOLE_K),
     (72, 1024, torch.bfloat16, True, None),          # split K (8 ranges), N % BN != 0
-    (40, 320, torch.float32, False, None)],          # F32, split K, K % BK != 0
-    ids=["bf16", "bf16-residual", "bf16-split-residual", "f32-split"])
+    (40, 320, torch.float32, False, None),           # F32, split K, K % BK != 0
+    (80, 256, torch.bfloat16, True, WIDE)],
+    ids=["bf16", "bf16-residual", "bf16-split-residual", "f32-split", "bf16-wide-residual"])
 def test_matches_reference(m, n, k, dtype, residual, config):
     x, w, r = operands(m, n, k, dtype, residual)
     got = decode_gemm.decode_linear(x, w, r, config=config)
@@ -184,11 +195,12 @@ def test_matches_reference(m, n, k, dtype, residual, config):
 @pytest.mark.parametrize("n,k,dtype,residual,config", [
     (80, 256, torch.bfloat16, True, WHOLE_K),
     (72, 1024, torch.bfloat16, True, dict(BN=32, BK=128, SPLIT=4, num_warps=4, num_stages=3)),
-    (40, 320, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3))],
-    ids=["bf16-residual", "bf16-split-residual", "f32-split"])
+    (40, 320, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3)),
+    (80, 256, torch.bfloat16, True, WIDE)],
+    ids=["bf16-residual", "bf16-split-residual", "f32-split", "bf16-wide-residual"])
 def test_row_partition_keeps_bits(m, n, k, dtype, residual, config):
     """The rows dealt out as 1, 2 or 4 tiles per program (several row groups) give the same bits as
-    the original single program carrying all 8 tiles (tiles=8, one group up to 128 rows)."""
+    a single program carrying all its tiles (tiles=8, one group up to 128 rows)."""
     x, w, r = operands(m, n, k, dtype, residual, seed=11)
     single = decode_gemm.decode_linear(x, w, r, config=config, tiles=8)
     assert decode_gemm.launch_plan(m, n, k, dtype, config, tiles=8)["groups"] == 1
@@ -228,11 +240,12 @@ SOME_POSITIONS = (0, 1, 7, 15, 16, 31, 47, 64, 100, 127)     # first/inner/last 
 @pytest.mark.parametrize("n,k,dtype,residual,config,positions", [
     (32, 256, torch.bfloat16, True, None, range(128)),
     (32, 256, torch.bfloat16, True, dict(BN=32, BK=128, SPLIT=2, num_warps=4, num_stages=3), SOME_POSITIONS),
-    (24, 128, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3), SOME_POSITIONS)],
-    ids=["bf16-residual", "bf16-split-residual", "f32-split"])
+    (24, 128, torch.float32, False, dict(BN=32, BK=64, SPLIT=2, num_warps=4, num_stages=3), SOME_POSITIONS),
+    (32, 256, torch.bfloat16, True, dict(WIDE, BM=16), SOME_POSITIONS)],
+    ids=["bf16-residual", "bf16-split-residual", "f32-split", "bf16-narrow-residual"])
 def test_row_alone_equals_row_in_batch_of_128(n, k, dtype, residual, config, positions):
     """Issue #8, bit for bit: a row alone (M = 1) equals the same row inside the 128-row batch,
-    at every position (every 16-row tile, every place inside a tile) for the plain kernel, and
+    at every position (both 64-row tiles, every place inside a tile) for the plain kernel, and
     at positions in several tiles for the split-K and F32 variants (interpreter time)."""
     _row_alone_equals_row_in_batch(n, k, dtype, residual, positions, config)
 
@@ -272,8 +285,8 @@ def test_real_shapes_rows_do_not_depend_on_the_batch(name, n, k, dtype, residual
 @gpu
 @pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])
 def test_real_shapes_row_partition_keeps_bits(name, n, k, dtype, residual):
-    """Every real shape at M = 128 and M = 37: 1, 2 or 4 tiles per program give the bits of the
-    original single program with all 8 tiles."""
+    """Every real shape at M = 128 and M = 37: 1, 2 or 4 tiles per program give the bits of a
+    single program with all its tiles."""
     for m in (37, 128):
         x, w, r = operands(m, n, k, dtype, residual, seed=12)
         single = decode_gemm.decode_linear(x, w, r, tiles=8)

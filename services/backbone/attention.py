@@ -22,7 +22,7 @@ fuses q|k|v into one GEMM, does q/k norm + RoPE + the KV write in one Triton lau
 pool (`attend_slots`), other steps per segment through SDPA (`attend_segment`). Neither lets torch
 pick cuDNN, whose SDPA re-plans for every new key length.
 Batch invariance (issue #8): both GEMMs go through services/common/invariant.linear_rows (on
-decode steps with DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the
+CUDA decode steps through kernels/decode_gemm.decode_linear unless DRAMA_DECODE_GEMM=cublas); the
 prologue works per row; decode attention's split size comes from the pool length (not from the
 step's longest row); a prefill segment's SDPA call sees only that session's rows and keys.
 """
@@ -224,7 +224,7 @@ class GatedAttention(nn.Module):
         """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
-        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # decode_linear on CUDA decode steps
         qkv = linear(u, self.qkv_fused)                                  # [R, 2·n_q·d + 2·n_kv·d]
         q = dg.attention_prologue(qkv, self.q_norm.weight, self.k_norm.weight, cache.k, cache.v,
                                   plan.row_slots, plan.positions, n_q=n_q, n_kv=self.num_kv_heads, d_h=d,

@@ -38,7 +38,7 @@ GDN front (`kernels.gdn.prefill_front`: conv, silu, gates and the new conv state
 launches) and one fla chunk call, with cu_seqlens eagerly, or one fla sequence per piece for the
 padded pieces of the prefill graphs (StepPlan.row_mask).
 Batch invariance (issue #8): the GEMMs go through services/common/invariant.linear_rows (on
-decode steps with DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the
+CUDA decode steps through kernels/decode_gemm.decode_linear unless DRAMA_DECODE_GEMM=cublas); the
 conv, gates, decode recurrence and gated norm work per row (or per slot and head) with fixed
 launch configs; fla's varlen chunk kernels give each sequence its own chunks (chunk_indices from
 cu_seqlens), and their autotuning keys hold head counts and sizes, not T or the number of
@@ -405,7 +405,7 @@ class GatedDeltaNet(nn.Module):
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
-        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # decode_linear on CUDA decode steps
         proj = linear(u, self.in_proj_fused)                             # [R, c + n_v·d_v + 2·n_v]
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]

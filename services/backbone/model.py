@@ -229,7 +229,7 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         h = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned)
         # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
-        # the dense decode GEMM (DRAMA_DECODE_GEMM=triton) is for true decode steps only. Other
+        # the dense decode GEMM (kernels/decode_gemm) is for true decode steps only. Other
         # steps route on cuBLAS's F32 logits, whose input the norm writes in F32 too (no copy).
         widened = not batch.plan.decode
         normed = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=widened)

@@ -22,8 +22,8 @@ quantises in route_decode's one launch from the eager prefill's cuBLAS logits; e
 shared expert's gate, up and its scalar gate are one BF16 GEMM. One combine kernel adds everything to the residual (and
 applies the norm that follows, when given).
 Batch invariance (issue #8): the router, shared-expert and BF16-expert GEMMs of the kernel path go
-through services/common/invariant.linear_rows (router and shared expert on decode steps with
-DRAMA_DECODE_GEMM=triton through kernels/decode_gemm.decode_linear); the routed FP8 experts use one kernel config for
+through services/common/invariant.linear_rows (router and shared expert on CUDA decode steps
+through kernels/decode_gemm.decode_linear unless DRAMA_DECODE_GEMM=cublas); the routed FP8 experts use one kernel config for
 every pair count (fp8_moe.kernel_config); top-k and combine work one row per program.
 """
 
@@ -212,7 +212,7 @@ class SparseMoE(nn.Module):
         """(E_s(u) [R, H], its gate logit [R]) from two GEMMs: gate, up and the scalar gate in
         one, then silu(gate)·up and the down projection."""
         i_s = self.shared_down.shape[1]
-        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # decode_linear on CUDA decode steps
         fused = linear(u, self.shared_fused)                             # [R, 2·I_s + 1 (+ zero pad)]
         shared = linear(dg.silu_mul(fused[:, :i_s], fused[:, i_s:2 * i_s]), self.shared_down)
         return shared, fused[:, 2 * i_s]
@@ -221,7 +221,7 @@ class SparseMoE(nn.Module):
                        u32: torch.Tensor | None = None) -> torch.Tensor:
         """F32 router logits [R, E] (§4.6) through the dense GEMM path. u32: u as F32, when the
         caller has it (DecoderLayer: the norm's second output), else copied here."""
-        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # linear_rows unless DRAMA_DECODE_GEMM=triton
+        linear = decode_gemm.dense_linear(dense_decode, u, gemm_rows)    # decode_linear on CUDA decode steps
         if decode_gemm.enabled(dense_decode, u):
             # F32 weight: decode_linear widens bf16 u to F32 in registers (exact), no copy
             return linear(u, self.gate.weight)
@@ -242,7 +242,7 @@ class SparseMoE(nn.Module):
         the other sessions' rows, so a row's bits do not depend on the batch either way (issue #8). `config`: moe_decode's tile
         config (padded pieces pass moe_decode.piece_config of their bucket; None: DECODE_CONFIG).
         `dense_decode` (a true decode step, plan.decode; not padded pieces): the dense GEMMs
-        (router, shared expert) may take kernels/decode_gemm (DRAMA_DECODE_GEMM=triton).
+        (router, shared expert) take kernels/decode_gemm on CUDA (unless DRAMA_DECODE_GEMM=cublas).
         `gemm_rows`: rows per dense GEMM call (StepPlan.gemm_rows; None: invariant.TILE).
         `norm_weight`: return (h', RMSNorm⁺(h')) with the norm in the combine's launch.
         `u32`: u as F32 (the same values), the cuBLAS router's input on steps that are not decode

@@ -3,8 +3,8 @@
     decode_linear(x [M, K], weight [N, K], residual [M, N] | None) -> x·Wᵀ (+ residual) [M, N]
     invariant.linear_rows_reference(...)   its reference: the product row by row in float64
     dense_linear(decode, x)        the GEMM a step's dense projections call: decode_linear for
-                                   decode steps on CUDA when DRAMA_DECODE_GEMM=triton, else
-                                   invariant.linear_rows (the switch is read once at import)
+                                   decode steps on CUDA (DRAMA_DECODE_GEMM=triton, the default),
+                                   else invariant.linear_rows (the switch is read once at import)
     config_for(n, k, dtype)        the kernel's one config for a weight shape (never M)
     tiles_for(m, programs, bytes)  how M rows are dealt out to programs (bit-neutral, see below)
 
@@ -20,9 +20,9 @@ decode step reads once: the H200 decode step spent ~1.9 ms per step in dense GEM
 
 Invariance by construction. The config (BN output columns, BK reduction step, SPLIT K ranges,
 num_warps, num_stages) is a function of the weight's shape and dtype only (`config_for`), never of
-M. Every tl.dot is [16, BK] x [BK, BN] with an F32 accumulator: BLOCK_M = 16 keeps Triton on the
-per-warp MMA (mma.sync; BLOCK_M >= 64 would switch Hopper to the warpgroup MMA, another
-instruction), and the F32 router's IEEE dot is an FMA chain over k. Each output element is then
+M. Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator, BM also the config's: 64 rows for
+bf16 weights, which Triton lowers on Hopper to the warpgroup MMA (wgmma, one instruction shape
+for every tile), 16 for the F32 router, whose IEEE dot is an FMA chain over k. Each output element is then
 Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
 instruction sequence; nothing in that sequence looks at the other rows (rows past M are masked to
 zero and never stored; storage past M is never read). With SPLIT > 1 the range partials go to an
@@ -30,34 +30,46 @@ F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in range order 
 residual: a fixed order, no atomics. With SPLIT = 1 the GEMM kernel adds the residual itself (the
 same arithmetic: partial + residual, one rounding).
 
-Rows are dealt out to programs in groups. A program owns one row group (16·TILES rows, TILES <= 8
-tiles of 16), BN columns and one K range: inside its K loop it loads each [BK, BN] weight tile
+Why BM 64 for bf16 (session 17): the per-warp MMA (mma.sync, BM 16, as first written) is
+Hopper's slower tensor-core path, and at 128 rows it made the kernel compute-bound where cuBLAS is
+not. H200, µs per GEMM in a graph of distinct weights (bench/decode_gemm.py --variants, session
+17 run 1), M = 1 / 128, BM 16 -> 64 (cuBLAS): GDN in_proj 14.6 / 26.7 -> 15.7 / 24.4 (16.4 /
+16.9), out_proj 7.6 / 20.7 -> 8.0 / 14.2 (11.5 / 11.6), attention qkv 13.5 / 26.2 -> 13.5 / 22.9
+(13.6 / 13.5). At M = 1 the 63 zero rows cost nothing the weight stream does not hide. The whole
+graphed decode step (bench/backbone.py, run 2, one machine): cuBLAS 2.848 ms at batch 1 and
+19.76 at 128; this kernel 2.682 and 20.16.
+
+Rows are dealt out to programs in groups. A program owns one row group (BM·TILES rows, TILES <= 8
+tiles of BM), BN columns and one K range: inside its K loop it loads each [BK, BN] weight tile
 once and feeds it to its TILES dots, one F32 accumulator per tile. The grid is (row groups,
 ⌈N/BN⌉ column blocks, SPLIT), row groups fastest, so the programs that share a weight tile start
 together and the later ones should find it in L2. TILES (`tiles_for`) is the one launch choice that
-depends on M: at M <= 16 one tile (tensor-core work wasted on 15 zero rows, which the weight
-stream hides); at 128 rows up to 4 tiles per program in 2 groups (8 tiles in one program, as
-first written, need by our estimate ~144 KB of shared memory at 3 stages: one program per SM, so
-GDN in_proj's 193 programs ran in 2 waves, at 2x cuBLAS); small weights (router, shared expert, out_proj) go
-finer, down to 1 tile per program, since re-reading a 2-17 MB weight from L2 costs less than
-leaving SMs idle. The activations are re-read from L2 once per column block.
+depends on M: one tile while M fits in it; with BM 64, one tile per program and 2 row groups at 128
+rows (a program of 2 tiles needs 147 KB of shared memory at 3 stages, one program per SM; 1 and
+2 tiles timed within 10% of each other); with BM 16 (the F32 router) up to 4 tiles per program,
+finer for small weights, since re-reading a 2-17 MB weight from L2 costs less than leaving SMs
+idle. The activations are re-read from L2 once per column block.
 
 Why the row partition cannot change a row's bits: a row's output element is produced by one
 program's accumulator for the tile holding that row, and that accumulator sees exactly the same
 instructions whichever group the tile is in and however many sibling tiles the program carries:
-the same [16, BK] x [BK, BN] dot shapes and layouts (BN, BK, num_warps are the config's), the same
+the same [BM, BK] x [BK, BN] dot shapes and layouts (BM, BN, BK, num_warps are the config's), the same
 K range and ascending BK steps, the same weight tile values. Tiles never exchange data (each has
 its own accumulator, rows past M are masked to zero). Changing TILES only adds or removes whole
-sibling dots, which is the same freedom the kernel always had (M = 1 ran 1 tile, M = 128 ran 8,
-and the GPU checks found the bits equal). BN, BK, SPLIT and the warps are kept fixed per shape
+sibling dots, which is the same freedom the kernel always had (at BM 16, M = 1 ran 1 tile, M = 128
+ran 8, and the GPU checks found the bits equal). BN, BK, SPLIT and the warps are kept fixed per shape
 on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
 too, but that is codegen detail; the row partition needs no such argument.
 
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
 
-Switch: DRAMA_DECODE_GEMM = cublas (default: every dense GEMM through invariant.linear_rows) or
-triton (decode steps on CUDA through decode_linear). A decode row and a prefill row may then
+PDL: both launches wait for the kernel ahead in pdl_prologue (kernels/__init__.py). Asking L2 for
+the first weight lines before that wait (the weights are no kernel's output) lost: 2.682 -> 2.785
+ms at batch 1 and 20.16 -> 21.13 at 128 (run 2), so the kernel reads nothing before it.
+
+Switch: DRAMA_DECODE_GEMM = triton (the default: decode steps on CUDA through decode_linear) or
+cublas (every dense GEMM through invariant.linear_rows). A decode row and a prefill row may
 differ in their last bits (different kernels); each stays invariant on its own: a decode row does
 not depend on the batch, a prefill row does not depend on packing (linear_rows).
 """
@@ -65,7 +77,6 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -80,19 +91,16 @@ if HAS_TRITON:
 
     from . import pdl_prologue
 
-ROWS = 16                   # rows per tl.dot: Triton's smallest MMA M, the per-warp mma.sync
-MAX_TILES_PER_PROGRAM = 4   # default cap on 16-row tiles per program (the kernel takes up to 8)
+ROWS = 16                   # rows per tl.dot of the F32 router: the per-warp MMA's smallest M
+WIDE_ROWS = 64              # rows per tl.dot of bf16 weights: Hopper's warpgroup MMA
+MAX_ROWS_PER_PROGRAM = 64   # default cap on a program's rows, tiles x BM (the kernel takes 8 tiles)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
-BACKEND = env_choice("DRAMA_DECODE_GEMM", ("cublas", "triton"))   # read once at import
-# (measuring, session 17) rows per MMA tile of the bf16 shapes (16: mma.sync; 64: Hopper's
-# warpgroup MMA) and the weight lines each program asks L2 for before its PDL wait
-MMA_ROWS = int(os.environ.get("DRAMA_DECODE_GEMM_BM", "16"))
-PREFETCH_LINES = int(os.environ.get("DRAMA_DECODE_GEMM_PREFETCH", "0"))
+BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at import
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
     """Whether a step's projections of x take decode_linear: a decode step (every segment one
-    row; not padded prefill pieces) with x on CUDA and DRAMA_DECODE_GEMM=triton."""
+    row; not padded prefill pieces) with x on CUDA, unless DRAMA_DECODE_GEMM=cublas."""
     return decode and BACKEND == "triton" and HAS_TRITON and x.is_cuda
 
 
@@ -126,21 +134,21 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
             split *= 2
         if _cdiv(n, bn) * split < 256:
             bn = 32
-    return dict(BM=ROWS if f32 else MMA_ROWS, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3,
-                PREFETCH=PREFETCH_LINES)
+    return dict(BM=ROWS if f32 else WIDE_ROWS, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
 
 
 def tiles_for(m: int, programs: int, weight_bytes: int, bm: int = ROWS) -> int:
-    """16-row tiles per program for M = m rows: how the rows are dealt out to programs, the one
+    """bm-row tiles per program for M = m rows: how the rows are dealt out to programs, the one
     launch choice that may depend on M (it never changes a row's bits, see the module docstring).
 
-    `programs` is the grid of one row group (column blocks x K ranges). At most MAX_TILES_PER_PROGRAM
-    (64 rows: with 3 stages a program's shared memory then leaves room for 2 per SM; 8 tiles took
-    ~144 KB, one program per SM, and 193 programs ran as 2 waves). Fewer (more row groups, each
-    re-reading its weight tiles from L2) while the grid has fewer than 4 programs per SM and the
-    extra weight reads stay small (<= 64 MB through L2: the shared expert, router, out_proj at
-    32 rows; never GDN in_proj or attention qkv, whose weights alone are 38-51 MB)."""
-    tiles = min(max(1, MAX_TILES_PER_PROGRAM * ROWS // bm), _pow2_tiles(m, bm))
+    `programs` is the grid of one row group (column blocks x K ranges). At most
+    MAX_ROWS_PER_PROGRAM rows (with 3 stages a program's shared memory then leaves room for 2 per
+    SM; 8 tiles of 16 took ~98-144 KB and ran GDN in_proj's 193 programs at 128 rows in 2 waves),
+    so one tile at BM 64. Fewer (more row groups, each re-reading its weight tiles from L2) while
+    the grid has fewer than 4 programs per SM and the extra weight reads stay small (<= 64 MB
+    through L2: the shared expert, router, out_proj at 32 rows; never GDN in_proj or attention
+    qkv, whose weights alone are 38-51 MB)."""
+    tiles = min(max(1, MAX_ROWS_PER_PROGRAM // bm), _pow2_tiles(m, bm))
     while tiles > 1:
         finer = _cdiv(_cdiv(m, bm), tiles // 2)
         if programs * _cdiv(_cdiv(m, bm), tiles) >= 4 * SMS or finer * weight_bytes > 64 << 20:
@@ -150,7 +158,7 @@ def tiles_for(m: int, programs: int, weight_bytes: int, bm: int = ROWS) -> int:
 
 
 def _pow2_tiles(m: int, bm: int = ROWS) -> int:
-    """16-row tiles covering m rows, rounded up to a power of two: tiles_for halves it, and its
+    """bm-row tiles covering m rows, rounded up to a power of two: tiles_for halves it, and its
     answer must be 1, 2, 4 or 8 (33-48 rows, the decode bucket 48, started from 3 and were refused
     at launch; launch_plan then caps the tiles at the rows' own)."""
     return 1 << (max(1, _cdiv(m, bm)) - 1).bit_length()
@@ -164,11 +172,10 @@ def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None 
                 tiles: int | None = None) -> dict:
     """What decode_linear launches for M = m: the config plus `k_range` (reduction length per
     split) and `splits` (K ranges that are not empty), both functions of K only, and the row
-    partition, the only M-dependent part: `tiles` (16-row tiles per program, tiles_for unless
-    given) and `groups` (row groups of 16·tiles rows, one grid axis)."""
+    partition, the only M-dependent part: `tiles` (BM-row tiles per program, tiles_for unless
+    given) and `groups` (row groups of BM·tiles rows, one grid axis)."""
     cfg = dict(config or config_for(n, k, dtype))
     cfg.setdefault("BM", ROWS)
-    cfg.setdefault("PREFETCH", 0)
     bm = cfg["BM"]
     steps = _cdiv(k, cfg["BK"])
     k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
@@ -236,12 +243,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     # so one reads it from HBM and the others find it in L2
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     pdl = pdl_args()
-    line = 128 // weight.element_size()                  # elements per 128-byte line
-    prefetch = min(plan["PREFETCH"], triton.next_power_of_2(triton.cdiv(plan["k_range"], line))) if pdl else 0
     _decode_gemm_kernel[grid](
         x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
         plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
-        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec, PREFETCH=prefetch, LINE=line,
+        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl)
     if splits > 1:
         block = 1024
@@ -275,34 +280,20 @@ if HAS_TRITON:
             tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
-    def _prefetch_l2(ptrs, mask):
-        """`prefetch.global.L2` of the 128-byte lines at ptrs (where mask): no registers held, no
-        result; the loads that follow find the lines in L2."""
-        tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];", "=r,l,b", [ptrs, mask], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
     def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                             stride_om, K_RANGE,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                             FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr,
-                            PREC: tl.constexpr, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
-                            PDL: tl.constexpr = False):
+                            PREC: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
-        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials).
-        PREFETCH: before waiting for the kernel ahead (PDL), ask L2 for the first PREFETCH lines
-        (LINE elements each) of every weight row this program reads: the weight is not written by
-        any kernel of the step, so its reads need not wait, and they overlap the kernel ahead."""
+        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
+        pdl_prologue(PDL)
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         k_lo = pid_k * K_RANGE
         k_hi = tl.minimum(K, k_lo + K_RANGE)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
-        if PREFETCH > 0:
-            lines = k_lo + tl.arange(0, PREFETCH) * LINE
-            _prefetch_l2(w_cols + lines[:, None], (lines < k_hi)[:, None] & n_ok[None, :])
-        pdl_prologue(PDL)
         offs_k = tl.arange(0, BK)
         rows0 = tl.arange(0, BM)
         out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
