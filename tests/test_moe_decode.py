@@ -135,7 +135,7 @@ def test_route_decode_matches_reference(t, e, h, k):
     # F32 -> e4m3 cast rounds some values just below a power of two down to the one below it)
     assert torch.equal(got.xa, ref.xa)
     assert INTERPRET or torch.equal(got.xq.view(torch.uint8), ref.xq.view(torch.uint8))
-    assert int(got.num_active) == 0
+    assert int(got.num_active) == (k if t == 1 else 0)       # one row: counted with its expert lists
     # the caller's logits instead of the GEMV: the same routing
     given = moe_decode.route_decode(u, router, k, logits=(u.float() @ router.T).contiguous())
     assert torch.equal(given.ids, ref.ids) and torch.equal(given.xq.view(torch.uint8), got.xq.view(torch.uint8))
@@ -238,15 +238,38 @@ def test_route_decode_new_launches_equal_today():
     new = moe_decode.route_decode(u, router, k, shared_gate=gate)
     today = moe_decode.route_decode(u, router, k, shared_gate=gate, layout=LOOP_LAYOUT, route_config=ARGMAX)
     for name, a, b in zip(new._fields, new, today):
+        if name == "lists":                      # None: 9 rows
+            assert a is None and b is None
+            continue
         assert torch.equal(bits(a), bits(b)), name
 
 
+@pytest.mark.parametrize("e,k", [(256, 8), (16, 4), (8, 8)])
+def test_one_row_route_writes_the_expert_lists(e, k):
+    """A one-row step's routing launch writes expert_lists' output itself (DecodeRoute.lists):
+    the same active experts, each with the one pair that picked it; more rows leave it to
+    expert_lists."""
+    u, router = router_case(1, e, 256)
+    route = moe_decode.route_decode(u, router, k)
+    assert route.lists is not None and int(route.num_active) == k
+    counts, lists, active = route.lists
+    want_counts, want_lists, want_active, want_num = moe_decode.expert_lists(route.ids, e)
+    assert int(want_num) == k
+    assert sorted(active.tolist()) == sorted(want_active[:k].tolist()) == sorted(route.ids[0].tolist())
+    for expert in active.tolist():
+        assert int(counts[expert]) == int(want_counts[expert]) == 1
+        assert int(lists[expert, 0]) == int(want_lists[expert, 0])
+    assert moe_decode.route_decode(torch.cat([u, u]), router, k).lists is None
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter's standalone quantiser rounds some bf16 -> fp8 casts down")
-def test_moe_decode_pairs_with_route_equals_without():
-    h, i, e, k, t = 256, 256, 16, 4, 9
+@pytest.mark.parametrize("t", [9, 1])       # 1: the route's own expert lists
+def test_moe_decode_pairs_with_route_equals_without(t):
+    h, i, e, k = 256, 256, 16, 4
     weights = experts(e, i, h)
     u, router = router_case(t, e, h)
     route = moe_decode.route_decode(u, router, k)
+    assert (route.lists is not None) == (t == 1)
     with_route = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route)
     without = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights)
     assert torch.equal(with_route, without)

@@ -37,6 +37,9 @@ them, routes, quantises u (§4.7) and zeroes the active-expert counter. It repla
 per layer (u's F32 copy, the cuBLAS router GEMM padded to 128 rows, top-k, a bf16 cast, the
 quantiser, the counter's zeroing): `python3 bench/router_decode.py`, us per layer in a 40-layer
 graph on the H200 (2026-11-30): T = 1: 23.1 -> 10.9; T = 128: 24.0 -> 29.9.
+At T = 1 (one stream) the routing program is the only one, and it knows the step's whole
+routing: it also writes what `expert_lists` would (each of the k distinct picks has the one pair),
+so the single-stream step skips that launch (DecodeRoute.lists).
 
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
@@ -399,19 +402,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            stride_ws, sg_ptr, gl_ptr, S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, PDL: tl.constexpr = False):
+                            stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr,
+                            S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
         form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
         quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
         GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
         bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
-        for expert_lists."""
+        for expert_lists; or, LISTS (M = 1, K <= E), writes what expert_lists would: the row's K
+        picks are K distinct experts (a pick removes its expert from the next), pair j the one
+        pair of expert ids[j], slot j in the active list."""
         pdl_prologue(PDL)
         t = tl.program_id(0)
-        if t == 0:
-            tl.store(num_active_ptr, 0)
+        if not LISTS:
+            if t == 0:
+                tl.store(num_active_ptr, 0)
         offs = tl.arange(0, BE)
         ok = offs < E
         logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
@@ -424,6 +432,11 @@ if HAS_TRITON:
         slots = tl.arange(0, KP)
         tl.store(ids_ptr + t * K + slots, ids, mask=slots < K)
         tl.store(w_ptr + t * K + slots, ws.to(tl.bfloat16), mask=slots < K)
+        if LISTS:
+            tl.store(counts_ptr + ids, tl.full([KP], 1, tl.int32), mask=slots < K)
+            tl.store(lists_ptr + ids, slots, mask=slots < K)          # lists[e, 0]: T = 1
+            tl.store(active_ptr + slots, ids, mask=slots < K)
+            tl.store(num_active_ptr, K)
         groups = tl.arange(0, GP)
         cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
         g_count = tl.cdiv(H, 128)
@@ -473,8 +486,10 @@ class DecodeRoute(NamedTuple):
     weights: torch.Tensor        # bf16 [T, k], renormalised
     xq: torch.Tensor             # float8_e4m3fn [T, H]: §4.7 quantisation of u
     xa: torch.Tensor             # F32 [T, ⌈H/128⌉]
-    num_active: torch.Tensor     # int32 [1], zeroed for expert_lists
+    num_active: torch.Tensor     # int32 [1], zeroed for expert_lists (or counted, with lists)
     shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
+    lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # expert_lists' (counts,
+    # lists, active), written by the routing launch itself for one row (route_decode)
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -531,7 +546,11 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     `layout`: the GEMV's, ROUTER_LAYOUT unless given; `route_config`: the routing launch's, keys
     given override ROUTE_CONFIG's (bench/router_decode.py compares them).
     `shared_gate` ([H], the shared expert's scalar gate): its logit per row comes out of the
-    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...)."""
+    routing launch too (DecodeRoute.shared_gate_logit), for moe_decode_pairs(shared=...).
+    One row (the single-stream decode step): the routing launch also writes expert_lists'
+    output (DecodeRoute.lists), so moe_decode_pairs skips that launch: one program knows the
+    whole step's routing. The same lists as expert_lists' (the slot order aside, which nothing
+    reads)."""
     if not use_triton(u, router_weight):
         return route_decode_reference(u, router_weight, k, shared_gate)
     t, h = u.shape
@@ -567,13 +586,18 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         if shared_gate.shape != (h,) or shared_gate.stride(0) != 1:
             raise ValueError(f"shared_gate must be [{h}] with unit stride")
         gate = torch.empty(t, dtype=torch.bfloat16, device=dev)
+    lists = None
+    if t == 1 and k <= e:
+        lists = (torch.empty(e, dtype=torch.int32, device=dev), torch.empty(e, 1, dtype=torch.int32, device=dev),
+                 torch.empty(k, dtype=torch.int32, device=dev))
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
-                              gate if gate is not None else weights,
+                              gate if gate is not None else weights, *(lists or (ids, ids, ids)),
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                              KEYED_TOPK=route["KEYED_TOPK"], num_warps=route["num_warps"], **pdl_args())
-    return DecodeRoute(ids, weights, xq, xa, num_active, gate)
+                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, num_warps=route["num_warps"],
+                              **pdl_args())
+    return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists)
 
 
 def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
@@ -638,7 +662,10 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 or not sw_gate_up.is_contiguous() or not sw_down.is_contiguous()):
             raise ValueError(f"shared expert: bf16 x, contiguous bf16 gate_up [2·I_s, {h}] and down [{h}, I_s], "
                              f"got {x.dtype} {tuple(sw_gate_up.shape)} {sw_gate_up.dtype} {tuple(sw_down.shape)}")
-    counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
+    if route is not None and route.lists is not None:      # one row: the routing launch wrote them
+        (counts, lists, active), num_active = route.lists, route.num_active
+    else:
+        counts, lists, active, num_active = expert_lists(topk_ids, e, route.num_active if route else None)
     slots = active.numel()
     xq, xa = (route.xq, route.xa) if route else fp8_moe.quantize_rows_fp8_triton(x)
     dev = x.device
