@@ -235,10 +235,6 @@ def shared_main(args, layers) -> dict:
                                         (2, 4, 64, 64), (2, 1, 32, 32), (4, 2, 64, 64)]:
         configs[f"w{warps}/{down_warps} bn{bn1}/{bn2}"] = dict(base, num_warps=warps, DOWN_WARPS=down_warps,
                                                              BN_GU=bn1, BN_DOWN=bn2)
-    # the split reduce as its own launch at every row count, and the fused down's launch shapes
-    configs["reduce launch"] = dict(base, FUSED_ROWS=0)
-    for fused_down in [(32, 8, 1), (128, 8, 1), (64, 4, 1), (128, 4, 1), (64, 8, 2)]:
-        configs["fused down bn{}/w{}/s{}".format(*fused_down)] = dict(base, FUSED_DOWN=fused_down)
     results = {"rows": {}}
     print(f"{'T':>4} {'shared expert':<28} {'ms/40 layers':>12} {'us/layer':>9}")
     for t in args.rows:

@@ -317,25 +317,6 @@ def naive_shared(u, gate_up, down):
     return (g * torch.sigmoid(g) * up) @ down.double().T
 
 
-@pytest.mark.parametrize("h,i,i_s,e,k", [(256, 256, 128, 16, 4), (256, 160, 96, 8, 2)])
-def test_fused_reduce_equals_the_reduce_launch(h, i, i_s, e, k):
-    """A one-row step's down launch makes h (and the shared expert's hs) from gate/up's partials
-    itself (DECODE_CONFIG FUSED_ROWS): bit for bit the split reduce launch's, with and without the
-    shared expert, also where I is not a multiple of 128."""
-    weights = experts(e, i, h)
-    u, router = router_case(1, e, h)
-    gate_up, down, gate = shared_expert(i_s, h)
-    route = moe_decode.route_decode(u, router, k, shared_gate=gate)
-    unfused = dict(moe_decode.DECODE_CONFIG, FUSED_ROWS=0)
-    assert moe_decode.DECODE_CONFIG["FUSED_ROWS"] >= 1
-    for shared in (None, (gate_up, down)):
-        fused = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route, shared=shared)
-        apart = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route, shared=shared,
-                                            config=unfused)
-        for a, b in zip(*(x if shared else (x,) for x in (fused, apart))):
-            assert torch.equal(bits(a), bits(b))
-
-
 def test_shared_expert_rows_do_not_depend_on_the_batch():
     h, i, i_s, e, k, t = 256, 256, 128, 16, 4, 40
     weights = experts(e, i, h)

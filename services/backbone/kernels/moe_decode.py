@@ -81,14 +81,7 @@ if HAS_TRITON:
 # graph (bench/moe_decode.py --shared, session 12 run 5), ms at 1 / 8 / 32 / 64 / 128 rows:
 # BN 64: 1.280 / 3.293 / 7.577 / 10.30 / 12.43; BN 32: 1.244 / 3.208 / 7.295 / 9.626 / 11.57.
 # (2-warp programs won at 128 rows without the shared expert, 10.47 -> 9.34, but lost with it.)
-# FUSED_ROWS: steps of at most this many rows skip the split reduce launch: the down launch makes
-# h from gate/up's partials itself (_down_kernel FUSED, the same bits), with its own column block,
-# warps and stages (FUSED_DOWN: BN, num_warps, num_stages; its loads of 8 partial tiles per K
-# step need one stage and 8 warps to fit: 255 registers and 276 KB of shared memory at 4 warps and
-# 3 stages, bench/kernel_resources.py). Each column program re-makes its pairs' h from ~16 KB of
-# partials per pair in L2: ~10 MB a layer at one row, 8x that at 8 rows.
-DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
-                     FUSED_ROWS=1, FUSED_DOWN=(64, 8, 1))
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -270,13 +263,10 @@ if HAS_TRITON:
             tl.store(out + I, acc_u, mask=mask)
 
     @triton.jit
-    def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0, wss_ptr,
-                     BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     FUSED: tl.constexpr = False, SHARED_SPLIT: tl.constexpr = 1):
+    def _shared_down(hs_ptr, w_ptr, out_ptr, T, H, IS, pid_n, r0,
+                     BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """The shared expert's share of _down_kernel: out[t, n] = Σ_i hs[t, i]·w[n, i] in F32
-        (BF16 hs [T, IS] and w [H, IS], unweighted) for rows r0..r0+BM-1 and BN hidden columns.
-        FUSED: hs computed here from the gate/up partials wss, as _split_reduce_shared_kernel
-        does (the same values), instead of read."""
+        (BF16 hs [T, IS] and w [H, IS], unweighted) for rows r0..r0+BM-1 and BN hidden columns."""
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < H
         offs_k = tl.arange(0, 128)
@@ -287,12 +277,8 @@ if HAS_TRITON:
         for kb in range(0, tl.cdiv(IS, 128)):
             kk = kb * 128 + offs_k
             k_ok = kk < IS
-            if FUSED:
-                act, _ = fp8_moe._split_swiglu(wss_ptr, r, kk, T, IS, SHARED_SPLIT, BM)
-                x = act.to(tl.bfloat16).to(DOT)
-            else:
-                x = tl.load(hs_ptr + r.to(tl.int64)[:, None] * IS + kk[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+            x = tl.load(hs_ptr + r.to(tl.int64)[:, None] * IS + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
             w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
         tl.store(out_ptr + r.to(tl.int64)[:, None] * H + offs_n[None, :], acc,
@@ -302,24 +288,19 @@ if HAS_TRITON:
     def _down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
                      num_active_ptr, T, H, I,
                      stride_we, stride_wn, stride_se, stride_sn,
-                     hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot, ws_ptr, wss_ptr, n_pairs,
+                     hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
-                     N_FAST: tl.constexpr = False, FUSED: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                     SHARED_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
+                     N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
-        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down).
-        FUSED (few rows): each program makes the h groups it reads from gate/up's split-K partials
-        ws [SPLIT, n_pairs, 2I] (and hs from wss) with the split reduce's own code
-        (fp8_moe._split_swiglu, _quant_tile), instead of reading them: the same values, so the
-        same bits, and no reduce launch."""
+        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
         pdl_prologue(PDL)
         slot, pid_n = _slot_and_column_block(N_FAST)
         if SHARED:
             if slot >= shared_slot:
-                _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM, wss_ptr,
-                             BM, BN, DOT, PREC, FUSED, SHARED_SPLIT)
+                _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM,
+                             BM, BN, DOT, PREC)
                 return
         if slot >= tl.load(num_active_ptr):
             return
@@ -339,14 +320,9 @@ if HAS_TRITON:
             for kb in range(0, G):
                 kk = kb * 128 + offs_k
                 k_ok = kk < I
-                if FUSED:
-                    act, _ = fp8_moe._split_swiglu(ws_ptr, tl.where(r_ok, pairs, n_pairs), kk, n_pairs, I, SPLIT, BM)
-                    hq, a = fp8_moe._quant_tile(act)
-                    hq = hq.to(tl.float8e4nv)
-                else:
-                    hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
-                                 mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                    a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
+                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
                 w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if not FP8_DOT:
                     hq, w = hq.to(DOT), w.to(DOT)
@@ -674,7 +650,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     # converting both to bf16 first; the interpreter (float32 operands in bf16_dot_args) has no FP8
     # dot, so it keeps the converting path
     fp8_dot = bool(cfg.get("FP8_DOT", False)) and bf16_dot_args()["DOT"] == tl.bfloat16
-    if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2 or fp8_moe.GROUP % cfg.get("FUSED_DOWN", (bn2,))[0]:
+    if fp8_moe.GROUP % bn1 or fp8_moe.GROUP % bn2:
         raise ValueError("BN must divide 128 so a program's columns share one scale block")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -711,32 +687,24 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx, N_FAST=n_fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
-    fused = t <= cfg.get("FUSED_ROWS", 0)          # the down launch makes h (and hs) itself
-    if fused:
-        hq = ha = ws                               # placeholders the down launch never reads
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    if has_shared:
+        pair_blocks = triton.cdiv(n, 16)
+        _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
+            ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
+            num_warps=4, **pdl_args())
     else:
-        hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-        ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-        if has_shared:
-            pair_blocks = triton.cdiv(n, 16)
-            _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
-                ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
-                num_warps=4, **pdl_args())
-        else:
-            fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
-                ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
+        fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
+            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    down_warps = cfg.get("DOWN_WARPS", cfg["num_warps"])
-    down_stages = cfg.get("DOWN_STAGES", cfg["num_stages"])
-    if fused:
-        bn2, down_warps, down_stages = cfg["FUSED_DOWN"]
     _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        hs, sw_down, shared_out, i_s, slots, ws, wss, n,
+        hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
-        FUSED=fused, SPLIT=split, SHARED_SPLIT=split * kx, num_warps=down_warps, num_stages=down_stages,
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
         **pdl_args())
     pairs = out.view(t, k, h)
     return (pairs, shared_out) if has_shared else pairs
