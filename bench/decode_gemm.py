@@ -257,7 +257,8 @@ def main(argv=None) -> dict:
 def variants(args) -> list[dict]:
     """--variants: per shape, config_for's config with BM (rows per MMA tile: 16 is the per-warp
     mma.sync, 64 Hopper's warpgroup MMA) 16 or 64 and the row partitions each allows at 128 rows,
-    against cuBLAS; `inv` checks each variant's rows alone against themselves inside 128."""
+    then 64-row tiles with other BK / stages / BN, against cuBLAS; `inv` checks each variant's
+    rows alone against themselves inside 128."""
     from services.backbone.kernels import decode_gemm
 
     print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second; PDL "
@@ -272,6 +273,10 @@ def variants(args) -> list[dict]:
         out += bench_shape(shape, args.rows, [None], args)
         for bm, tiles in ((16, None), (16, 8), (64, 1), (64, 2)):
             out += bench_shape(shape, args.rows, [dict(base, BM=bm)], args, tiles=(tiles,))
+        # 64-row tiles in other pipelines (BK and stages set how many programs an SM holds)
+        for change in (dict(BK=64, num_stages=3), dict(BK=64, num_stages=4), dict(BK=64, num_stages=5),
+                       dict(BK=128, num_stages=2), dict(BN=128, BK=64, num_stages=4)):
+            out += bench_shape(shape, args.rows, [dict(base, BM=64, **change)], args)
     return out
 
 
