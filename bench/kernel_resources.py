@@ -48,6 +48,9 @@ def cases() -> dict:
     from services.backbone.kernels import decode_gemm, gdn, moe_decode
 
     cfg = moe_decode.DECODE_CONFIG
+    dot = dict(DOT=tl.bfloat16, PREC="tf32")
+    moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
+                    num_active_ptr=_ptr("i32"))
     gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "K_RANGE"}
 
@@ -56,9 +59,6 @@ def cases() -> dict:
                 dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True, **dot),
                 4, 3, gemm_div16)
 
-    dot = dict(DOT=tl.bfloat16, PREC="tf32")
-    moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
-                    num_active_ptr=_ptr("i32"))
     return {
         "gate_up": (moe_decode._gate_up_kernel,
                     dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),

@@ -18,12 +18,12 @@ cuBLAS with that one shape. At batch 1 that runs 128-row tensor-core tiles over 
 decode step reads once: the H200 decode step spent ~1.9 ms per step in dense GEMMs that move
 ~2.9 GB (a 0.68 ms floor). Here the kernel is written so that a row's bits cannot depend on M.
 
-Invariance by construction. The config (BN output columns, BK reduction step, SPLIT K ranges,
-num_warps, num_stages) is a function of the weight's shape and dtype only (`config_for`), never of
-M. Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator, BM also the config's: 64 rows for
-bf16 weights, which Triton lowers on Hopper to the warpgroup MMA (wgmma, one instruction shape
-for every tile), 16 for the F32 router, whose IEEE dot is an FMA chain over k. Each output element is then
-Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
+Invariance by construction. The config (BM rows per MMA tile, BN output columns, BK reduction
+step, SPLIT K ranges, num_warps, num_stages) is a function of the weight's shape and dtype only
+(`config_for`), never of M. Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator: 64 rows
+for bf16 weights, which Triton lowers on Hopper to the warpgroup MMA (wgmma, one instruction
+shape for every tile), 16 for the F32 router, whose IEEE dot is an FMA chain over k. Each output
+element is then Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
 instruction sequence; nothing in that sequence looks at the other rows (rows past M are masked to
 zero and never stored; storage past M is never read). With SPLIT > 1 the range partials go to an
 F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in range order 0, 1, .., then the
@@ -53,12 +53,12 @@ idle. The activations are re-read from L2 once per column block.
 Why the row partition cannot change a row's bits: a row's output element is produced by one
 program's accumulator for the tile holding that row, and that accumulator sees exactly the same
 instructions whichever group the tile is in and however many sibling tiles the program carries:
-the same [BM, BK] x [BK, BN] dot shapes and layouts (BM, BN, BK, num_warps are the config's), the same
-K range and ascending BK steps, the same weight tile values. Tiles never exchange data (each has
+the same [BM, BK] x [BK, BN] dot shapes and layouts (BM, BN, BK, num_warps are the config's), the
+same K range and ascending BK steps, the same weight tile values. Tiles never exchange data (each has
 its own accumulator, rows past M are masked to zero). Changing TILES only adds or removes whole
-sibling dots, which is the same freedom the kernel always had (at BM 16, M = 1 ran 1 tile, M = 128
-ran 8, and the GPU checks found the bits equal). BN, BK, SPLIT and the warps are kept fixed per shape
-on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
+sibling dots, which is the same freedom the kernel always had (at BM 16, M = 1 ran 1 tile, M =
+128 ran 8, and the GPU checks found the bits equal). BN, BK, SPLIT and the warps are kept fixed per
+shape on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
 too, but that is codegen detail; the row partition needs no such argument.
 
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
