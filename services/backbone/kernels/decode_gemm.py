@@ -242,17 +242,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     # row groups on the fastest grid axis: the programs that share a weight tile start together,
     # so one reads it from HBM and the others find it in L2
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
-    pdl = pdl_args()
     _decode_gemm_kernel[grid](
         x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
         plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
         HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl)
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
     if splits > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl)
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
     return out
 
 
