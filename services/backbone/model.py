@@ -128,6 +128,17 @@ def graph_pieces(bucket: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class DecodeGraph:
+    """A decode bucket's graphs and their static tensors (Backbone._decode_graph)."""
+    layers: object              # GraphedStep (dg.EagerStep off CUDA): the layers on `rows`
+    rows: torch.Tensor          # [bucket, H] the layers' input rows
+    index: torch.Tensor         # [2, bucket] slots; positions (a view of `inputs`)
+    inputs: torch.Tensor        # int64 [slots | positions | ids | frames] on the device
+    host: torch.Tensor          # their pinned host copy (decode_from_ids fills it)
+    embedding: object           # GraphedStep: the staged ids' and frames' embedding into `rows`
+
+
+@dataclass(frozen=True)
 class PrefillGroup:
     """One prefill-graph replay: `pieces` = (segment index, first row in the segment, rows) of up
     to `slots` pieces, each padded to `bucket` rows (slots x bucket rows in all)."""
@@ -550,15 +561,15 @@ class Backbone(nn.Module):
         Returns a view of the graph's output (valid until the next replay)."""
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-        graph, static_x, index, _, _, _ = self._decode_graph(bucket, caches)
+        graphs = self._decode_graph(bucket, caches)
         pad = caches.slots
         host = torch.tensor([[s.slot for s in segments] + [pad] * (bucket - rows),
                              [s.start for s in segments] + [0] * (bucket - rows)], dtype=torch.int64)
-        index.copy_(host)                  # [slots; positions]: plan.row_slots / seg_slots and positions view it
-        static_x[:rows].copy_(x)
-        static_x[rows:].zero_()
+        graphs.index.copy_(host)           # [slots; positions]: plan.row_slots / seg_slots and positions view it
+        graphs.rows[:rows].copy_(x)
+        graphs.rows[rows:].zero_()
         self.graph_replays += 1
-        return graph.replay()[:rows]
+        return graphs.layers.replay()[:rows]
 
     @torch.inference_mode()       # as forward_rows: the graphs' static tensors are inference tensors
     def decode_from_ids(self, token_ids: torch.Tensor, frames: torch.Tensor | None, segments: list[Segment],
@@ -585,7 +596,7 @@ class Backbone(nn.Module):
         self.prepare()
         rows = len(segments)
         bucket = next(b for b in DECODE_BUCKETS if b >= rows)
-        graph, static_x, index, inputs, host, embed = self._decode_graph(bucket, caches)
+        graphs = self._decode_graph(bucket, caches)
         width = 0 if frames is None else frames.shape[1]
         pad = bucket - rows
         # [slots | positions | ids | frames] as one list, one numpy assignment into the pinned
@@ -594,17 +605,16 @@ class Backbone(nn.Module):
                   + token_ids.tolist() + [0] * pad)
         if width:
             staged += frames.reshape(-1).tolist() + [-1] * (pad * width)
-        host.numpy()[:] = staged
+        graphs.host.numpy()[:] = staged
         # The step's end syncs its stream (BackboneEngine._step), so the next step never refills `host`
         # while this copy may still read it.
-        inputs.copy_(host, non_blocking=True)
-        embed.replay()                         # the embedding of the staged rows into static_x
+        graphs.inputs.copy_(graphs.host, non_blocking=True)
+        graphs.embedding.replay()              # the embedding of the staged rows into graphs.rows
         self.graph_replays += 1
-        return graph.replay()[:rows]
+        return graphs.layers.replay()[:rows]
 
-    def _decode_graph(self, bucket: int, caches: BackboneCaches):
-        """(graph, static rows [bucket, H], static index [2, bucket], staged inputs, their pinned
-        host copy, embedding graph) of a bucket, captured once per pool. The staged inputs are int64
+    def _decode_graph(self, bucket: int, caches: BackboneCaches) -> DecodeGraph:
+        """A bucket's DecodeGraph, captured once per pool. The staged inputs are int64
         [slots (bucket) | positions (bucket) | ids (bucket) | frames (bucket·N)] on the device, index
         a view of their first 2·bucket (decode_from_ids fills them all in one copy). The embedding
         graph writes the staged rows' embedding into the static rows: a graph of its own, so the
@@ -643,7 +653,7 @@ class Backbone(nn.Module):
             else:                                # tests of the staging (decode_from_ids) off CUDA
                 graph = dg.EagerStep(lambda: self._layers_kernels(static_x, batch, caches))
                 embedding = dg.EagerStep(embed)
-            self._graphs[key] = (graph, static_x, index, inputs, host, embedding)
+            self._graphs[key] = DecodeGraph(graph, static_x, index, inputs, host, embedding)
         return self._graphs[key]
 
     def capture_decode_graphs(self, caches: BackboneCaches, max_batch: int) -> list[int]:
