@@ -59,14 +59,19 @@ def cases() -> dict:
                 dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True, **dot),
                 4, 3, gemm_div16)
 
+    def gate_up(reduce):     # REDUCE: the split reduce by each column group's last program (one row: 8 pairs)
+        return (moe_decode._gate_up_kernel,
+                dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
+                     ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"), wss_ptr=_ptr("fp32"),
+                     tickets_ptr=_ptr("i32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), hs_ptr=_ptr("bf16"),
+                     **moe_ptrs),
+                dict(BM=cfg["BM"], BN=cfg["BN_GU"], SPLIT=cfg["SPLIT"], FP8_DOT=cfg["FP8_DOT"], SHARED=True,
+                     KX=cfg["SHARED_KX"], REDUCE=reduce, PDL=True, **dot),
+                cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"})
+
     return {
-        "gate_up": (moe_decode._gate_up_kernel,
-                    dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
-                         ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"), wss_ptr=_ptr("fp32"),
-                         **moe_ptrs),
-                    dict(BM=cfg["BM"], BN=cfg["BN_GU"], SPLIT=cfg["SPLIT"], FP8_DOT=cfg["FP8_DOT"], SHARED=True,
-                         KX=cfg["SHARED_KX"], PDL=True, **dot),
-                    cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"}),
+        "gate_up": gate_up(0),
+        "gate_up_reduce": gate_up(8),
         "down": (moe_decode._down_kernel,
                  dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
                       out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
@@ -83,8 +88,9 @@ def cases() -> dict:
                         dict(ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), w_ptr=_ptr("bf16"),
                              xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), num_active_ptr=_ptr("i32"),
                              sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16"), counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"),
-                             active_ptr=_ptr("i32")),
-                        dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True, PDL=True),
+                             active_ptr=_ptr("i32"), tickets_ptr=_ptr("i32")),
+                        dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
+                             TICKETS=moe_decode.REDUCE_TICKETS, PDL=True),
                         moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
         "router_partial": (moe_decode._router_partial_kernel,
                            dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),

@@ -238,7 +238,7 @@ def test_route_decode_new_launches_equal_today():
     new = moe_decode.route_decode(u, router, k, shared_gate=gate)
     today = moe_decode.route_decode(u, router, k, shared_gate=gate, layout=LOOP_LAYOUT, route_config=ARGMAX)
     for name, a, b in zip(new._fields, new, today):
-        if name == "lists":                      # None: 9 rows
+        if name in ("lists", "tickets"):         # None: 9 rows
             assert a is None and b is None
             continue
         assert torch.equal(bits(a), bits(b)), name
@@ -273,6 +273,38 @@ def test_moe_decode_pairs_with_route_equals_without(t):
     with_route = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route)
     without = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights)
     assert torch.equal(with_route, without)
+
+
+@pytest.mark.parametrize("i_s,split", [(None, 4), (256, 4), (128, 3), (384, 4)])
+def test_reduce_in_gate_up_equals_its_own_launch(i_s, split, monkeypatch):
+    """One row: the split reduce done by gate/up's last program per 128-column group
+    (DECODE_CONFIG's LAST_REDUCES) gives the bits of the separate reduce launch, without and with
+    the shared expert (I_s below, equal to and above I; an odd K split too), and again on the same
+    route (the last program zeroes its ticket). The fused calls' new float buffers start as NaN, so a reduce that
+    did not run, or ran before every partial sum was in, cannot pass on stale memory."""
+    h, i, e, k = 256, 256, 16, 4
+    weights = experts(e, i, h)
+    u, router = router_case(1, e, h)
+    gate_up, down, gate = shared_expert(i_s, h) if i_s else (None, None, None)
+    shared = (gate_up, down) if i_s else None
+    route = moe_decode.route_decode(u, router, k, shared_gate=gate)
+    assert route.tickets is not None and moe_decode.DECODE_CONFIG["LAST_REDUCES"]
+    config = dict(moe_decode.DECODE_CONFIG, SPLIT=split)
+    want = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route, shared=shared,
+                                       config=dict(config, LAST_REDUCES=False))
+    monkeypatch.setattr(moe_decode, "_split_reduce_shared_kernel", None)      # a launch of either raises
+    monkeypatch.setattr(fp8_moe, "_split_reduce_quant_kernel", None)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: nan_filled(empty(*args, **kwargs)))
+    for _ in range(2):
+        got = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route, shared=shared,
+                                          config=config)
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert torch.equal(bits(a), bits(b))
+
+
+def nan_filled(x):
+    return x.fill_(float("nan")) if x.is_floating_point() else x
 
 
 def shared_expert(i_s, h, seed=3):

@@ -308,17 +308,34 @@ if HAS_TRITON:
             tl.store(ws + I, acc_u, mask=out_mask)
 
     @triton.jit
-    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr):
+    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr,
+                      CACHE: tl.constexpr = ""):
         """(h, ok) for the tile rows x cols: the split-K partials ws [SPLIT, n_rows, 2I] (gate
         columns, then up) summed in split order, h = bf16(silu(bf16 gate)·bf16 up) as F32 values,
-        0 outside the tile's valid part."""
+        0 outside the tile's valid part. CACHE: the loads' cache modifier (".cg": from L2, past
+        this SM's L1, for partials other programs of the same launch wrote; such a caller is
+        another kernel, so the loads then go two splits at a time)."""
         ok = (rows[:, None] < n_rows) & (cols[None, :] < I)
         base = ws_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
         gate = tl.zeros([BM, 128], dtype=tl.float32)
         up = tl.zeros([BM, 128], dtype=tl.float32)
-        for j in tl.static_range(SPLIT):
-            gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
-            up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
+        if CACHE == "":
+            for j in tl.static_range(SPLIT):
+                gate += tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0)
+                up += tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0)
+        else:
+            # inside another kernel (moe_decode's gate/up): two splits' loads at a time, not all of
+            # them, or the registers they hold cost that kernel programs per SM; the same sum order
+            for j in range(0, SPLIT - 1, 2):
+                g0 = tl.load(base + j * n_rows * 2 * I, mask=ok, other=0.0, cache_modifier=CACHE)
+                u0 = tl.load(base + j * n_rows * 2 * I + I, mask=ok, other=0.0, cache_modifier=CACHE)
+                g1 = tl.load(base + (j + 1) * n_rows * 2 * I, mask=ok, other=0.0, cache_modifier=CACHE)
+                u1 = tl.load(base + (j + 1) * n_rows * 2 * I + I, mask=ok, other=0.0, cache_modifier=CACHE)
+                gate = gate + g0 + g1
+                up = up + u0 + u1
+            if SPLIT % 2 == 1:
+                gate += tl.load(base + (SPLIT - 1) * n_rows * 2 * I, mask=ok, other=0.0, cache_modifier=CACHE)
+                up += tl.load(base + (SPLIT - 1) * n_rows * 2 * I + I, mask=ok, other=0.0, cache_modifier=CACHE)
         gate = gate.to(tl.bfloat16).to(tl.float32)
         up = up.to(tl.bfloat16).to(tl.float32)
         act = (gate * tl.sigmoid(gate) * up).to(tl.bfloat16).to(tl.float32)
@@ -326,11 +343,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT: tl.constexpr,
-                                 BM: tl.constexpr):
+                                 BM: tl.constexpr, CACHE: tl.constexpr = ""):
         """Rows pid_m·BM.. and 128-group g: _split_swiglu, then §4.7-quantise h into hq, ha."""
         rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
-        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM)
+        act, ok = _split_swiglu(ws_ptr, rows, cols, n_pairs, I, SPLIT, BM, CACHE)
         xq, a = _quant_tile(act)
         tl.store(hq_ptr + rows[:, None] * I + cols[None, :], xq.to(tl.float8e4nv), mask=ok)
         tl.store(ha_ptr + rows * tl.cdiv(I, 128) + g, a, mask=rows < n_pairs)

@@ -54,6 +54,8 @@ from typing import NamedTuple
 
 import torch
 
+from services.common.grpcutil import env_switch
+
 from . import HAS_TRITON, bf16_dot_args, pdl_args, use_triton
 from . import fp8_moe
 
@@ -81,7 +83,12 @@ if HAS_TRITON:
 # graph (bench/moe_decode.py --shared, session 12 run 5), ms at 1 / 8 / 32 / 64 / 128 rows:
 # BN 64: 1.280 / 3.293 / 7.577 / 10.30 / 12.43; BN 32: 1.244 / 3.208 / 7.295 / 9.626 / 11.57.
 # (2-warp programs won at 128 rows without the shared expert, 10.47 -> 9.34, but lost with it.)
-DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2)
+# LAST_REDUCES: at one row (route_decode's lists and tickets), the last gate/up program of each
+# 128-column group does the split reduce (_last_program_reduces): one launch fewer per layer, the
+# same bits (the same reduce code on the same partials). DRAMA_MOE_LAST_REDUCES=0 turns it off.
+DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
+                     LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False)
+REDUCE_TICKETS = 16     # tickets route_decode zeroes: 128-column groups of gate/up, so I, I_s <= 2048
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -200,18 +207,62 @@ if HAS_TRITON:
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
+                        tickets_ptr, arrivals, hq_ptr, ha_ptr, hs_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
-                        N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
+                        REDUCE: tl.constexpr = 0, N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """Partial gate and up sums of one active expert, BN columns each, over H/SPLIT:
         ws[split, p, n] (gate) and ws[split, p, I + n] (up), F32, for every pair p of the expert.
         SHARED: the slots from `shared_slot` on (after every expert slot) do the same for the
         shared expert (BF16 weights sw, rows u) into wss [SPLIT·KX, T, 2·IS]: one BM-row tile and
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
-        bytes of an FP8 expert's, so KX = 2 evens the programs out)."""
+        bytes of an FP8 expert's, so KX = 2 evens the programs out).
+        REDUCE (> 0: a power of two >= the pairs and the rows): the split reduce's work is done
+        here too, by the last program to finish each 128-column group (_last_program_reduces),
+        in tiles of REDUCE rows, not by a launch of its own."""
         pdl_prologue(PDL)
         slot, pid_n = _slot_and_column_block(N_FAST)
         pid_k = tl.program_id(2)
+        _gate_up_program(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
+                         num_active_ptr, n_pairs, top_k, T, H, I, SG, stride_we, stride_wn, stride_se, stride_sn,
+                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot, slot, pid_n, pid_k,
+                         BM, BN, SPLIT, DOT, PREC, FP8_DOT, SHARED, KX)
+        if REDUCE > 0:
+            _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
+                                  (pid_n * BN) // 128, SPLIT, SPLIT * KX, SHARED, REDUCE)
+
+    @triton.jit
+    def _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals, g,
+                              SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr):
+        """Take a ticket for 128-column group g; the program that draws the last of the group's
+        `arrivals` (every gate/up program whose columns fall in g, whatever it computed) does
+        _split_reduce_shared_kernel's work for g: the pairs' tile (one: n_pairs <= BM) and the
+        shared expert's (T <= BM). The same code on the same partials, so the same bits as the
+        separate launch (a tile's height changes no sum: the reduce adds along splits, the
+        quantiser's amax runs along a row). The step's routing launch zeroes the tickets (route_decode), and the last
+        program zeroes its group's again, so the route may serve another launch.
+
+        Ordering: the barrier puts every thread's partial-sum stores before the ticket's release
+        (acq_rel at GPU scope, as CUTLASS's split-K semaphore does); the last program's acquire
+        then makes every other program's stores visible, and it reads them from L2 (".cg"),
+        never from a line this SM's L1 may hold from an earlier layer's reduce."""
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + g, 1, sem="acq_rel", scope="gpu")
+        if ticket == arrivals - 1:
+            tl.store(tickets_ptr + g, 0)        # every ticket drawn: ready for another launch on this route
+            _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, 0, g, 1,
+                         SPLIT, SHARED_SPLIT, BM, ".cg")
+            if SHARED:
+                _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, 1, g, 1,
+                             SPLIT, SHARED_SPLIT, BM, ".cg")
+
+    @triton.jit
+    def _gate_up_program(xq_ptr, xa_ptr, w_ptr, s_ptr, ws_ptr, counts_ptr, lists_ptr, active_ptr,
+                         num_active_ptr, n_pairs, top_k, T, H, I, SG, stride_we, stride_wn, stride_se, stride_sn,
+                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot, slot, pid_n, pid_k,
+                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr):
+        """_gate_up_kernel's sums for program (slot, pid_n, pid_k)."""
         G = tl.cdiv(H, 128)
         if SHARED:
             if slot >= shared_slot:
@@ -342,15 +393,22 @@ if HAS_TRITON:
         bf16(silu(bf16 gate)·bf16 up), stored as BF16 hs [T, IS] (the shared down is BF16: no
         quantisation)."""
         pdl_prologue(PDL)
-        pid_m, g = tl.program_id(0), tl.program_id(1)
+        _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tl.program_id(0), tl.program_id(1),
+                     pair_blocks, SPLIT, SHARED_SPLIT, BM)
+
+    @triton.jit
+    def _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pid_m, g, pair_blocks,
+                     SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr, CACHE: tl.constexpr = ""):
+        """_split_reduce_shared_kernel's tile (pid_m, g); CACHE: the partials' loads' (fp8_moe._split_swiglu)."""
         if pid_m < pair_blocks:
             if g * 128 < I:
-                fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT, BM)
+                fp8_moe._split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT, BM, CACHE)
         else:
-            cols = g * 128 + tl.arange(0, 128)
-            rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
-            act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM)
-            tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
+            if g * 128 < IS:
+                cols = g * 128 + tl.arange(0, 128)
+                rows = (pid_m - pair_blocks) * BM + tl.arange(0, BM)
+                act, ok = fp8_moe._split_swiglu(wss_ptr, rows, cols, T, IS, SHARED_SPLIT, BM, CACHE)
+                tl.store(hs_ptr + rows.to(tl.int64)[:, None] * IS + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
 if HAS_TRITON:
@@ -402,10 +460,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                            stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr,
+                            stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr, tickets_ptr,
                             S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                             GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            TICKETS: tl.constexpr = 16, PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
         form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
@@ -414,7 +472,8 @@ if HAS_TRITON:
         bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
         for expert_lists; or, LISTS (M = 1, K <= E), writes what expert_lists would: the row's K
         picks are K distinct experts (a pick removes its expert from the next), pair j the one
-        pair of expert ids[j], slot j in the active list."""
+        pair of expert ids[j], slot j in the active list; and zeroes the TICKETS tickets of the
+        split reduce inside gate/up (_last_program_reduces)."""
         pdl_prologue(PDL)
         t = tl.program_id(0)
         if not LISTS:
@@ -437,6 +496,7 @@ if HAS_TRITON:
             tl.store(lists_ptr + ids, slots, mask=slots < K)          # lists[e, 0]: T = 1
             tl.store(active_ptr + slots, ids, mask=slots < K)
             tl.store(num_active_ptr, K)
+            tl.store(tickets_ptr + tl.arange(0, TICKETS), tl.zeros([TICKETS], tl.int32))
         groups = tl.arange(0, GP)
         cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
         g_count = tl.cdiv(H, 128)
@@ -490,6 +550,8 @@ class DecodeRoute(NamedTuple):
     shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # expert_lists' (counts,
     # lists, active), written by the routing launch itself for one row (route_decode)
+    tickets: torch.Tensor | None = None      # int32 [REDUCE_TICKETS], zeroed with `lists`: one per
+    # 128-column group of gate/up, for the split reduce inside gate/up (moe_decode_pairs)
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -586,18 +648,19 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         if shared_gate.shape != (h,) or shared_gate.stride(0) != 1:
             raise ValueError(f"shared_gate must be [{h}] with unit stride")
         gate = torch.empty(t, dtype=torch.bfloat16, device=dev)
-    lists = None
+    lists = tickets = None
     if t == 1 and k <= e:
         lists = (torch.empty(e, dtype=torch.int32, device=dev), torch.empty(e, 1, dtype=torch.int32, device=dev),
                  torch.empty(k, dtype=torch.int32, device=dev))
+        tickets = torch.empty(REDUCE_TICKETS, dtype=torch.int32, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
                               gate if gate is not None else weights, *(lists or (ids, ids, ids)),
-                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              tickets if tickets is not None else ids, S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, num_warps=route["num_warps"],
-                              **pdl_args())
-    return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists)
+                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=REDUCE_TICKETS,
+                              num_warps=route["num_warps"], **pdl_args())
+    return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists, tickets)
 
 
 def expert_lists(topk_ids: torch.Tensor, num_experts: int, num_active: torch.Tensor | None = None
@@ -680,23 +743,34 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     ws = torch.empty(split, n, 2 * i, dtype=torch.float32, device=dev)
     shared_tiles = triton.cdiv(t, bm) if has_shared else 0       # the shared expert's row tiles
     n_fast = bool(cfg.get("N_FAST", False))
-    _gate_up_kernel[_expert_grid(slots + shared_tiles * kx, triton.cdiv(max(i, i_s), bn1), n_fast, split)](
+    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
+    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
+    # the split reduce by gate/up's last program per 128-column group: one reduce tile of pairs and
+    # one of shared rows each (at most 16 rows: 8 for a row's 8 pairs), every group whole, a ticket each
+    columns = max(i, i_s)
+    reduce_rows = triton.next_power_of_2(max(n, t))
+    last_reduces = (bool(cfg.get("LAST_REDUCES", False)) and route is not None and route.tickets is not None
+                    and reduce_rows <= 16 and columns % fp8_moe.GROUP == 0
+                    and columns // fp8_moe.GROUP <= route.tickets.numel())
+    grid_slots = slots + shared_tiles * kx
+    _gate_up_kernel[_expert_grid(grid_slots, triton.cdiv(columns, bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
-        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx, N_FAST=n_fast,
+        route.tickets if last_reduces else num_active, grid_slots * (fp8_moe.GROUP // bn1) * split, hq, ha, hs,
+        BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
+        REDUCE=reduce_rows if last_reduces else 0, N_FAST=n_fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
-    hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
-    ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-    if has_shared:
-        pair_blocks = triton.cdiv(n, 16)
-        _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
-            ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
-            num_warps=4, **pdl_args())
-    else:
-        fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
-            ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
+    if not last_reduces:
+        if has_shared:
+            pair_blocks = triton.cdiv(n, 16)
+            _split_reduce_shared_kernel[(pair_blocks + triton.cdiv(t, 16), triton.cdiv(max(i, i_s), fp8_moe.GROUP))](
+                ws, hq, ha, n, i, wss, hs, t, i_s, pair_blocks, SPLIT=split, SHARED_SPLIT=split * kx, BM=16,
+                num_warps=4, **pdl_args())
+        else:
+            fp8_moe._split_reduce_quant_kernel[(triton.cdiv(n, 16), triton.cdiv(i, fp8_moe.GROUP))](
+                ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
     _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
