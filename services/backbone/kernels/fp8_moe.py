@@ -308,8 +308,7 @@ if HAS_TRITON:
             tl.store(ws + I, acc_u, mask=out_mask)
 
     @triton.jit
-    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr,
-                      CACHE: tl.constexpr = ""):
+    def _split_swiglu(ws_ptr, rows, cols, n_rows, I, SPLIT: tl.constexpr, BM: tl.constexpr, CACHE: tl.constexpr):
         """(h, ok) for the tile rows x cols: the split-K partials ws [SPLIT, n_rows, 2I] (gate
         columns, then up) summed in split order, h = bf16(silu(bf16 gate)·bf16 up) as F32 values,
         0 outside the tile's valid part. CACHE: the loads' cache modifier (".cg": from L2, past
@@ -343,7 +342,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, pid_m, g, SPLIT: tl.constexpr,
-                                 BM: tl.constexpr, CACHE: tl.constexpr = ""):
+                                 BM: tl.constexpr, CACHE: tl.constexpr):
         """Rows pid_m·BM.. and 128-group g: _split_swiglu, then §4.7-quantise h into hq, ha."""
         rows = pid_m * BM + tl.arange(0, BM)
         cols = g * 128 + tl.arange(0, 128)
@@ -357,7 +356,7 @@ if HAS_TRITON:
                                    PDL: tl.constexpr = False):
         """Sum the split-K partials in order, h = bf16(silu(bf16 gate)·bf16 up), then §4.7-quantise h."""
         pdl_prologue(PDL)
-        _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, tl.program_id(0), tl.program_id(1), SPLIT, BM)
+        _split_reduce_quant_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, tl.program_id(0), tl.program_id(1), SPLIT, BM, "")
 
     @triton.jit
     def _moe_down_kernel(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, block_expert_ptr, block_rows_ptr,

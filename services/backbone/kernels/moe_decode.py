@@ -394,11 +394,11 @@ if HAS_TRITON:
         quantisation)."""
         pdl_prologue(PDL)
         _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tl.program_id(0), tl.program_id(1),
-                     pair_blocks, SPLIT, SHARED_SPLIT, BM)
+                     pair_blocks, SPLIT, SHARED_SPLIT, BM, "")
 
     @triton.jit
     def _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pid_m, g, pair_blocks,
-                     SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr, CACHE: tl.constexpr = ""):
+                     SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, BM: tl.constexpr, CACHE: tl.constexpr):
         """_split_reduce_shared_kernel's tile (pid_m, g); CACHE: the partials' loads' (fp8_moe._split_swiglu)."""
         if pid_m < pair_blocks:
             if g * 128 < I:
