@@ -231,6 +231,10 @@ def shared_main(args, layers) -> dict:
     # DECODE_CONFIG, then bit-neutral variants of it (warps and column blocks; the K split and BM stay)
     base = moe_decode.DECODE_CONFIG
     configs = {"served": base}
+    # the split reduce inside gate/up at one row (LAST_REDUCES) against its own launch: the same bits
+    configs[f"reduce {'launch' if base['LAST_REDUCES'] else 'in gate/up'}"] = dict(
+        base, LAST_REDUCES=not base["LAST_REDUCES"])
+    configs["served again"] = base
     for warps, down_warps, bn1, bn2 in [(4, 4, 64, 64), (2, 2, 64, 64), (4, 4, 32, 32), (2, 2, 32, 32), (2, 2, 64, 32),
                                         (2, 4, 64, 64), (2, 1, 32, 32), (4, 2, 64, 64)]:
         configs[f"w{warps}/{down_warps} bn{bn1}/{bn2}"] = dict(base, num_warps=warps, DOWN_WARPS=down_warps,

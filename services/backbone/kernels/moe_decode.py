@@ -88,7 +88,8 @@ if HAS_TRITON:
 # same bits (the same reduce code on the same partials). DRAMA_MOE_LAST_REDUCES=0 turns it off.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
                      LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False)
-REDUCE_TICKETS = 16     # tickets route_decode zeroes: 128-column groups of gate/up, so I, I_s <= 2048
+REDUCE_TICKETS = 16     # tickets route_decode zeroes: a routed and a shared half of 128-column groups
+# of gate/up each (I, I_s <= 1024)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -207,7 +208,7 @@ if HAS_TRITON:
                         num_active_ptr, n_pairs, top_k, T, H, I, SG,
                         stride_we, stride_wn, stride_se, stride_sn,
                         u_ptr, stride_u, sw_ptr, wss_ptr, IS, shared_slot,
-                        tickets_ptr, arrivals, hq_ptr, ha_ptr, hs_ptr,
+                        tickets_ptr, arrivals, shared_tickets_ptr, shared_arrivals, hq_ptr, ha_ptr, hs_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr, KX: tl.constexpr,
                         REDUCE: tl.constexpr = 0, N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
@@ -218,8 +219,8 @@ if HAS_TRITON:
         one of SPLIT·KX K ranges per program (_shared_gate_up; its bf16 weights are twice the
         bytes of an FP8 expert's, so KX = 2 evens the programs out).
         REDUCE (> 0: a power of two >= the pairs and the rows): the split reduce's work is done
-        here too, by the last program to finish each 128-column group (_last_program_reduces),
-        in tiles of REDUCE rows, not by a launch of its own."""
+        here too, by the last program of each kind (routed, shared) to finish each 128-column
+        group (_last_program_reduces), in tiles of REDUCE rows, not by a launch of its own."""
         pdl_prologue(PDL)
         slot, pid_n = _slot_and_column_block(N_FAST)
         pid_k = tl.program_id(2)
@@ -229,31 +230,38 @@ if HAS_TRITON:
                          BM, BN, SPLIT, DOT, PREC, FP8_DOT, SHARED, KX)
         if REDUCE > 0:
             _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
-                                  (pid_n * BN) // 128, SPLIT, SPLIT * KX, SHARED, REDUCE)
+                                  shared_tickets_ptr, shared_arrivals, (pid_n * BN) // 128, SHARED and slot >= shared_slot,
+                                  SPLIT, SPLIT * KX, SHARED, REDUCE)
 
     @triton.jit
-    def _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals, g,
-                              SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr):
-        """Take a ticket for 128-column group g; the program that draws the last of the group's
-        `arrivals` (every gate/up program whose columns fall in g, whatever it computed) does
-        _split_reduce_shared_kernel's work for g: the pairs' tile (one: n_pairs <= BM) and the
-        shared expert's (T <= BM). The same code on the same partials, so the same bits as the
-        separate launch (a tile's height changes no sum: the reduce adds along splits, the
-        quantiser's amax runs along a row). The step's routing launch zeroes the tickets (route_decode), and the last
-        program zeroes its group's again, so the route may serve another launch.
+    def _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
+                              shared_tickets_ptr, shared_arrivals, g, is_shared, SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr,
+                              SHARED: tl.constexpr, BM: tl.constexpr):
+        """Take a ticket for 128-column group g: the routed experts' programs from `tickets`, the
+        shared expert's (is_shared) from `shared_tickets`. The program that draws the last of its group's `arrivals` (`shared_arrivals`: every program of
+        that kind whose columns fall in g, whatever it computed) does _split_reduce_shared_kernel's
+        tile for it: the pairs' (one: n_pairs <= BM) or the shared expert's (T <= BM). The same
+        code on the same partials, so the same bits as the separate launch (a tile's height
+        changes no sum: the reduce adds along splits, the quantiser's amax runs along a row). The
+        step's routing launch zeroes the tickets (route_decode), and the last program zeroes its
+        own again, so the route may serve another launch.
 
         Ordering: the barrier puts every thread's partial-sum stores before the ticket's release
         (acq_rel at GPU scope, as CUTLASS's split-K semaphore does); the last program's acquire
         then makes every other program's stores visible, and it reads them from L2 (".cg"),
         never from a line this SM's L1 may hold from an earlier layer's reduce."""
         tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + g, 1, sem="acq_rel", scope="gpu")
-        if ticket == arrivals - 1:
-            tl.store(tickets_ptr + g, 0)        # every ticket drawn: ready for another launch on this route
-            _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, 0, g, 1,
-                         SPLIT, SHARED_SPLIT, BM, ".cg")
-            if SHARED:
+        if SHARED and is_shared:
+            ticket = tl.atomic_add(shared_tickets_ptr + g, 1, sem="acq_rel", scope="gpu")
+            if ticket == shared_arrivals - 1:
+                tl.store(shared_tickets_ptr + g, 0)
                 _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, 1, g, 1,
+                             SPLIT, SHARED_SPLIT, BM, ".cg")
+        else:
+            ticket = tl.atomic_add(tickets_ptr + g, 1, sem="acq_rel", scope="gpu")
+            if ticket == arrivals - 1:
+                tl.store(tickets_ptr + g, 0)
+                _reduce_tile(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, 0, g, 1,
                              SPLIT, SHARED_SPLIT, BM, ".cg")
 
     @triton.jit
@@ -745,20 +753,22 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     n_fast = bool(cfg.get("N_FAST", False))
     hq = torch.empty(n, i, dtype=torch.float8_e4m3fn, device=dev)
     ha = torch.empty(n, math.ceil(i / fp8_moe.GROUP), dtype=torch.float32, device=dev)
-    # the split reduce by gate/up's last program per 128-column group: one reduce tile of pairs and
-    # one of shared rows each (at most 16 rows: 8 for a row's 8 pairs), every group whole, a ticket each
+    # the split reduce by gate/up's last program per 128-column group and kind (routed, shared): one
+    # reduce tile of pairs or of shared rows (at most 16 rows: 8 for a row's 8 pairs), groups whole
     columns = max(i, i_s)
     reduce_rows = triton.next_power_of_2(max(n, t))
     last_reduces = (bool(cfg.get("LAST_REDUCES", False)) and route is not None and route.tickets is not None
                     and reduce_rows <= 16 and columns % fp8_moe.GROUP == 0
-                    and columns // fp8_moe.GROUP <= route.tickets.numel())
+                    and columns // fp8_moe.GROUP <= route.tickets.numel() // 2)
     grid_slots = slots + shared_tiles * kx
     _gate_up_kernel[_expert_grid(grid_slots, triton.cdiv(columns, bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
         s_gate_up.shape[1] // 2,
         w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
         x, x.stride(0), sw_gate_up, wss, i_s, slots,
-        route.tickets if last_reduces else num_active, grid_slots * (fp8_moe.GROUP // bn1) * split, hq, ha, hs,
+        *((route.tickets[:REDUCE_TICKETS // 2], slots * (fp8_moe.GROUP // bn1) * split,
+           route.tickets[REDUCE_TICKETS // 2:], shared_tiles * kx * (fp8_moe.GROUP // bn1) * split) if last_reduces
+          else (num_active, 0, num_active, 0)), hq, ha, hs,
         BM=bm, BN=bn1, SPLIT=split, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, KX=kx,
         REDUCE=reduce_rows if last_reduces else 0, N_FAST=n_fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args())
