@@ -45,7 +45,7 @@ def cases() -> dict:
     int arguments that are multiples of 16 at the full preset)."""
     import triton.language as tl
 
-    from services.backbone.kernels import decode_gemm, decode_graph, gdn, moe_decode
+    from services.backbone.kernels import decode_gemm, gdn, moe_decode
 
     cfg = moe_decode.DECODE_CONFIG
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
@@ -69,23 +69,16 @@ def cases() -> dict:
                      KX=cfg["SHARED_KX"], REDUCE=reduce, PDL=True, **dot),
                 cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"})
 
-    def down(combine):       # COMBINE: the combine and the next norm by the last programs (one row)
-        return (moe_decode._down_kernel,
-                dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
-                     out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
-                     shared_out_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), shg_ptr=_ptr("bf16"), y_ptr=_ptr("bf16"),
-                     nw_ptr=_ptr("bf16"), normed_ptr=_ptr("bf16"), eps="fp32", column_tickets_ptr=_ptr("i32"),
-                     row_ticket_ptr=_ptr("i32"), **moe_ptrs),
-                dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, COMBINE=combine,
-                     TOP_K=8, BH=2048, PDL=True, **dot),
-                cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
-                {"H", "I", "stride_we", "stride_wn", "IS"})
-
     return {
         "gate_up": gate_up(0),
         "gate_up_reduce": gate_up(8),
-        "down": down(False),
-        "down_combine": down(True),
+        "down": (moe_decode._down_kernel,
+                 dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
+                      out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
+                      shared_out_ptr=_ptr("fp32"), **moe_ptrs),
+                 dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PDL=True, **dot),
+                 cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
+                 {"H", "I", "stride_we", "stride_wn", "IS"}),
         "split_reduce": (moe_decode._split_reduce_shared_kernel,
                          dict(ws_ptr=_ptr("fp32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), wss_ptr=_ptr("fp32"),
                               hs_ptr=_ptr("bf16")),
@@ -104,11 +97,6 @@ def cases() -> dict:
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
-        "combine_norm": (decode_graph._moe_combine_norm_kernel,
-                         dict(pairs_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), sh_ptr=_ptr("fp32"), shg_ptr=_ptr("bf16"),
-                              out_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), normed_ptr=_ptr("bf16"), eps="fp32"),
-                         dict(K=8, HAS_SHARED=True, BH=2048, PDL=True),
-                         decode_graph.COMBINE_NORM_WARPS, 3, {"H", "stride_res", "stride_sh"}),
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),

@@ -197,9 +197,8 @@ def main(argv=None) -> dict:
 
 def shared_main(args, layers) -> dict:
     """--shared: per layer, route_decode, the routed experts and the shared expert (I_s = 512, BF16),
-    combined with the next norm; the shared expert either as SparseMoE's two GEMMs + silu_mul
-    (invariant.linear_rows, padded to 128 rows) or inside moe_decode_pairs' launches (with the
-    combine and norm too: moe_decode_pairs(combine=), as SparseMoE.forward_kernels serves it). Checks the fused path's rows alone
+    combined; the shared expert either as SparseMoE's two GEMMs + silu_mul (invariant.linear_rows,
+    padded to 128 rows) or inside moe_decode_pairs' launches. Checks the fused path's rows alone
     against inside the largest batch, and its shared output against its torch reference."""
     from services.backbone.kernels import decode_graph as dg
     from services.backbone.kernels import moe_decode
@@ -214,31 +213,27 @@ def shared_main(args, layers) -> dict:
         router = torch.randn(E, H, device="cuda") / math.sqrt(H)
         shared.append((gate_up, down, router))
 
-    norm_weight = (torch.randn(H, device="cuda") * 0.1).bfloat16()
-
     def layer_gemms(x, weights, sh):
         gate_up, down, router = sh
         route = moe_decode.route_decode(x, router, K)
         pairs = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route)
         fused = linear_rows(x, gate_up)
         out = linear_rows(dg.silu_mul(fused[:, :I], fused[:, I:2 * I]), down)
-        return dg.moe_combine(pairs, x, out, fused[:, 2 * I], norm_weight, 1e-6)
+        return dg.moe_combine(pairs, x, out, fused[:, 2 * I])
 
     def layer_fused(x, weights, sh, config=None):
         gate_up, down, router = sh
         route = moe_decode.route_decode(x, router, K, shared_gate=gate_up[2 * I])
-        return moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route,
-                                           shared=(gate_up[:2 * I], down), config=config,
-                                           combine=(x, norm_weight, 1e-6))
+        pairs, out = moe_decode.moe_decode_pairs(x, route.ids, route.weights, *weights, route=route,
+                                                 shared=(gate_up[:2 * I], down), config=config)
+        return dg.moe_combine(pairs, x, out, route.shared_gate_logit)
 
     # DECODE_CONFIG, then bit-neutral variants of it (warps and column blocks; the K split and BM stay)
     base = moe_decode.DECODE_CONFIG
     configs = {"served": base}
-    # the split reduce inside gate/up and the combine + norm inside down at one row (LAST_REDUCES,
-    # LAST_COMBINES) against their own launches: the same bits
-    for key, where in (("LAST_REDUCES", "in gate/up"), ("LAST_COMBINES", "in down")):
-        configs[f"{key.lower()} {'launch' if base[key] else where}"] = dict(base, **{key: not base[key]})
-    configs["neither"] = dict(base, LAST_REDUCES=False, LAST_COMBINES=False)
+    # the split reduce inside gate/up at one row (LAST_REDUCES) against its own launch: the same bits
+    configs[f"reduce {'launch' if base['LAST_REDUCES'] else 'in gate/up'}"] = dict(
+        base, LAST_REDUCES=not base["LAST_REDUCES"])
     configs["served again"] = base
     for warps, down_warps, bn1, bn2 in [(4, 4, 64, 64), (2, 2, 64, 64), (4, 4, 32, 32), (2, 2, 32, 32), (2, 2, 64, 32),
                                         (2, 4, 64, 64), (2, 1, 32, 32), (4, 2, 64, 64)]:
@@ -262,17 +257,13 @@ def shared_main(args, layers) -> dict:
             print(f"{t:>4} {name:<28} {ms:>12.3f} {ms * 1e3 / len(layers):>9.2f}", flush=True)
     big = max(args.rows)
     xb = torch.randn(big, H, device="cuda").bfloat16()
-
-    def equal(a, b):                 # (h', normed) pairs
-        return all(torch.equal(x, y) for x, y in zip(a, b))
-
     inside = layer_fused(xb, layers[0], shared[0])
-    same = all(equal(layer_fused(xb[r:r + 1], layers[0], shared[0]), [x[r:r + 1] for x in inside])
+    same = all(torch.equal(layer_fused(xb[r:r + 1], layers[0], shared[0]), inside[r:r + 1])
                for r in range(0, big, max(1, big // 16)))
     for name, cfg in configs.items():   # bit-neutral: each config's rows equal DECODE_CONFIG's
-        same_bits = equal(layer_fused(xb, layers[0], shared[0], cfg), inside)
-        results.setdefault("same_bits_as_decode_config", {})[name] = same_bits
-        print(f"{name}: the same bits as DECODE_CONFIG at {big} rows: {same_bits}")
+        equal = torch.equal(layer_fused(xb, layers[0], shared[0], cfg), inside)
+        results.setdefault("same_bits_as_decode_config", {})[name] = equal
+        print(f"{name}: the same bits as DECODE_CONFIG at {big} rows: {equal}")
     gate_up, down, _ = shared[0]
     got = moe_decode.moe_decode_pairs(xb, *fp8_route(xb, shared[0][2]), *layers[0], shared=(gate_up[:2 * I], down))[1]
     ref = moe_decode.shared_expert_reference(xb, gate_up[:2 * I], down)

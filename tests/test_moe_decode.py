@@ -303,41 +303,6 @@ def test_reduce_in_gate_up_equals_its_own_launch(i_s, split, monkeypatch):
             assert torch.equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("h", [256, 200])
-def test_combine_in_down_equals_its_own_launch(h, monkeypatch):
-    """One row: moe_decode_pairs(combine=) with the combine and the next norm done by the down
-    launch's last programs (LAST_COMBINES) gives the bits of decode_graph.moe_combine's launch on
-    the pairs, twice on one route (the tickets are zeroed after use), in new buffers that start as
-    NaN; H = 200 leaves the last column block and the norm's tail partly masked."""
-    from services.backbone.kernels import decode_graph
-    if INTERPRET and not torch.cuda.is_available():
-        monkeypatch.setattr(decode_graph, "use_triton", lambda *tensors: True)
-    i, i_s, e, k = 128, 256, 16, 4
-    weights = experts(e, i, h)
-    u, router = router_case(1, e, h)
-    gate_up, down, gate = shared_expert(i_s, h)
-    residual = torch.randn(1, h, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
-    norm_weight = (torch.randn(h, generator=torch.Generator().manual_seed(6)) * 0.1).to(torch.bfloat16).to(DEVICE)
-    route = moe_decode.route_decode(u, router, k, shared_gate=gate)
-    assert moe_decode.DECODE_CONFIG["LAST_COMBINES"]
-    combine = (residual, norm_weight, 1e-6)
-    want = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route, shared=(gate_up, down),
-                                       combine=combine, config=dict(moe_decode.DECODE_CONFIG, LAST_COMBINES=False))
-    pairs, shared = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
-                                                shared=(gate_up, down))
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, decode_graph.moe_combine(
-        pairs, residual, shared, route.shared_gate_logit, norm_weight, 1e-6)))
-    monkeypatch.setattr(decode_graph, "_moe_combine_norm_kernel", None)       # a launch of it raises
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: nan_filled(empty(*args, **kwargs)))
-    for _ in range(2):
-        got = moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
-                                          shared=(gate_up, down), combine=combine)
-        for a, b in zip(got, want):
-            assert not torch.isnan(a.float()).any()
-            assert torch.equal(bits(a), bits(b))
-
-
 def nan_filled(x):
     return x.fill_(float("nan")) if x.is_floating_point() else x
 

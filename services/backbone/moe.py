@@ -265,10 +265,6 @@ class SparseMoE(nn.Module):
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
                                             shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
-            if fuse_shared and norm_weight is not None:     # the combine + norm from the same launches
-                return moe_decode.moe_decode_pairs(*args, config=config, route=route,
-                                                   shared=(self.shared_fused[:2 * i_s], self.shared_down),
-                                                   combine=(h, norm_weight, eps))
             if fuse_shared:
                 pairs, shared = moe_decode.moe_decode_pairs(
                     *args, config=config, route=route, shared=(self.shared_fused[:2 * i_s], self.shared_down))

@@ -133,12 +133,6 @@ def attention_prologue(qkv, q_norm, k_norm, k_cache, v_cache, seq, pos, *, n_q, 
     return q
 
 
-# The combine + norm launch's warps: moe_decode's down kernel, which does the same combine and norm
-# at one row (moe_decode_pairs(combine=)), runs this many too, so a row's sum of squares takes the
-# same order in either (_norm_stored_row).
-COMBINE_NORM_WARPS = 4
-
-
 def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weight=None, eps: float = 1e-6):
     """The layer's output h (see the module docstring); with `norm_weight`, (h, RMSNorm⁺(h)) from
     one launch: the norm that follows every combine (the next layer's input norm, or the final
@@ -155,7 +149,7 @@ def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weigh
             pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual,
             out, norm_weight, normed, eps, h, residual.stride(0), shared.stride(0) if has_shared else 0,
             shared_gate_logit.stride(0) if has_shared else 0,
-            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=COMBINE_NORM_WARPS, **pdl_args())
+            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=8, **pdl_args())
         return out, normed
     _moe_combine_kernel[(t, triton.cdiv(h, 1024))](
         pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual, out,
@@ -298,17 +292,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
-                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr):
-        """Row t's columns `offs` of the combine: bf16(residual + bf16(Σ_j pairs_j + σ(g)·shared)).
-        CACHE: the pairs' and shared rows' loads' cache modifier (".cg" where other programs of
-        the same launch wrote them: moe_decode's down kernel)."""
+                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+        """Row t's columns `offs` of the combine: bf16(residual + bf16(Σ_j pairs_j + σ(g)·shared))."""
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
-            acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+            acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0)
         if HAS_SHARED:
             gl = tl.load(shg_ptr + t * stride_shg).to(tl.float32)
-            acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0,
-                                            cache_modifier=CACHE).to(tl.float32)
+            acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
         return (r + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
 
@@ -320,7 +311,7 @@ if HAS_TRITON:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
         y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
-                          K, HAS_SHARED, BLOCK, "")
+                          K, HAS_SHARED, BLOCK)
         tl.store(out_ptr + t * H + offs, y, mask=ok)
 
     @triton.jit
@@ -328,31 +319,18 @@ if HAS_TRITON:
                                  stride_res, stride_sh, stride_shg,
                                  K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
                                  PDL: tl.constexpr = False):
-        """_moe_combine_kernel for a whole row, then RMSNorm⁺ of the bf16 result (_norm_stored_row)."""
+        """_moe_combine_kernel for a whole row, then _rms_norm_kernel's RMSNorm⁺ of the bf16 result."""
         pdl_prologue(PDL)
         t = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
         y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
-                          K, HAS_SHARED, BH, "")
+                          K, HAS_SHARED, BH)
         tl.store(out_ptr + t * H + offs, y, mask=ok)
-        tl.debug_barrier()           # every thread's part of the row is stored before any reads it back
-        _norm_stored_row(out_ptr + t * H, w_ptr, normed_ptr + t * H, eps, H, BH)
-
-    @triton.jit
-    def _norm_stored_row(y_ptr, w_ptr, normed_ptr, eps, H, BH: tl.constexpr):
-        """RMSNorm⁺ of the bf16 row at y_ptr (H values, just stored by this program's launch) ->
-        normed_ptr, as _rms_norm_kernel computes it. The row is read back from memory (L2, past
-        L1: ".cg"), not taken from the registers that computed it, so the sum of squares runs in
-        the layout of this load alone: moe_decode's down kernel, which combines a row's column
-        blocks in different programs, normalises it here too and gets the same bits when it runs
-        the same num_warps (COMBINE_NORM_WARPS)."""
-        offs = tl.arange(0, BH)
-        ok = offs < H
-        x = tl.load(y_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = tl.where(ok, y.to(tl.float32), 0.0)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * (1.0 + w)
-        tl.store(normed_ptr + offs, normed.to(tl.bfloat16), mask=ok)
+        tl.store(normed_ptr + t * H + offs, normed.to(tl.bfloat16), mask=ok)
 
     @triton.jit
     def _embed_kernel(ids_ptr, frames_ptr, table_ptr, cb_ptr, out_ptr, H, semantic_start, vocab, inv,

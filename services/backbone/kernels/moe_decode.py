@@ -39,13 +39,7 @@ quantiser, the counter's zeroing): `python3 bench/router_decode.py`, us per laye
 graph on the H200 (2026-11-30): T = 1: 23.1 -> 10.9; T = 128: 24.0 -> 29.9.
 At T = 1 (one stream) the routing program is the only one, and it knows the step's whole
 routing: it also writes what `expert_lists` would (each of the k distinct picks has the one pair),
-so the single-stream step skips that launch (DecodeRoute.lists), and zeroes tickets
-(DecodeRoute.tickets) with which two more launches fold into their neighbours at one row: the
-split reduce into gate/up (the last program of each 128-column group reduces it) and the combine
-with the next norm into down (the last program of each column block combines it, the last of
-those normalises the row), each the same code on the same values as its own launch, so the same
-bits (tests/test_moe_decode.py). H200, route + experts + combine + norm, 40 layers in one graph
-(bench/moe_decode.py --shared --rows 1, session 18, one process): see DECODE_CONFIG.
+so the single-stream step skips that launch (DecodeRoute.lists).
 
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
@@ -61,10 +55,8 @@ from typing import NamedTuple
 import torch
 
 from services.common.grpcutil import env_switch
-from services.common.invariant import empty_rows
 
 from . import HAS_TRITON, bf16_dot_args, pdl_args, use_triton
-from . import decode_graph as dg
 from . import fp8_moe
 
 if HAS_TRITON:
@@ -94,18 +86,10 @@ if HAS_TRITON:
 # LAST_REDUCES: at one row (route_decode's lists and tickets), the last gate/up program of each
 # 128-column group does the split reduce (_last_program_reduces): one launch fewer per layer, the
 # same bits (the same reduce code on the same partials). DRAMA_MOE_LAST_REDUCES=0 turns it off.
-# LAST_COMBINES: likewise the combine and the next norm (decode_graph.moe_combine(norm_weight=)) in
-# the down launch's last programs (_last_programs_combine, moe_decode_pairs(combine=)); the same
-# bits as the combine + norm launch. DRAMA_MOE_LAST_COMBINES=0 turns it off.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
-                     LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False,
-                     LAST_COMBINES=env_switch("DRAMA_MOE_LAST_COMBINES") is not False)
-# The tickets route_decode zeroes for one row (DecodeRoute.tickets): a routed and a shared half of
-# REDUCE_TICKETS for gate/up's 128-column groups (I, I_s <= 1024), then one per column block of
-# down (H <= COMBINE_TICKETS·BN_DOWN) and one for the row.
-REDUCE_TICKETS = 16
-COMBINE_TICKETS = 256
-ROUTE_TICKETS = 512       # a power of two >= all of them
+                     LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False)
+REDUCE_TICKETS = 16     # tickets route_decode zeroes: a routed and a shared half of 128-column groups
+# of gate/up each (I, I_s <= 1024)
 
 # Padded prefill pieces (Backbone.prefill_graphs) have many pairs per expert. A row's bits depend
 # on the tile shape (BM changes the MMA instruction: bench/moe_decode.py --prefill checks this and
@@ -364,57 +348,14 @@ if HAS_TRITON:
                      num_active_ptr, T, H, I,
                      stride_we, stride_wn, stride_se, stride_sn,
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
-                     res_ptr, shg_ptr, y_ptr, nw_ptr, normed_ptr, eps, column_tickets_ptr, row_ticket_ptr,
-                     arrivals, column_blocks,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
-                     COMBINE: tl.constexpr = False, TOP_K: tl.constexpr = 1, BH: tl.constexpr = 1,
                      N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
-        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down).
-        COMBINE (one row, with SHARED): decode_graph.moe_combine(norm_weight=) of the row too, by
-        the last programs to finish (_last_programs_combine), not by a launch of its own."""
+        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
         pdl_prologue(PDL)
         slot, pid_n = _slot_and_column_block(N_FAST)
-        _down_program(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
-                      num_active_ptr, T, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot, slot, pid_n, BM, BN, DOT, PREC, FP8_DOT, SHARED)
-        if COMBINE:
-            _last_programs_combine(out_ptr, shared_out_ptr, res_ptr, shg_ptr, y_ptr, nw_ptr, normed_ptr, eps, H,
-                                   column_tickets_ptr, row_ticket_ptr, arrivals, column_blocks, pid_n, TOP_K, BN, BH)
-
-    @triton.jit
-    def _last_programs_combine(pairs_ptr, shared_out_ptr, res_ptr, shg_ptr, y_ptr, nw_ptr, normed_ptr, eps, H,
-                               column_tickets_ptr, row_ticket_ptr, arrivals, column_blocks, pid_n,
-                               K: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr):
-        """One row's combine and norm in two ticket steps (the ordering as _last_program_reduces):
-        the last of the `arrivals` programs of column block pid_n (the routed slots and the shared
-        tile) combines those BN columns (decode_graph._combine_rows: elementwise, so the same bits
-        in blocks as in one row) into y; the last of the `column_blocks` combiners normalises the
-        stored row (decode_graph._norm_stored_row, as the combine + norm launch does)."""
-        tl.debug_barrier()
-        ticket = tl.atomic_add(column_tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == arrivals - 1:
-            tl.store(column_tickets_ptr + pid_n, 0)
-            offs = pid_n * BN + tl.arange(0, BN)
-            ok = offs < H
-            y = dg._combine_rows(pairs_ptr, res_ptr, shared_out_ptr, shg_ptr, 0, offs, ok, H, 0, 0, 0,
-                                 K, True, BN, ".cg")
-            tl.store(y_ptr + offs, y, mask=ok)
-            tl.debug_barrier()
-            last = tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel", scope="gpu")
-            if last == column_blocks - 1:
-                tl.store(row_ticket_ptr, 0)
-                dg._norm_stored_row(y_ptr, nw_ptr, normed_ptr, eps, H, BH)
-
-    @triton.jit
-    def _down_program(hq_ptr, ha_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, counts_ptr, lists_ptr, active_ptr,
-                      num_active_ptr, T, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot, slot, pid_n,
-                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr):
-        """_down_kernel's products for program (slot, pid_n)."""
         if SHARED:
             if slot >= shared_slot:
                 _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM,
@@ -617,8 +558,8 @@ class DecodeRoute(NamedTuple):
     shared_gate_logit: torch.Tensor | None = None   # bf16 [T]: u·shared_expert_gate, when asked
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # expert_lists' (counts,
     # lists, active), written by the routing launch itself for one row (route_decode)
-    tickets: torch.Tensor | None = None      # int32 [ROUTE_TICKETS], zeroed with `lists`: for the split
-    # reduce inside gate/up and the combine inside down (moe_decode_pairs)
+    tickets: torch.Tensor | None = None      # int32 [REDUCE_TICKETS], zeroed with `lists`: one per
+    # 128-column group of gate/up, for the split reduce inside gate/up (moe_decode_pairs)
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -719,13 +660,13 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     if t == 1 and k <= e:
         lists = (torch.empty(e, dtype=torch.int32, device=dev), torch.empty(e, 1, dtype=torch.int32, device=dev),
                  torch.empty(k, dtype=torch.int32, device=dev))
-        tickets = torch.empty(ROUTE_TICKETS, dtype=torch.int32, device=dev)
+        tickets = torch.empty(REDUCE_TICKETS, dtype=torch.int32, device=dev)
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
                               gate if gate is not None else weights, *(lists or (ids, ids, ids)),
                               tickets if tickets is not None else ids, S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=ROUTE_TICKETS,
+                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=REDUCE_TICKETS,
                               num_warps=route["num_warps"], **pdl_args())
     return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists, tickets)
 
@@ -760,8 +701,7 @@ def _expert_grid(slots: int, column_blocks: int, n_fast: bool, *rest: int) -> tu
 
 def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
                      config: dict | None = None, route: DecodeRoute | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     combine: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None):
     """CUDA only: the weighted per-pair expert outputs w_j·E_{e_j}(x_t), [T, k, H] float32.
     Arguments as fp8_moe.moe_fp8_pairs; no host sync, so a decode step can be graph-captured.
     `route` (route_decode's, whose ids and weights are topk_ids and topk_weights): x is already
@@ -771,14 +711,8 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     reduce), and the result is (pairs, E_s(x) [T, H] F32, unweighted). Its sums are F32 over the
     same fixed K ranges for every row count, and gate and up are rounded to bf16 before
     silu(gate)·up as the BF16 linears round theirs, so it stands in for
-    down(silu(gate(x))·up(x)) of three BF16 GEMMs (shared_expert_reference).
-    `combine` = (residual [T, H] bf16, norm_weight [H], eps), with `shared` and a route with the
-    shared gate logit: the layer's end, decode_graph.moe_combine(pairs, residual, E_s(x), gate
-    logit, norm_weight, eps) -> (h', RMSNorm⁺(h')), is the result; at one row (route.tickets,
-    LAST_COMBINES) the down launch's last programs compute it, one launch fewer, the same bits."""
+    down(silu(gate(x))·up(x)) of three BF16 GEMMs (shared_expert_reference)."""
     t, h, e, i = fp8_moe._check_moe_args(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down)
-    if combine is not None and (shared is None or route is None or route.shared_gate_logit is None):
-        raise ValueError("combine= needs shared= and a route with the shared expert's gate logit")
     cfg = config or DECODE_CONFIG
     k = topk_ids.shape[1]
     n = t * k
@@ -825,7 +759,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     reduce_rows = triton.next_power_of_2(max(n, t))
     last_reduces = (bool(cfg.get("LAST_REDUCES", False)) and route is not None and route.tickets is not None
                     and reduce_rows <= 16 and columns % fp8_moe.GROUP == 0
-                    and columns // fp8_moe.GROUP <= REDUCE_TICKETS // 2)
+                    and columns // fp8_moe.GROUP <= route.tickets.numel() // 2)
     grid_slots = slots + shared_tiles * kx
     _gate_up_kernel[_expert_grid(grid_slots, triton.cdiv(columns, bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
@@ -849,37 +783,14 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
-    down_warps = cfg.get("DOWN_WARPS", cfg["num_warps"])
-    column_blocks = triton.cdiv(h, bn2)
-    # the combine and the next norm by the down launch's last programs: one row, whose norm then
-    # runs in as many warps as decode_graph's combine + norm launch (the same sum order)
-    last_combines = (combine is not None and bool(cfg.get("LAST_COMBINES", False)) and route.tickets is not None
-                     and t == 1 and column_blocks <= COMBINE_TICKETS and down_warps == dg.COMBINE_NORM_WARPS)
-    if last_combines:
-        residual, norm_weight, eps = combine
-        if residual.shape != (t, h) or residual.stride(1) != 1 or norm_weight.shape != (h,):
-            raise ValueError(f"combine: residual [{t}, {h}] with unit stride and norm_weight [{h}], "
-                             f"got {tuple(residual.shape)} {tuple(norm_weight.shape)}")
-        y = empty_rows(t, h, dtype=torch.bfloat16, device=dev)          # as moe_combine allocates them
-        normed = empty_rows(t, h, dtype=torch.bfloat16, device=dev)
-        tickets = route.tickets[REDUCE_TICKETS:REDUCE_TICKETS + COMBINE_TICKETS + 1]
-        fused = (residual, route.shared_gate_logit, y, norm_weight, normed, eps, tickets, tickets[COMBINE_TICKETS:],
-                 slots + shared_tiles, column_blocks)
-    else:                        # placeholders the kernel never touches (COMBINE=False)
-        fused = (out, out, out, out, out, 0.0, num_active, num_active, 0, 0)
-    _down_kernel[_expert_grid(slots + shared_tiles, column_blocks, n_fast)](
+    _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        hs, sw_down, shared_out, i_s, slots, *fused,
-        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared,
-        COMBINE=last_combines, TOP_K=k, BH=triton.next_power_of_2(h), N_FAST=n_fast,
-        num_warps=down_warps, num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]), **pdl_args())
+        hs, sw_down, shared_out, i_s, slots,
+        BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
+        **pdl_args())
     pairs = out.view(t, k, h)
-    if last_combines:
-        return y, normed
-    if combine is not None:
-        residual, norm_weight, eps = combine
-        return dg.moe_combine(pairs, residual, shared_out, route.shared_gate_logit, norm_weight, eps)
     return (pairs, shared_out) if has_shared else pairs
 
 
