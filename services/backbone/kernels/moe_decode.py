@@ -39,7 +39,10 @@ quantiser, the counter's zeroing): `python3 bench/router_decode.py`, us per laye
 graph on the H200 (2026-11-30): T = 1: 23.1 -> 10.9; T = 128: 24.0 -> 29.9.
 At T = 1 (one stream) the routing program is the only one, and it knows the step's whole
 routing: it also writes what `expert_lists` would (each of the k distinct picks has the one pair),
-so the single-stream step skips that launch (DecodeRoute.lists).
+so the single-stream step skips that launch (DecodeRoute.lists). It also zeroes tickets
+(DecodeRoute.tickets) with which the split reduce folds into gate/up at one row: the last
+program of each 128-column group and kind (routed, shared) reduces that group, the same code on
+the same partials as the reduce launch, so the same bits (DECODE_CONFIG's LAST_REDUCES).
 
 H200, 40 layers of distinct experts in one CUDA graph (`python3 bench/moe_decode.py`, 2026-11-29),
 ms against fp8_moe's decode path: T = 1: 1.38 vs 1.86; 8: 4.74 vs 5.27; 32: 11.4 vs 13.5;
@@ -86,6 +89,12 @@ if HAS_TRITON:
 # LAST_REDUCES: at one row (route_decode's lists and tickets), the last gate/up program of each
 # 128-column group does the split reduce (_last_program_reduces): one launch fewer per layer, the
 # same bits (the same reduce code on the same partials). DRAMA_MOE_LAST_REDUCES=0 turns it off.
+# H200, route + experts (+ combine), 40 layers in one graph, one process (bench/moe_decode.py
+# --shared --rows 1, session 18): 1.175 -> 1.142 ms (run 4); with the combine + norm launch
+# timed too, 1.298 -> 1.228 (run 6). One ticket per group for both kinds (the last program
+# reducing both tiles in turn) had measured 1.200 against the launch's 1.175 (run 3, two processes). The same trick for the
+# combine + next norm inside down (its last programs per column block, then per row) gave the
+# same bits but no time: 1.223 -> 1.228 (run 6); not kept.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
                      LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False)
 REDUCE_TICKETS = 16     # tickets route_decode zeroes: a routed and a shared half of 128-column groups
