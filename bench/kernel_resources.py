@@ -63,8 +63,8 @@ def cases() -> dict:
         return (moe_decode._gate_up_kernel,
                 dict(xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
                      ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"), wss_ptr=_ptr("fp32"),
-                     tickets_ptr=_ptr("i32"), shared_tickets_ptr=_ptr("i32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), hs_ptr=_ptr("bf16"),
-                     **moe_ptrs),
+                     tickets_ptr=_ptr("i32"), shared_tickets_ptr=_ptr("i32"), hq_ptr=_ptr("fp8e4nv"),
+                     ha_ptr=_ptr("fp32"), hs_ptr=_ptr("bf16"), **moe_ptrs),
                 dict(BM=cfg["BM"], BN=cfg["BN_GU"], SPLIT=cfg["SPLIT"], FP8_DOT=cfg["FP8_DOT"], SHARED=True,
                      KX=cfg["SHARED_KX"], REDUCE=reduce, PDL=True, **dot),
                 cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"})

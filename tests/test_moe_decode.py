@@ -280,8 +280,9 @@ def test_reduce_in_gate_up_equals_its_own_launch(i_s, split, monkeypatch):
     """One row: the split reduce done by gate/up's last program per 128-column group
     (DECODE_CONFIG's LAST_REDUCES) gives the bits of the separate reduce launch, without and with
     the shared expert (I_s below, equal to and above I; an odd K split too), and again on the same
-    route (the last program zeroes its ticket). The fused calls' new float buffers start as NaN, so a reduce that
-    did not run, or ran before every partial sum was in, cannot pass on stale memory."""
+    route (the last program zeroes its ticket). The fused calls' new float buffers start as NaN,
+    so a reduce that did not run, or ran before every partial sum was in, cannot pass on stale
+    memory."""
     h, i, e, k = 256, 256, 16, 4
     weights = experts(e, i, h)
     u, router = router_case(1, e, h)

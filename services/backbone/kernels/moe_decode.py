@@ -92,9 +92,9 @@ if HAS_TRITON:
 # H200, route + experts (+ combine), 40 layers in one graph, one process (bench/moe_decode.py
 # --shared --rows 1, session 18): 1.175 -> 1.142 ms (run 4); with the combine + norm launch
 # timed too, 1.298 -> 1.228 (run 6). One ticket per group for both kinds (the last program
-# reducing both tiles in turn) had measured 1.200 against the launch's 1.175 (run 3, two processes). The same trick for the
-# combine + next norm inside down (its last programs per column block, then per row) gave the
-# same bits but no time: 1.223 -> 1.228 (run 6); not kept.
+# reducing both tiles in turn) had measured 1.200 against the launch's 1.175 (run 3, two
+# processes). The same trick for the combine + next norm inside down (its last programs per column
+# block, then per row) gave the same bits but no time: 1.223 -> 1.228 (run 6); not kept.
 DECODE_CONFIG = dict(BM=16, BN_GU=32, BN_DOWN=32, SPLIT=4, num_warps=4, num_stages=3, FP8_DOT=True, SHARED_KX=2,
                      LAST_REDUCES=env_switch("DRAMA_MOE_LAST_REDUCES") is not False)
 REDUCE_TICKETS = 16     # tickets route_decode zeroes: a routed and a shared half of 128-column groups
@@ -239,21 +239,22 @@ if HAS_TRITON:
                          BM, BN, SPLIT, DOT, PREC, FP8_DOT, SHARED, KX)
         if REDUCE > 0:
             _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
-                                  shared_tickets_ptr, shared_arrivals, (pid_n * BN) // 128, SHARED and slot >= shared_slot,
-                                  SPLIT, SPLIT * KX, SHARED, REDUCE)
+                                  shared_tickets_ptr, shared_arrivals, (pid_n * BN) // 128,
+                                  SHARED and slot >= shared_slot, SPLIT, SPLIT * KX, SHARED, REDUCE)
 
     @triton.jit
     def _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
-                              shared_tickets_ptr, shared_arrivals, g, is_shared, SPLIT: tl.constexpr, SHARED_SPLIT: tl.constexpr,
-                              SHARED: tl.constexpr, BM: tl.constexpr):
+                              shared_tickets_ptr, shared_arrivals, g, is_shared, SPLIT: tl.constexpr,
+                              SHARED_SPLIT: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr):
         """Take a ticket for 128-column group g: the routed experts' programs from `tickets`, the
-        shared expert's (is_shared) from `shared_tickets`. The program that draws the last of its group's `arrivals` (`shared_arrivals`: every program of
-        that kind whose columns fall in g, whatever it computed) does _split_reduce_shared_kernel's
-        tile for it: the pairs' (one: n_pairs <= BM) or the shared expert's (T <= BM). The same
-        code on the same partials, so the same bits as the separate launch (a tile's height
-        changes no sum: the reduce adds along splits, the quantiser's amax runs along a row). The
-        step's routing launch zeroes the tickets (route_decode), and the last program zeroes its
-        own again, so the route may serve another launch.
+        shared expert's (is_shared) from `shared_tickets`. The program that draws the last of its
+        group's `arrivals` (`shared_arrivals`: every program of that kind whose columns fall in g,
+        whatever it computed) does _split_reduce_shared_kernel's tile for it: the pairs' (one:
+        n_pairs <= BM) or the shared expert's (T <= BM). The same code on the same partials, so the
+        same bits as the separate launch (a tile's height changes no sum: the reduce adds along
+        splits, the quantiser's amax runs along a row). The step's routing launch zeroes the
+        tickets (route_decode), and the last program zeroes its own again, so the route may serve
+        another launch.
 
         Ordering: the barrier puts every thread's partial-sum stores before the ticket's release
         (acq_rel at GPU scope, as CUTLASS's split-K semaphore does); the last program's acquire
@@ -568,7 +569,7 @@ class DecodeRoute(NamedTuple):
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # expert_lists' (counts,
     # lists, active), written by the routing launch itself for one row (route_decode)
     tickets: torch.Tensor | None = None      # int32 [REDUCE_TICKETS], zeroed with `lists`: one per
-    # 128-column group of gate/up, for the split reduce inside gate/up (moe_decode_pairs)
+    # 128-column group of gate/up and kind (routed, shared), for the split reduce inside gate/up
 
 
 def route_decode_reference(u: torch.Tensor, router_weight: torch.Tensor, k: int,
@@ -673,7 +674,8 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
                               partials.stride(-2), shared_gate if gate is not None else u,
                               gate if gate is not None else weights, *(lists or (ids, ids, ids)),
-                              tickets if tickets is not None else ids, S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              tickets if tickets is not None else ids,
+                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
                               KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=REDUCE_TICKETS,
                               num_warps=route["num_warps"], **pdl_args())
@@ -768,7 +770,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
     reduce_rows = triton.next_power_of_2(max(n, t))
     last_reduces = (bool(cfg.get("LAST_REDUCES", False)) and route is not None and route.tickets is not None
                     and reduce_rows <= 16 and columns % fp8_moe.GROUP == 0
-                    and columns // fp8_moe.GROUP <= route.tickets.numel() // 2)
+                    and columns // fp8_moe.GROUP <= REDUCE_TICKETS // 2)
     grid_slots = slots + shared_tiles * kx
     _gate_up_kernel[_expert_grid(grid_slots, triton.cdiv(columns, bn1), n_fast, split)](
         xq, xa, w_gate_up, s_gate_up, ws, counts, lists, active, num_active, n, k, t, h, i,
