@@ -193,7 +193,13 @@ def _pair(cfg, sessions: int, context: int):
 
 @cuda
 @pytest.mark.parametrize("preset", ["tiny", "full"])
-def test_graphed_decode_equals_eager(preset):
+@pytest.mark.parametrize("decode_gemm", [False, True])
+def test_graphed_decode_equals_eager(preset, decode_gemm, monkeypatch):
+    """decode_gemm: the projections through decode_linear (DRAMA_TOWER_DECODE_GEMM=1), whose rows
+    must not depend on the rows beside them either (the padded bucket below)."""
+    from services.tower import model
+
+    monkeypatch.setattr(model, "TOWER_DECODE_GEMM", decode_gemm)
     cfg = _preset(preset)
     sessions, prompt, steps = 8, 37, 12
     graphed, eager = _pair(cfg, sessions, prompt + 2 * steps + 1)

@@ -42,7 +42,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.config import DramaConfig
+from services.common.grpcutil import env_switch
 from services.common.invariant import linear_rows, padded_input
+
+# DRAMA_TOWER_DECODE_GEMM=1: the GPU path's bf16 projections through the backbone's Triton decode
+# GEMM (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits
+# depend on the weight's shape only, at any row count, so prompt and decode rows may share a call)
+# instead of cuBLAS over 128-row pieces (invariant.linear_rows). The backbone's decode step gained
+# 0.17 ms at batch 1 from it (docs/perf.md, session 17). Off until measured on a GPU:
+# `DRAMA_TOWER_DECODE_GEMM=0` and `1` with `python3 bench/tower.py --batch 1 8 128 --steps 20
+# --warmup 3 --graphs on`, and the tower prompt's cost at its row counts.
+TOWER_DECODE_GEMM = env_switch("DRAMA_TOWER_DECODE_GEMM") is True
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
 Sampler = Callable[[int, Tensor], Tensor]
@@ -303,7 +313,7 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         n_q, n_kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:  # one GEMM; q, k, v are column views of its output
-            qkv = linear_rows(x, self.qkv_weight)
+            qkv = tower_linear(x, self.qkv_weight)
             q_and_gate, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
         else:
             x = padded_input(x)          # CUDA: q, k and v read one padded copy (invariant.linear_rows)
@@ -351,7 +361,7 @@ class SwiGLU(nn.Module):
             from services.backbone.kernels.decode_graph import silu_mul   # one kernel: bf16(silu(g)·u)
 
             inter = self.gate_proj.weight.shape[0]
-            gate_up = linear_rows(x, self.gate_up_weight)
+            gate_up = tower_linear(x, self.gate_up_weight)
             return self.down_proj(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), residual)
         x = padded_input(x)              # CUDA: gate and up read one padded copy
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
@@ -390,13 +400,23 @@ class RowLinear(nn.Linear):
         path, a separate add in the batch-invariant mode (as the layer did before)."""
         if not self.batch_invariant:
             if x.dim() == 2:
-                return linear_rows(x, self.weight, residual)
+                return tower_linear(x, self.weight, residual)
             out = F.linear(x, self.weight)
             return out if residual is None else residual + out
         rows = x.shape[0]
         weight_t = self.weight.t()
         out = torch.bmm(x[:, None, :], weight_t.expand(rows, *weight_t.shape)).squeeze(1)
         return out if residual is None else residual + out
+
+
+def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> Tensor:
+    """The GPU path's x·Wᵀ (+ residual, one rounding): invariant.linear_rows, or with
+    DRAMA_TOWER_DECODE_GEMM=1 decode_linear for bf16 x and weight on CUDA."""
+    if TOWER_DECODE_GEMM and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        from services.backbone.kernels.decode_gemm import decode_linear
+
+        return decode_linear(x, weight, residual)
+    return linear_rows(x, weight, residual)
 
 
 def _fuse_rows(*linears: nn.Linear) -> Tensor:
