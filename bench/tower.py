@@ -9,6 +9,9 @@
     python bench/tower.py --out tower.json                  also write the numbers as JSON
     python bench/tower.py --batch 1 --prompt 134 --prompt-profile   also a request's first step:
                                                             134 prompt rows, first frame (+ profile)
+    python bench/tower.py --graphs on --decode-gemm off on off      the projections on cuBLAS (off)
+                                                            and on the Triton decode GEMM (on,
+                                                            DRAMA_TOWER_DECODE_GEMM=1), in turn, one process
 
 Random weights are made on the device (no checkpoint). For each batch size B the engine's pool is
 emptied, B sessions are prefilled with `--context` rows each (one Step per session, the last row
@@ -44,6 +47,7 @@ import torch  # noqa: E402
 
 from services.common.config import DramaConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
+from services.tower import model as tower_model  # noqa: E402
 from services.tower.engine import StepEntry, TowerEngine  # noqa: E402
 from services.tower.weights import random_tower  # noqa: E402
 
@@ -67,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "trunk, the first frame drawn), as the server runs a request's first Step")
     parser.add_argument("--prompt-profile", action="store_true", help="a torch.profiler table of each "
                         "--prompt step")
+    parser.add_argument("--decode-gemm", nargs="+", choices=["off", "on"],
+                        help="the tower's projections through kernels/decode_gemm (on) or cuBLAS in 128-row "
+                        "pieces (off), one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -190,15 +197,35 @@ def main(argv=None) -> list[dict]:
         args.graphs or ("both" if device.type == "cuda" else "off")]
     print(f"tower {args.preset} on {device} ({dtype}): {parameters / 1e9:.3f} B parameters, "
           f"{len(model.layers())} layers, context {args.context}, {args.steps} timed steps", flush=True)
-    print(f"{'mode':>6} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} "
+    print(f"{'mode':>10} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} "
           f"{'prefill rows/s':>15}", flush=True)
+    switch = tower_model.TOWER_DECODE_GEMM
+    gemms = args.decode_gemm or ["on" if switch else "off"]
+    try:
+        results, checks, meta_modes = _run(args, model, cfg, device, modes, gemms)
+    finally:
+        tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
+    if args.out:
+        meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "context": args.context,
+                "steps": args.steps, "torch": torch.__version__, "modes": meta_modes,
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+        args.out.write_text(json.dumps({"meta": meta, "results": results, "invariance": checks}, indent=2) + "\n")
+    return results
+
+
+def _run(args, model, cfg, device, modes: list[str], gemms: list[str]) -> tuple[list, list, dict]:
+    """main's timings: one engine per (decode GEMM setting, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    for mode in modes:
+    for gemm, base_mode in [(gemm, mode) for gemm in gemms for mode in modes]:
+        # tower_linear reads the switch at each call: eager steps and the graphs captured below
+        # follow it
+        tower_model.TOWER_DECODE_GEMM = gemm == "on"
+        mode = base_mode + ("+dg" if gemm == "on" else "")
         # One engine at a time: a new engine re-allocates the model's caches (and the old
         # engine's graphs point at the old ones).
         engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
                              max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
-                             graphs=mode == "graphs")
+                             graphs=base_mode == "graphs")
         started = time.perf_counter()
         engine.warm_up()
         _sync(device)
@@ -207,26 +234,21 @@ def main(argv=None) -> list[dict]:
         for batch in args.batch:
             r = {"mode": mode, **bench_batch(engine, batch, args, generator)}
             results.append(r)
-            print(f"{mode:>6} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
+            print(f"{mode:>10} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
                   f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
         for rows in args.prompt:
             r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
             results.append(r)
-            print(f"{mode:>6} prompt step of {rows} rows: median {r['median_ms']:.2f} ms, "
+            print(f"{mode:>10} prompt step of {rows} rows: median {r['median_ms']:.2f} ms, "
                   f"min {r['min_ms']:.2f} ms", flush=True)
         if args.invariance:
             for c in invariance(engine, args.invariance, args):
                 checks.append({"mode": mode, **c})
-                print(f"{mode:>6} invariance: batch {c['batch']} vs alone: {c['identical_frames']}/{c['frames']} "
+                print(f"{mode:>10} invariance: batch {c['batch']} vs alone: {c['identical_frames']}/{c['frames']} "
                       f"frames identical (first different: {c['first_different_frame']}), "
                       f"{c['codes_equal_fraction']:.1%} of codes equal", flush=True)
         del engine
-    if args.out:
-        meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "context": args.context,
-                "steps": args.steps, "torch": torch.__version__, "modes": meta_modes,
-                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-        args.out.write_text(json.dumps({"meta": meta, "results": results, "invariance": checks}, indent=2) + "\n")
-    return results
+    return results, checks, meta_modes
 
 
 if __name__ == "__main__":

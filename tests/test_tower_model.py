@@ -145,9 +145,14 @@ def test_bench_smoke_on_cpu():
     spec = importlib.util.spec_from_file_location("bench_tower", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    from services.tower import model
+
+    switch = model.TOWER_DECODE_GEMM
     results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "3", "--context", "5",
-                          "--steps", "2", "--warmup", "1"])
-    assert [r["batch"] for r in results] == [1, 3] and all(r["median_ms"] > 0 for r in results)
+                          "--steps", "2", "--warmup", "1", "--decode-gemm", "off", "on"])
+    assert [(r["mode"], r["batch"]) for r in results] == [("eager", 1), ("eager", 3), ("eager+dg", 1), ("eager+dg", 3)]
+    assert all(r["median_ms"] > 0 for r in results)
+    assert model.TOWER_DECODE_GEMM == switch                   # the bench leaves the switch as it was
 
 
 # ------------------------------------------------------------------------------------------

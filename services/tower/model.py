@@ -49,9 +49,9 @@ from services.common.invariant import linear_rows, padded_input
 # GEMM (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits
 # depend on the weight's shape only, at any row count, so prompt and decode rows may share a call)
 # instead of cuBLAS over 128-row pieces (invariant.linear_rows). The backbone's decode step gained
-# 0.17 ms at batch 1 from it (docs/perf.md, session 17). Off until measured on a GPU:
-# `DRAMA_TOWER_DECODE_GEMM=0` and `1` with `python3 bench/tower.py --batch 1 8 128 --steps 20
-# --warmup 3 --graphs on`, and the tower prompt's cost at its row counts.
+# 0.17 ms at batch 1 from it (docs/perf.md, session 17). Off until measured on a GPU: `python3
+# bench/tower.py --batch 1 8 128 --steps 20 --warmup 3 --graphs on --prompt 134 --decode-gemm off on
+# off` times both in one process (tower_linear reads this switch at each call).
 TOWER_DECODE_GEMM = env_switch("DRAMA_TOWER_DECODE_GEMM") is True
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
