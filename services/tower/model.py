@@ -411,11 +411,12 @@ class RowLinear(nn.Linear):
 
 def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> Tensor:
     """The GPU path's x·Wᵀ (+ residual, one rounding): invariant.linear_rows, or with
-    DRAMA_TOWER_DECODE_GEMM=1 decode_linear for bf16 x and weight on CUDA."""
-    if TOWER_DECODE_GEMM and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        from services.backbone.kernels.decode_gemm import decode_linear
+    DRAMA_TOWER_DECODE_GEMM=1 and bf16 x and weight the backbone's choice for a decode step
+    (decode_gemm.dense_linear: decode_linear on CUDA unless DRAMA_DECODE_GEMM=cublas)."""
+    if TOWER_DECODE_GEMM and x.dtype == weight.dtype == torch.bfloat16:
+        from services.backbone.kernels.decode_gemm import dense_linear
 
-        return decode_linear(x, weight, residual)
+        return dense_linear(True, x)(x, weight, residual)
     return linear_rows(x, weight, residual)
 
 

@@ -240,7 +240,7 @@ if HAS_TRITON:
         if REDUCE > 0:
             _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
                                   shared_tickets_ptr, shared_arrivals, (pid_n * BN) // 128,
-                                  SHARED and slot >= shared_slot, SPLIT, SPLIT * KX, SHARED, REDUCE)
+                                  slot >= shared_slot, SPLIT, SPLIT * KX, SHARED, REDUCE)
 
     @triton.jit
     def _last_program_reduces(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, tickets_ptr, arrivals,
