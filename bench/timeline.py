@@ -112,6 +112,54 @@ def request_timelines(spans: dict[str, list[dict]]) -> list[dict[str, float]]:
     return [points for _, points in sorted(timelines, key=lambda item: item[0])]
 
 
+HOPS = ("backbone compute (step start -> computed)", "send (computed -> write returned)",
+        "wire + tower loop (write returned -> tower step starts)", "tower step",
+        "back (tower step ends -> backbone routes the frame)",
+        "schedule (routed -> next backbone step starts)")
+
+
+def steady_hops(spans: dict[str, list[dict]], skip_steps: int = STEPS_SHOWN) -> dict[str, list[float]]:
+    """A single-row decode frame cut at its hand-offs, ms per frame over every session's steps after
+    its first `skip_steps`: the backbone step's span (its `computed` and `sent` events, its end when
+    the frame is routed), the tower step's span, and the session's next backbone step's start."""
+    tower_by_trace = {s["context"]["trace_id"]: s for s in spans.get("tower", []) if s["name"] == "tower.step"}
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for span in spans.get("backbone", []):
+        attributes = span.get("attributes", {})
+        if (span["name"] == "backbone.step" and attributes.get("drama.batch.rows") == 1
+                and not attributes.get("drama.step.lane") and len(span.get("links", [])) == 1):
+            by_session[span["links"][0]["context"]["trace_id"]].append(span)
+    hops: dict[str, list[float]] = {name: [] for name in HOPS}
+    for steps in by_session.values():
+        steps.sort(key=lambda s: s["start_time"])
+        for step, following in zip(steps[skip_steps:], steps[skip_steps + 1:]):
+            events = {e["name"]: seconds(e["timestamp"]) for e in step.get("events", [])}
+            tower = tower_by_trace.get(step["context"]["trace_id"])
+            if tower is None or "computed" not in events or "sent" not in events:
+                continue
+            marks = [seconds(step["start_time"]), events["computed"], events["sent"],
+                     seconds(tower["start_time"]), seconds(tower["end_time"]), seconds(step["end_time"]),
+                     seconds(following["start_time"])]
+            for name, begin, end in zip(HOPS, marks, marks[1:]):
+                hops[name].append((end - begin) * 1000.0)
+    return hops
+
+
+def hop_table(hops: dict[str, list[float]]) -> str:
+    counts = {len(v) for v in hops.values()}
+    if not counts or max(counts) == 0:
+        return "(no traced single-row decode steps)"
+    lines = ["| a decode frame's part | median ms | p90 ms |", "|---|---:|---:|"]
+    total = 0.0
+    for name, values in hops.items():
+        ordered = sorted(values)
+        median = statistics.median(ordered)
+        total += median
+        lines.append(f"| {name} | {median:.3f} | {ordered[int(0.9 * (len(ordered) - 1))]:.3f} |")
+    lines.append(f"| **frame (sum of medians; {max(counts)} frames)** | **{total:.3f}** | |")
+    return "\n".join(lines)
+
+
 def summarise(timelines: list[dict[str, float]]) -> list[tuple[str, float, float, int]]:
     """(point, mean ms, min ms, requests that have it), in the order of the means."""
     values: dict[str, list[float]] = defaultdict(list)
@@ -137,8 +185,8 @@ def table(rows: list[tuple[str, float, float, int]], client_ttfa: list[float]) -
 
 def stack_environment() -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"OTEL_TRACES_EXPORTER": "console", "DRAMA_STEP_SPAN_SAMPLE": "1",
-                "OTEL_BSP_SCHEDULE_DELAY": "500"})
+    env.update({"OTEL_TRACES_EXPORTER": "console", "DRAMA_STEP_SPAN_SAMPLE": "1"})
+    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")
     return env
 
 
@@ -155,13 +203,15 @@ def measure(url: str, log_dir: Path, requests: int, words: int, frames: int, ski
     with httpx.Client(timeout=120.0) as client:
         spoken = [speak(client, url, words, frames, *audio) for _ in range(requests)]
     time.sleep(float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500")) / 1000 + 2.0)   # spans exported
-    timelines = request_timelines(read_spans(log_dir))[-requests:]
+    spans = read_spans(log_dir)
+    timelines = request_timelines(spans)[-requests:]
+    hops = steady_hops(spans)
     kept, ttfa = timelines[skip:], [s.ttfa_ms for s in spoken[skip:]]
     rows = summarise(kept)
     return {"requests": len(kept), "words": words, "frames": frames, "client_ttfa_ms": ttfa,
             "points": [{"point": name, "mean_ms": mean, "min_ms": low, "requests": count}
                        for name, mean, low, count in rows],
-            "table": table(rows, ttfa)}
+            "table": table(rows, ttfa), "hops_ms": hops, "hop_table": hop_table(hops)}
 
 
 def main(argv=None) -> int:
@@ -204,8 +254,12 @@ def main(argv=None) -> int:
     print(f"one request through the stages ({result['requests']} requests of {args.words} words, "
           f"{args.frames} frames; spans on the host's clock):")
     print(result["table"])
+    print("\na decode frame cut at its hand-offs (every traced single-row step after a session's first "
+          f"{STEPS_SHOWN}; host clock):")
+    print(result["hop_table"])
     if args.json:
-        args.json.write_text(json.dumps({k: v for k, v in result.items() if k != "table"}, indent=1))
+        args.json.write_text(json.dumps({k: v for k, v in result.items() if k not in ("table", "hop_table")},
+                                        indent=1))
     return 0
 
 

@@ -894,6 +894,8 @@ class Scheduler:
                     if span is not None:
                         span.end()
                     return
+                if span is not None:           # bench/timeline.py: where a frame's hops go
+                    span.add_event("computed")
             else:   # a release-only message
                 hidden = torch.empty(0, self.engine.hidden_size, dtype=self.engine.hidden_dtype)
             await self._send(entries, hidden, span, lane=False)
@@ -1043,6 +1045,8 @@ class Scheduler:
         step = TowerStep(tower_entries, hidden, targets, release, trace_context)
         try:
             result = await self.tower.send(step)
+            if span is not None:
+                span.add_event("sent")
         except Exception as exc:
             # Any failure to send is the step's: its sessions' rows count as sent and in_step is
             # cleared, so an exception escaping here would strand them (the lane's handler ends
