@@ -46,7 +46,11 @@ SHAPES = [("gdn_in_proj", 12352, 2048, torch.bfloat16, False, 30),
           ("shared_fused", 1088, 2048, torch.bfloat16, False, 40),
           ("shared_down", 2048, 512, torch.bfloat16, False, 40),
           ("router", 256, 2048, torch.float32, False, 40),
-          ("attn_qkv", 9216, 2048, torch.bfloat16, False, 10)]
+          ("attn_qkv", 9216, 2048, torch.bfloat16, False, 10),
+          # the tower's (per frame step: qkv as attn_qkv x 13, o_proj and fc as out_proj x 13 and 9)
+          ("tower_gate_up", 24576, 2048, torch.bfloat16, False, 13),
+          ("tower_down", 2048, 12288, torch.bfloat16, True, 13),
+          ("tower_head", 1024, 2048, torch.bfloat16, False, 9)]
 POSITIONS = (0, 1, 15, 16, 31, 63, 64, 127)
 
 

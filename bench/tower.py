@@ -71,9 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "trunk, the first frame drawn), as the server runs a request's first Step")
     parser.add_argument("--prompt-profile", action="store_true", help="a torch.profiler table of each "
                         "--prompt step")
-    parser.add_argument("--decode-gemm", nargs="+", choices=["off", "on"],
-                        help="the tower's projections through kernels/decode_gemm (on) or cuBLAS in 128-row "
-                        "pieces (off), one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
+    parser.add_argument("--decode-gemm", nargs="+", metavar="KINDS",
+                        help="the tower's projections through kernels/decode_gemm or cuBLAS in 128-row pieces: "
+                        "off (none), on (all) or kinds like qkv,o_proj,fc (services/tower/model.PROJECTIONS), "
+                        "one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -200,7 +201,9 @@ def main(argv=None) -> list[dict]:
     print(f"{'mode':>10} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} "
           f"{'prefill rows/s':>15}", flush=True)
     switch = tower_model.TOWER_DECODE_GEMM
-    gemms = args.decode_gemm or ["on" if switch else "off"]
+    gemms = args.decode_gemm or [",".join(sorted(switch)) or "off"]
+    for gemm in gemms:
+        tower_model.decode_gemm_kinds(gemm)              # a typo fails before any engine is built
     try:
         results, checks, meta_modes = _run(args, model, cfg, device, modes, gemms)
     finally:
@@ -219,8 +222,10 @@ def _run(args, model, cfg, device, modes: list[str], gemms: list[str]) -> tuple[
     for gemm, base_mode in [(gemm, mode) for gemm in gemms for mode in modes]:
         # tower_linear reads the switch at each call: eager steps and the graphs captured below
         # follow it
-        tower_model.TOWER_DECODE_GEMM = gemm == "on"
-        mode = base_mode + ("+dg" if gemm == "on" else "")
+        kinds = tower_model.decode_gemm_kinds(gemm)
+        tower_model.TOWER_DECODE_GEMM = kinds
+        mode = base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
+                            else "+" + ",".join(sorted(kinds)))
         # One engine at a time: a new engine re-allocates the model's caches (and the old
         # engine's graphs point at the old ones).
         engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),

@@ -117,7 +117,7 @@ def test_row_linear_and_backbone_linear_keep_cpu_numerics():
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(9, 32, generator=gen)
-    plain, exact = RowLinear(32, 24, batch_invariant=False), RowLinear(32, 24, batch_invariant=True)
+    plain, exact = RowLinear(32, 24, False, "fc"), RowLinear(32, 24, True, "fc")
     exact.weight.data.copy_(plain.weight.data)
     assert torch.equal(plain(x), F.linear(x, plain.weight))
     bmm = torch.bmm(x[:, None, :], plain.weight.t().expand(9, 32, 24)).squeeze(1)

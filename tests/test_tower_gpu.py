@@ -199,7 +199,7 @@ def test_graphed_decode_equals_eager(preset, decode_gemm, monkeypatch):
     must not depend on the rows beside them either (the padded bucket below)."""
     from services.tower import model
 
-    monkeypatch.setattr(model, "TOWER_DECODE_GEMM", decode_gemm)
+    monkeypatch.setattr(model, "TOWER_DECODE_GEMM", model.decode_gemm_kinds("1" if decode_gemm else "0"))
     cfg = _preset(preset)
     sessions, prompt, steps = 8, 37, 12
     graphed, eager = _pair(cfg, sessions, prompt + 2 * steps + 1)

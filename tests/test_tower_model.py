@@ -528,3 +528,14 @@ def test_cuda_bfloat16_engine_tracks_the_cpu_reference():
     engine = TowerEngine(gpu, TINY, max_sessions=4, max_context=32)
     result = engine.step([_entry(s, 0, 5, draw=True) for s in "abc"], torch.randn(15, 64), _no_targets(15))
     assert not result.row_errors and result.codes.shape == (3, N_TINY)
+
+
+def test_decode_gemm_kinds_parse_and_reject_typos():
+    """DRAMA_TOWER_DECODE_GEMM: 0 / 1 / a list of projection kinds; a typo is an error naming the kinds."""
+    from services.tower import model
+
+    assert model.decode_gemm_kinds(None) == model.decode_gemm_kinds("0") == frozenset()
+    assert model.decode_gemm_kinds("1") == frozenset(model.PROJECTIONS)
+    assert model.decode_gemm_kinds(" o_proj, fc ") == {"o_proj", "fc"}
+    with pytest.raises(ValueError, match="qkv, o_proj"):
+        model.decode_gemm_kinds("o_proj,fcc")

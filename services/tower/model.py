@@ -42,17 +42,35 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.config import DramaConfig
-from services.common.grpcutil import env_switch
+from services.common.grpcutil import env_default
 from services.common.invariant import linear_rows, padded_input
 
-# DRAMA_TOWER_DECODE_GEMM=1: the GPU path's bf16 projections through the backbone's Triton decode
-# GEMM (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits
-# depend on the weight's shape only, at any row count, so prompt and decode rows may share a call)
-# instead of cuBLAS over 128-row pieces (invariant.linear_rows). The backbone's decode step gained
-# 0.17 ms at batch 1 from it (docs/perf.md, session 17). Off until measured on a GPU: `python3
-# bench/tower.py --batch 1 8 128 --steps 20 --warmup 3 --graphs on --prompt 134 --decode-gemm off on
-# off` times both in one process (tower_linear reads this switch at each call).
-TOWER_DECODE_GEMM = env_switch("DRAMA_TOWER_DECODE_GEMM") is True
+# The GPU path's bf16 projections, by kind: through the backbone's Triton decode GEMM
+# (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits depend
+# on the weight's shape only, at any row count) or cuBLAS over 128-row pieces (invariant.linear_rows).
+# Either way a row's bits do not depend on the rows beside it, since the choice is the kind's, never
+# the row count's. DRAMA_TOWER_DECODE_GEMM: 0 (none), 1 (all kinds), or a comma-separated list of
+# kinds. Default: none, until measured (`python3 bench/tower.py --batch 1 8 128 --graphs on
+# --decode-gemm off on off`: one engine per setting in one process; tower_linear reads the set at
+# each call).
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "fc", "head")
+
+
+def decode_gemm_kinds(value: str | None) -> frozenset[str]:
+    """DRAMA_TOWER_DECODE_GEMM's (or bench/tower.py --decode-gemm's) value as a set of kinds."""
+    value = (value or "").strip().lower()
+    if value in ("", "0", "off", "false", "no", "none"):
+        return frozenset()
+    if value in ("1", "on", "true", "yes", "all"):
+        return frozenset(PROJECTIONS)
+    kinds = frozenset(k.strip() for k in value.split(",") if k.strip())
+    if unknown := sorted(kinds - set(PROJECTIONS)):
+        raise ValueError(f"DRAMA_TOWER_DECODE_GEMM: unknown projection kinds {unknown}; "
+                         f"use 0, 1 or a comma-separated list of {', '.join(PROJECTIONS)}")
+    return kinds
+
+
+TOWER_DECODE_GEMM = decode_gemm_kinds(env_default("DRAMA_TOWER_DECODE_GEMM", None))
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
 Sampler = Callable[[int, Tensor], Tensor]
@@ -136,7 +154,7 @@ class TowerModel(nn.Module):
         self.residual_layers = nn.ModuleList(
             ResidualLayer(tower, batch_invariant, cfg.residual_codebook_size)
             for _ in range(tower.num_residual_layers))
-        self.semantic_head = RowLinear(tower.hidden_size, cfg.semantic_codebook_size + 1, batch_invariant)
+        self.semantic_head = RowLinear(tower.hidden_size, cfg.semantic_codebook_size + 1, batch_invariant, "head")
 
     def setup_caches(self, max_sessions: int, max_context: int) -> None:
         """Allocate every layer's KV pool: [S, K, L, d] keys and values in the weights' dtype.
@@ -266,9 +284,9 @@ class ResidualLayer(TowerLayer):
         d = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNormPlus(d, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNormPlus(d, cfg.rms_norm_eps)
-        self.fc = RowLinear(2 * d, d, batch_invariant)
+        self.fc = RowLinear(2 * d, d, batch_invariant, "fc")
         self.norm = RMSNormPlus(d, cfg.rms_norm_eps)
-        self.head = RowLinear(d, head_size, batch_invariant)
+        self.head = RowLinear(d, head_size, batch_invariant, "head")
 
     def codebook_logits(self, h: Tensor) -> Tensor:
         """l [R, Q_r] float32 for codebook j+1 from this layer's output h [R, D]."""
@@ -288,10 +306,10 @@ class GatedAttention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.batch_invariant = batch_invariant
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = RowLinear(d, 2 * self.num_heads * hd, batch_invariant)
-        self.k_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant)
-        self.v_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant)
-        self.o_proj = RowLinear(self.num_heads * hd, d, batch_invariant)
+        self.q_proj = RowLinear(d, 2 * self.num_heads * hd, batch_invariant, "qkv")
+        self.k_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant, "qkv")
+        self.v_proj = RowLinear(d, self.num_kv_heads * hd, batch_invariant, "qkv")
+        self.o_proj = RowLinear(self.num_heads * hd, d, batch_invariant, "o_proj")
         self.q_norm = RMSNormPlus(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNormPlus(hd, cfg.rms_norm_eps)
         self.k_cache: Tensor | None = None
@@ -313,7 +331,7 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         n_q, n_kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:  # one GEMM; q, k, v are column views of its output
-            qkv = tower_linear(x, self.qkv_weight)
+            qkv = tower_linear(x, self.qkv_weight, kind="qkv")
             q_and_gate, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
         else:
             x = padded_input(x)          # CUDA: q, k and v read one padded copy (invariant.linear_rows)
@@ -346,9 +364,9 @@ class GatedAttention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, batch_invariant: bool):
         super().__init__()
-        self.gate_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
-        self.up_proj = RowLinear(hidden_size, intermediate_size, batch_invariant)
-        self.down_proj = RowLinear(intermediate_size, hidden_size, batch_invariant)
+        self.gate_proj = RowLinear(hidden_size, intermediate_size, batch_invariant, "gate_up")
+        self.up_proj = RowLinear(hidden_size, intermediate_size, batch_invariant, "gate_up")
+        self.down_proj = RowLinear(intermediate_size, hidden_size, batch_invariant, "down")
         self.gate_up_weight: Tensor | None = None    # fuse_projections: gate, up stacked
 
     def fuse_projections(self) -> None:
@@ -361,7 +379,7 @@ class SwiGLU(nn.Module):
             from services.backbone.kernels.decode_graph import silu_mul   # one kernel: bf16(silu(g)·u)
 
             inter = self.gate_proj.weight.shape[0]
-            gate_up = tower_linear(x, self.gate_up_weight)
+            gate_up = tower_linear(x, self.gate_up_weight, kind="gate_up")
             return self.down_proj(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), residual)
         x = padded_input(x)              # CUDA: gate and up read one padded copy
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
@@ -391,16 +409,17 @@ class RowLinear(nn.Linear):
     The other mode (the GPU's) is `linear_rows`: on CUDA a GEMM over 128-row pieces, invariant
     too and about as fast as one GEMM; on the CPU the plain product."""
 
-    def __init__(self, in_features: int, out_features: int, batch_invariant: bool):
+    def __init__(self, in_features: int, out_features: int, batch_invariant: bool, kind: str):
         super().__init__(in_features, out_features, bias=False)
         self.batch_invariant = batch_invariant
+        self.kind = kind                 # tower_linear's projection kind (PROJECTIONS)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x·Wᵀ, plus `residual` when given: in the GEMM (linear_rows, one rounding) on the GPU
         path, a separate add in the batch-invariant mode (as the layer did before)."""
         if not self.batch_invariant:
             if x.dim() == 2:
-                return tower_linear(x, self.weight, residual)
+                return tower_linear(x, self.weight, residual, kind=self.kind)
             out = F.linear(x, self.weight)
             return out if residual is None else residual + out
         rows = x.shape[0]
@@ -409,11 +428,12 @@ class RowLinear(nn.Linear):
         return out if residual is None else residual + out
 
 
-def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> Tensor:
-    """The GPU path's x·Wᵀ (+ residual, one rounding): invariant.linear_rows, or with
-    DRAMA_TOWER_DECODE_GEMM=1 and bf16 x and weight the backbone's choice for a decode step
-    (decode_gemm.dense_linear: decode_linear on CUDA unless DRAMA_DECODE_GEMM=cublas)."""
-    if TOWER_DECODE_GEMM and x.dtype == weight.dtype == torch.bfloat16:
+def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, *, kind: str) -> Tensor:
+    """The GPU path's x·Wᵀ (+ residual, one rounding) for a projection of `kind`: with bf16 x and
+    weight and the kind in TOWER_DECODE_GEMM, the backbone's choice for a decode step
+    (decode_gemm.dense_linear: decode_linear on CUDA unless DRAMA_DECODE_GEMM=cublas); else
+    invariant.linear_rows."""
+    if kind in TOWER_DECODE_GEMM and x.dtype == weight.dtype == torch.bfloat16:
         from services.backbone.kernels.decode_gemm import dense_linear
 
         return dense_linear(True, x)(x, weight, residual)
