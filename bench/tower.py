@@ -9,9 +9,9 @@
     python bench/tower.py --out tower.json                  also write the numbers as JSON
     python bench/tower.py --batch 1 --prompt 134 --prompt-profile   also a request's first step:
                                                             134 prompt rows, first frame (+ profile)
-    python bench/tower.py --graphs on --decode-gemm off on off      the projections on cuBLAS (off)
-                                                            and on the Triton decode GEMM (on,
-                                                            DRAMA_TOWER_DECODE_GEMM=1), in turn, one process
+    python bench/tower.py --graphs on --decode-gemm off on down,fc   the projections on cuBLAS (off), on
+                                                            the Triton decode GEMM (on, the default)
+                                                            or some kinds of each, in turn, one process
 
 Random weights are made on the device (no checkpoint). For each batch size B the engine's pool is
 emptied, B sessions are prefilled with `--context` rows each (one Step per session, the last row

@@ -63,10 +63,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Programmatic dependent launch for these kernels, as the backbone's decode step has it
 # (services/backbone/kernels: pdl_prologue first in every kernel, launched with pdl_args; off where
-# DRAMA_PDL=0 turns the backbone's off). Off by default until measured on a GPU: DRAMA_TOWER_PDL=1
-# turns it on (tests/test_tower_gpu.py demands the same codes on and off; bench/tower.py --batch 1
-# with it on and off in one call is the measurement). ~150 of a frame step's ~500 launches are these.
-TOWER_PDL = env_switch("DRAMA_TOWER_PDL") is True
+# DRAMA_PDL=0 turns the backbone's off). On by default; DRAMA_TOWER_PDL=0 turns it off
+# (tests/test_tower_gpu.py demands the same codes on and off). With cuBLAS between these kernels it
+# lost at batch 1 (session 10); with the projections on the Triton decode GEMM as well
+# (model.TOWER_DECODE_GEMM) every kernel of a step starts while the one before drains: H200 graphed
+# step 2.10 -> 1.77 ms at batch 1, 4.46 -> 4.33-4.49 at 128 (docs/perf.md, session 19).
+TOWER_PDL = env_switch("DRAMA_TOWER_PDL") is not False
 
 
 def _pdl_args() -> dict:

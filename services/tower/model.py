@@ -49,10 +49,13 @@ from services.common.invariant import linear_rows, padded_input
 # (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits depend
 # on the weight's shape only, at any row count) or cuBLAS over 128-row pieces (invariant.linear_rows).
 # Either way a row's bits do not depend on the rows beside it, since the choice is the kind's, never
-# the row count's. DRAMA_TOWER_DECODE_GEMM: 0 (none), 1 (all kinds), or a comma-separated list of
-# kinds. Default: none, until measured (`python3 bench/tower.py --batch 1 8 128 --graphs on
-# --decode-gemm off on off`: one engine per setting in one process; tower_linear reads the set at
-# each call).
+# the row count's. DRAMA_TOWER_DECODE_GEMM: 1 (all kinds, the default), 0 (none), or a
+# comma-separated list of kinds. H200, graphed step with the tower's kernels on PDL (session 19,
+# `python3 bench/tower.py --batch 1 8 128 --graphs on --decode-gemm on down,o_proj,fc off`, one
+# engine per setting in one process), ms at batch 1 / 8 / 128: all 1.76 / 1.92 / 4.33; down, o_proj,
+# fc 1.91 / 1.95 / 3.98; none 2.09 / 2.15 / 3.95 (2.33 / 2.41 / 5.04 in another process); none
+# without PDL (the old default) 2.10 / 2.2-2.3 / 4.46. All kinds is the fastest single stream and
+# no slower at 128 rows than the old default.
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "fc", "head")
 
 
@@ -70,7 +73,7 @@ def decode_gemm_kinds(value: str | None) -> frozenset[str]:
     return kinds
 
 
-TOWER_DECODE_GEMM = decode_gemm_kinds(env_default("DRAMA_TOWER_DECODE_GEMM", None))
+TOWER_DECODE_GEMM = decode_gemm_kinds(env_default("DRAMA_TOWER_DECODE_GEMM", "1"))
 
 # draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
 Sampler = Callable[[int, Tensor], Tensor]
