@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the tower's projections through kernels/decode_gemm or cuBLAS in 128-row pieces: "
                         "off (none), on (all) or kinds like qkv,o_proj,fc (services/tower/model.PROJECTIONS), "
                         "one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
+                        "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
+    parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -82,6 +85,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _idle(seconds: float, spin: bool) -> None:
+    """The gap a served step follows (the backbone's step and the hops, ~5 ms at batch 1): asleep,
+    as a server waiting on its socket, or spinning, which keeps the core awake."""
+    if spin:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    elif seconds > 0:
+        time.sleep(seconds)
 
 
 def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generator) -> dict:
@@ -105,6 +119,7 @@ def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generato
         entries = [StepEntry(f"s{i}", row, 1, draw=True, seed=i, frame_index=step + 1) for i in range(batch)]
         hidden = torch.randn(batch, hidden_size, generator=generator)
         targets = torch.full((batch, n), -1, dtype=torch.int64)
+        _idle(args.idle_ms / 1000, args.idle_spin)
         started = time.perf_counter()
         result = engine.step(entries, hidden, targets)   # returns host codes: synchronised
         elapsed = time.perf_counter() - started
