@@ -614,8 +614,12 @@ def _half_stream_vs_offline(checkpoint, device: str, conditioned: bool = False, 
 
 
 def test_half_precision_stream_matches_offline_cpu(tiny_checkpoint):
-    """§7.5: on the F16 path streamed and offline audio agree within 2e-3 (max abs)."""
-    assert _half_stream_vs_offline(tiny_checkpoint, "cpu") <= 2e-3
+    """§7.5: on the F16 path streamed and offline audio agree within 2e-3 (max abs), on the tiny
+    checkpoint with its decoder convs halved, as the CUDA test below (whose docstring says why):
+    as it is, the tiny decoder is chaotic, and on an AVX-512 CPU (oneDNN picks F16 kernels by
+    shape) streamed and offline audio differed by 0.20 and 0.29 in two runs of the same code;
+    halved, 7.3e-4."""
+    assert _half_stream_vs_offline(tiny_checkpoint, "cpu", conditioned=True) <= 2e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
