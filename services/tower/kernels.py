@@ -63,7 +63,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Programmatic dependent launch for these kernels, as the backbone's decode step has it
 # (services/backbone/kernels: pdl_prologue first in every kernel, launched with pdl_args; off where
-# DRAMA_PDL=0 turns the backbone's off). On by default; DRAMA_TOWER_PDL=0 turns it off
+# DRAMA_PDL=0 turns the backbone's off, and with it the decode GEMM's that the tower's projections
+# use). On by default; DRAMA_TOWER_PDL=0 turns it off for these kernels
 # (tests/test_tower_gpu.py demands the same codes on and off). With cuBLAS between these kernels it
 # lost at batch 1 (session 10); with the projections on the Triton decode GEMM as well
 # (model.TOWER_DECODE_GEMM) every kernel of a step starts while the one before drains: H200 graphed
