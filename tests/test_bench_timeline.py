@@ -12,7 +12,7 @@ from bench import timeline
 def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "timeline.json"
     assert timeline.main(["--checkpoint", str(tiny_checkpoint), "--requests", "3", "--skip", "1",
-                          "--frames", "4", "--json", str(out)]) == 0
+                          "--frames", "8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["requests"] == 2 and len(result["client_ttfa_ms"]) == 2
     at = {p["point"]: p["mean_ms"] for p in result["points"]}
@@ -27,4 +27,16 @@ def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_pat
     times = [at[name] for name in order]
     assert times == sorted(times), dict(zip(order, times))
     assert all(p["requests"] == 2 for p in result["points"] if p["point"] in order)
-    assert "| ms from arrival (mean) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ms from arrival (mean) |" in printed and "| a decode frame's part |" in printed
+
+    # the hand-off table: every traced single-row step after a session's third, with its tower step
+    # and the session's next step; each cut is causal, except that the Step write may return after
+    # the tower has already started (so only send + wire together must be positive)
+    hops = result["hops_ms"]
+    assert list(hops) == list(timeline.HOPS)
+    frames = len(hops[timeline.HOPS[0]])
+    assert frames >= 3 and all(len(v) == frames for v in hops.values()), {k: len(v) for k, v in hops.items()}
+    compute, send, wire, tower, back, schedule = hops.values()
+    for i in range(frames):
+        assert compute[i] > 0 and send[i] + wire[i] > 0 and tower[i] > 0 and back[i] > 0 and schedule[i] >= 0
