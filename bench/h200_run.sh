@@ -3,7 +3,8 @@
 # what it wrote into at most 8 files under $OUT.
 #
 #   bash bench/h200_run.sh serving     bench/h200_serving.sh all (one 128-session stack: requests,
-#                                      sweep, stage metrics, batch invariance), in-process timings skipped
+#                                      sweep, stage metrics, batch invariance), in-process timings skipped;
+#                                      MPS=1 runs it under an MPS daemon (the single-GPU deployment)
 #   bash bench/h200_run.sh final      codec bench (FP16) + the serving part with a short sweep
 #   bash bench/h200_run.sh cmd C1 C2   the given shell commands, in order, output in cmd.log
 #   bash bench/h200_run.sh start       bench.start_to_ready from a full checkpoint on disk, sequential,
@@ -38,8 +39,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 status=0
 case $part in
-  serving)
-    OUT=$work SKIP_MICRO=${SKIP_MICRO:-1} timeout "${SERVING_LIMIT:-560}" bash bench/h200_serving.sh all 2>&1 \
+  serving)   # MPS=1: the stages under an MPS daemon (bench/with_mps.sh), as compose.mps.yaml deploys them
+    mps=(); [[ ${MPS:-0} == 1 ]] && mps=(bash bench/with_mps.sh)
+    OUT=$work SKIP_MICRO=${SKIP_MICRO:-1} timeout "${SERVING_LIMIT:-560}" "${mps[@]}" bash bench/h200_serving.sh all 2>&1 \
       | tee "$work/serving.log"
     status=${PIPESTATUS[0]} ;;
   stages)
