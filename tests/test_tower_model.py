@@ -539,3 +539,32 @@ def test_decode_gemm_kinds_parse_and_reject_typos():
     assert model.decode_gemm_kinds(" o_proj, fc ") == {"o_proj", "fc"}
     with pytest.raises(ValueError, match="qkv, o_proj"):
         model.decode_gemm_kinds("o_proj,fcc")
+
+
+def test_frame_steps_alone_take_the_decode_gemm(monkeypatch):
+    """tower_linear hears `decode` for every projection of a frame step (each entry one drawing row)
+    and never in a prompt step, whatever TOWER_DECODE_GEMM holds: prompt steps keep cuBLAS's
+    128-row pieces. Run on the GPU path's layers (batch_invariant=False), on the CPU."""
+    from services.tower import model as tower_model
+
+    calls = []
+    real = tower_model.tower_linear
+
+    def recording(x, weight, residual=None, *, kind, decode=False):
+        calls.append((kind, decode))
+        return real(x, weight, residual, kind=kind, decode=decode)
+
+    monkeypatch.setattr(tower_model, "tower_linear", recording)
+    engine = TowerEngine(random_tower(TINY, seed=3, batch_invariant=False), TINY, max_sessions=2, max_context=32)
+    d, n = TINY.tower.hidden_size, TINY.num_codebooks
+    g = torch.Generator().manual_seed(0)
+    prompt = engine.step([_entry("a", 0, 6, draw=True), _entry("b", 0, 4, draw=True)], torch.randn(10, d, generator=g),
+                         torch.full((10, n), -1, dtype=torch.int64))
+    assert not prompt.row_errors
+    kinds = {"qkv", "o_proj", "gate_up", "down", "fc", "head"}
+    assert {kind for kind, _ in calls} == kinds and not any(decode for _, decode in calls), calls
+    calls.clear()
+    frame = engine.step([_entry("a", 6, 1, draw=True, frame_index=1), _entry("b", 4, 1, draw=True, frame_index=1)],
+                        torch.randn(2, d, generator=g), torch.full((2, n), -1, dtype=torch.int64))
+    assert not frame.row_errors
+    assert {kind for kind, _ in calls} == kinds and all(decode for _, decode in calls), calls

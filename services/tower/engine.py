@@ -332,7 +332,7 @@ class TowerEngine:
         index = torch.tensor(step.row_index, dtype=torch.int64)
         batch_hidden = hidden[index].to(device=device, dtype=self.hidden_dtype)
         batch_targets = targets[index].to(device)
-        rows = self._eager_rows(step)
+        rows = self._eager_rows(step, decode_step=_frame_step(accepted))
         draws = [(entry, session) for _, entry, session, _ in accepted if entry.draw]
         if not draws:
             forward_rows(self.model, batch_hidden, batch_targets, rows)
@@ -344,13 +344,13 @@ class TowerEngine:
         codes, stopped = self._draw_step(batch_hidden, batch_targets, rows, draw_index, ints, floats)
         return codes[draw_index].cpu(), stopped.cpu().tolist()
 
-    def _eager_rows(self, step: "_StepRows") -> RowBatch:
+    def _eager_rows(self, step: "_StepRows", decode_step: bool) -> RowBatch:
         """The eager step's RowBatch: its segments, or (CUDA) every row a segment of its own."""
         if not self.single_row_segments:
-            return RowBatch.from_segments(step.segments, self.device)
+            return RowBatch.from_segments(step.segments, self.device, decode_step)
         return RowBatch.decode_only(torch.tensor(step.slots, dtype=torch.int64, device=self.device),
                                     torch.tensor(step.positions, dtype=torch.int64, device=self.device),
-                                    self.max_context - 1)
+                                    self.max_context - 1, decode_step)
 
     def _draw_step(self, hidden: Tensor, targets: Tensor, rows: RowBatch, draw_index: Tensor,
                    ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
@@ -393,8 +393,7 @@ class TowerEngine:
     # ---------------------------------------------------------------- CUDA graphs
     def _graphable(self, accepted) -> bool:
         """A decode step: every accepted entry one row that draws, no prefix restore."""
-        return (self._graphs is not None and 0 < len(accepted) <= self._graphs.largest
-                and all(e.draw and e.n_rows == 1 and not e.prefix_key for _, e, _, _ in accepted))
+        return self._graphs is not None and 0 < len(accepted) <= self._graphs.largest and _frame_step(accepted)
 
     def _run_graph(self, accepted, hidden: Tensor) -> tuple[Tensor, list[bool]]:
         ints, floats = _draw_columns(accepted)
@@ -406,18 +405,18 @@ class TowerEngine:
 
     def _decode_step(self, bucket: Bucket) -> Tensor:
         """What a graph captures: `_draw_step` on a bucket's static buffers -> int64 [B, N + 1]."""
-        rows = self._single_rows(bucket.int_field("slot"), bucket.int_field("position"))
+        rows = self._single_rows(bucket.int_field("slot"), bucket.int_field("position"), decode_step=True)
         codes, stopped = self._draw_step(bucket.hidden, bucket.targets, rows, bucket.draw_rows,
                                          bucket.ints, bucket.floats)
         return torch.cat([codes, stopped[:, None].to(torch.int64)], dim=1)
 
-    def _single_rows(self, slots: Tensor, positions: Tensor) -> RowBatch:
-        """Device slots/positions [T] as T single-row segments."""
+    def _single_rows(self, slots: Tensor, positions: Tensor, decode_step: bool) -> RowBatch:
+        """Device slots/positions [T] as T single-row segments (`decode_step`: RowBatch's)."""
         if self.model.batch_invariant:    # CPU: attend_rowwise walks host-side segments
             return RowBatch.from_segments([(s, p, 1) for s, p in zip(slots.tolist(), positions.tolist())],
-                                          self.device)
+                                          self.device, decode_step)
         # built inside the capture: its rotary tables are too
-        return RowBatch.decode_only(slots, positions, self.max_context - 1)
+        return RowBatch.decode_only(slots, positions, self.max_context - 1, decode_step)
 
     def _step_plan(self, accepted, step: "_StepRows"):
         """The general graphs' replays for this step, or None to run it eagerly (graphs off, or
@@ -447,7 +446,7 @@ class TowerEngine:
         """What a general graph captures: `_draw_step` over a bucket's T rows (single-row
         segments: a piece's rows see each other through the pool, see the module docstring) and
         its D draws -> int64 [D, N + 1], the draw rows' codes and stop flags."""
-        rows = self._single_rows(bucket.slots, bucket.positions)
+        rows = self._single_rows(bucket.slots, bucket.positions, decode_step=False)
         codes, stopped = self._draw_step(bucket.hidden, bucket.targets, rows, bucket.draw_rows,
                                          bucket.ints, bucket.floats)
         return torch.cat([codes[bucket.draw_rows], stopped[:, None].to(torch.int64)], dim=1)
@@ -509,6 +508,13 @@ class _StepRows:
             step.positions.extend(range(entry.first_row, entry.first_row + entry.n_rows))
             step.segments.append((session.slot, entry.first_row, entry.n_rows))
         return step
+
+
+def _frame_step(accepted) -> bool:
+    """A frame step: every accepted entry one row that draws, no prefix restore. Its rows take
+    the decode graphs (with graphs on) and the decode GEMM (model.tower_linear); any other step,
+    the general graphs and cuBLAS, so a row's kernels never depend on the rows beside it."""
+    return all(e.draw and e.n_rows == 1 and not e.prefix_key for _, e, _, _ in accepted)
 
 
 def _draw_columns(accepted) -> tuple[Tensor, Tensor]:

@@ -45,17 +45,19 @@ from services.common.config import DramaConfig
 from services.common.grpcutil import env_default
 from services.common.invariant import linear_rows, padded_input
 
-# The GPU path's bf16 projections, by kind: through the backbone's Triton decode GEMM
-# (services/backbone/kernels/decode_gemm.decode_linear: no padding to 128 rows; a row's bits depend
-# on the weight's shape only, at any row count) or cuBLAS over 128-row pieces (invariant.linear_rows).
-# Either way a row's bits do not depend on the rows beside it, since the choice is the kind's, never
-# the row count's. DRAMA_TOWER_DECODE_GEMM: 1 (all kinds, the default), 0 (none), or a
-# comma-separated list of kinds. H200, graphed step with the tower's kernels on PDL (session 19,
-# `python3 bench/tower.py --batch 1 8 128 --graphs on --decode-gemm on down,o_proj,fc off`, one
-# engine per setting in one process), ms at batch 1 / 8 / 128: all 1.76 / 1.92 / 4.33; down, o_proj,
-# fc 1.91 / 1.95 / 3.98; none 2.09 / 2.15 / 3.95 (2.33 / 2.41 / 5.04 in another process); none
-# without PDL (the old default) 2.10 / 2.2-2.3 / 4.46. All kinds is the fastest single stream and
-# no slower at 128 rows than the old default.
+# The GPU path's bf16 projections in frame steps (RowBatch.decode_step), by kind: through the
+# backbone's Triton decode GEMM (services/backbone/kernels/decode_gemm.decode_linear: no padding to
+# 128 rows; a row's bits depend on the weight's shape only, at any row count) or cuBLAS over 128-row
+# pieces (invariant.linear_rows), which prompt steps always take. Either way a row's bits do not
+# depend on the rows beside it: the choice is the kind's and the step kind's, never the row count's.
+# DRAMA_TOWER_DECODE_GEMM: 1 (all kinds, the default), 0 (none), or a comma-separated list of kinds.
+# H200, graphed frame step with the tower's kernels on PDL (session 19, `python3 bench/tower.py
+# --batch 1 8 128 --graphs on --decode-gemm on down,o_proj,fc off`, one engine per setting in one
+# process), ms at batch 1 / 8 / 128: all 1.76 / 1.92 / 4.33; down, o_proj, fc 1.91 / 1.95 / 3.98;
+# none 2.09 / 2.15 / 3.95 (2.33 / 2.41 / 5.04 in another process); none without PDL (the old
+# default) 2.10 / 2.2-2.3 / 4.46. All kinds is the fastest single stream and no slower at 128 rows
+# than the old default. Prompt steps keep cuBLAS: the decode GEMM was equal there at 134 rows (4.03
+# against 3.99 ms) and is not measured on longer prompts, where cuBLAS's 128-row tiles should win.
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "fc", "head")
 
 
@@ -95,6 +97,9 @@ class RowBatch:
     decode_positions: Tensor   # int64 [R]
     decode_length: int         # 1 + the largest decode position (0 without decode rows)
     all_decode: bool = False   # every row is a single-row segment, in order (decode_rows = 0..T-1)
+    # A frame step's rows (each entry one drawing row; TowerEngine decides): the projections whose
+    # kind is in TOWER_DECODE_GEMM take the decode GEMM. Prompt steps keep cuBLAS over 128-row pieces.
+    decode_step: bool = False
     # cos/sin per (rotary_dim, theta), made by the first layer and shared by the others.
     _rotary: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -105,7 +110,7 @@ class RowBatch:
         return self._rotary[key]
 
     @classmethod
-    def from_segments(cls, segments, device=None) -> "RowBatch":
+    def from_segments(cls, segments, device=None, decode_step: bool = False) -> "RowBatch":
         segments = tuple((int(s), int(p), int(n)) for s, p, n in segments)
         slots = [s for s, _, n in segments for _ in range(n)]
         positions = [p + i for _, p, n in segments for i in range(n)]
@@ -118,10 +123,12 @@ class RowBatch:
         return cls(segments, index(slots), index(positions), index([r for r, _, _ in decode]),
                    index([s for _, s, _ in decode]), index([p for _, _, p in decode]),
                    1 + max((p for _, _, p in decode), default=-1),
-                   all_decode=bool(segments) and len(decode) == len(segments) == len(slots))
+                   all_decode=bool(segments) and len(decode) == len(segments) == len(slots),
+                   decode_step=decode_step)
 
     @classmethod
-    def decode_only(cls, slots: Tensor, positions: Tensor, max_position: int) -> "RowBatch":
+    def decode_only(cls, slots: Tensor, positions: Tensor, max_position: int,
+                    decode_step: bool = False) -> "RowBatch":
         """T single-row segments given as device tensors (a CUDA-graph bucket's static buffers).
         `segments` then holds placeholders: no path reads them for single-row segments except
         the CPU `attend_rowwise`, which the graphs never use. max_position bounds the positions
@@ -129,7 +136,7 @@ class RowBatch:
         rows = slots.shape[0]
         order = torch.arange(rows, dtype=torch.int64, device=slots.device)
         return cls(tuple((-1, -1, 1) for _ in range(rows)), slots, positions, order, slots, positions,
-                   max_position + 1, all_decode=True)
+                   max_position + 1, all_decode=True, decode_step=decode_step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,9 +202,9 @@ class TowerModel(nn.Module):
             x = layer(x, rows)
         return x
 
-    def semantic_logits(self, hidden: Tensor) -> Tensor:
+    def semantic_logits(self, hidden: Tensor, decode: bool = False) -> Tensor:
         """s [R, Q_s + 1] float32 from backbone hidden rows (§4.8); index Q_s is EOS."""
-        return self.semantic_head(hidden).float()
+        return self.semantic_head(hidden, decode=decode).float()
 
     def embed_codes(self, codebook: int, codes: Tensor) -> Tensor:
         """[T, D] embeddings of codebook `codebook`'s values `codes` [T]; exact zeros where -1."""
@@ -226,38 +233,39 @@ def forward_rows(model: TowerModel, hidden: Tensor, targets: Tensor, rows: RowBa
     stopped = torch.zeros(num_draws, dtype=torch.bool, device=hidden.device)
     h = model.trunk(hidden, rows)
     if num_draws:
-        semantic = sample(0, model.semantic_logits(hidden[draw_rows]))
+        semantic = sample(0, model.semantic_logits(hidden[draw_rows], rows.decode_step))
         stopped = semantic == model.semantic_codebook_size
         codes[draw_rows, 0] = torch.where(stopped, torch.full_like(semantic, -1), semantic)
     for j, layer in enumerate(model.residual_layers):
-        h = layer(fuse_codes(model, layer, j, codes[:, j], h), rows)
+        h = layer(fuse_codes(model, layer, j, codes[:, j], h, rows.decode_step), rows)
         if num_draws:
-            drawn = sample(j + 1, layer.codebook_logits(h[draw_rows]))
+            drawn = sample(j + 1, layer.codebook_logits(h[draw_rows], rows.decode_step))
             codes[draw_rows, j + 1] = torch.where(stopped, torch.full_like(drawn, -1), drawn)
     return codes, stopped
 
 
-def fuse(layer: "ResidualLayer", embedding: Tensor, hidden: Tensor) -> Tensor:
+def fuse(layer: "ResidualLayer", embedding: Tensor, hidden: Tensor, decode: bool = False) -> Tensor:
     """The MTP-style fusion of §5.3 [ours]: fc(concat(norm(e), norm(h_prev))) -> [T, D].
 
     Kept alone on purpose (MODEL.md §12.1): a real checkpoint may wire this differently.
     A zero embedding (no target) stays exactly zero through its norm.
     """
     return layer.fc(torch.cat([layer.pre_fc_norm_embedding(embedding),
-                               layer.pre_fc_norm_hidden(hidden)], dim=-1))
+                               layer.pre_fc_norm_hidden(hidden)], dim=-1), decode=decode)
 
 
-def fuse_codes(model: TowerModel, layer: "ResidualLayer", j: int, codes: Tensor, hidden: Tensor) -> Tensor:
+def fuse_codes(model: TowerModel, layer: "ResidualLayer", j: int, codes: Tensor, hidden: Tensor,
+               decode: bool = False) -> Tensor:
     """fuse(layer, model.embed_codes(j, codes), hidden); on the GPU path the embedding, both norms
     and the concat are one kernel (kernels.fusion_input: the same values), then fc."""
     if model.batch_invariant or not hidden.is_cuda:
-        return fuse(layer, model.embed_codes(j, codes), hidden)
+        return fuse(layer, model.embed_codes(j, codes), hidden, decode)
     from services.tower import kernels
 
     fc_input = kernels.fusion_input(codes, model.codebook_embeddings.weight, j * model.codebook_vocab_size,
                                     hidden, layer.pre_fc_norm_embedding.weight, layer.pre_fc_norm_hidden.weight,
                                     layer.pre_fc_norm_hidden.eps)
-    return layer.fc(fc_input)
+    return layer.fc(fc_input, decode=decode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +284,7 @@ class TowerLayer(nn.Module):
 
     def forward(self, x: Tensor, rows: RowBatch) -> Tensor:
         h = self.self_attn(self.input_layernorm(x), rows, residual=x)          # x + attention
-        return self.mlp(self.post_attention_layernorm(h), residual=h)         # h + MLP
+        return self.mlp(self.post_attention_layernorm(h), residual=h, decode=rows.decode_step)   # h + MLP
 
 
 class ResidualLayer(TowerLayer):
@@ -291,9 +299,9 @@ class ResidualLayer(TowerLayer):
         self.norm = RMSNormPlus(d, cfg.rms_norm_eps)
         self.head = RowLinear(d, head_size, batch_invariant, "head")
 
-    def codebook_logits(self, h: Tensor) -> Tensor:
+    def codebook_logits(self, h: Tensor, decode: bool = False) -> Tensor:
         """l [R, Q_r] float32 for codebook j+1 from this layer's output h [R, D]."""
-        return self.head(self.norm(h)).float()
+        return self.head(self.norm(h), decode=decode).float()
 
 
 class GatedAttention(nn.Module):
@@ -334,11 +342,11 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         n_q, n_kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:  # one GEMM; q, k, v are column views of its output
-            qkv = tower_linear(x, self.qkv_weight, kind="qkv")
+            qkv = tower_linear(x, self.qkv_weight, kind="qkv", decode=rows.decode_step)
             q_and_gate, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
         else:
             x = padded_input(x)          # CUDA: q, k and v read one padded copy (invariant.linear_rows)
-            q_and_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q_and_gate, k, v = (p(x, decode=rows.decode_step) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, gate = q_and_gate.view(t, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -361,7 +369,7 @@ class GatedAttention(nn.Module):
         else:
             attend = attend_rowwise if self.batch_invariant else attend_segments
             o = gate_output(attend(q, self.k_cache, self.v_cache, rows), gate)   # [T, H, d]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), residual)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), residual, decode=rows.decode_step)
 
 
 class SwiGLU(nn.Module):
@@ -376,16 +384,18 @@ class SwiGLU(nn.Module):
         if self.gate_up_weight is None:
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """down(silu(gate(x)) ⊙ up(x)), plus `residual` when given (on the GPU path in down's GEMM)."""
+    def forward(self, x: Tensor, residual: Tensor | None = None, decode: bool = False) -> Tensor:
+        """down(silu(gate(x)) ⊙ up(x)), plus `residual` when given (on the GPU path in down's GEMM);
+        `decode`: a frame step's rows (RowBatch.decode_step)."""
         if self.gate_up_weight is not None and x.dtype == torch.bfloat16:
             from services.backbone.kernels.decode_graph import silu_mul   # one kernel: bf16(silu(g)·u)
 
             inter = self.gate_proj.weight.shape[0]
-            gate_up = tower_linear(x, self.gate_up_weight, kind="gate_up")
-            return self.down_proj(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), residual)
+            gate_up = tower_linear(x, self.gate_up_weight, kind="gate_up", decode=decode)
+            return self.down_proj(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), residual, decode=decode)
         x = padded_input(x)              # CUDA: gate and up read one padded copy
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+        gate, up = self.gate_proj(x, decode=decode), self.up_proj(x, decode=decode)
+        return self.down_proj(F.silu(gate) * up, residual, decode=decode)
 
 
 class RMSNormPlus(nn.Module):
@@ -417,12 +427,13 @@ class RowLinear(nn.Linear):
         self.batch_invariant = batch_invariant
         self.kind = kind                 # tower_linear's projection kind (PROJECTIONS)
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None, decode: bool = False) -> Tensor:
         """x·Wᵀ, plus `residual` when given: in the GEMM (linear_rows, one rounding) on the GPU
-        path, a separate add in the batch-invariant mode (as the layer did before)."""
+        path, a separate add in the batch-invariant mode (as the layer did before). `decode`: a
+        frame step's rows (tower_linear)."""
         if not self.batch_invariant:
             if x.dim() == 2:
-                return tower_linear(x, self.weight, residual, kind=self.kind)
+                return tower_linear(x, self.weight, residual, kind=self.kind, decode=decode)
             out = F.linear(x, self.weight)
             return out if residual is None else residual + out
         rows = x.shape[0]
@@ -431,12 +442,14 @@ class RowLinear(nn.Linear):
         return out if residual is None else residual + out
 
 
-def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, *, kind: str) -> Tensor:
-    """The GPU path's x·Wᵀ (+ residual, one rounding) for a projection of `kind`: with bf16 x and
-    weight and the kind in TOWER_DECODE_GEMM, the backbone's choice for a decode step
-    (decode_gemm.dense_linear: decode_linear on CUDA unless DRAMA_DECODE_GEMM=cublas); else
-    invariant.linear_rows."""
-    if kind in TOWER_DECODE_GEMM and x.dtype == weight.dtype == torch.bfloat16:
+def tower_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, *, kind: str,
+                 decode: bool = False) -> Tensor:
+    """The GPU path's x·Wᵀ (+ residual, one rounding) for a projection of `kind`: in a frame step
+    (`decode`) with bf16 x and weight and the kind in TOWER_DECODE_GEMM, the backbone's choice for
+    a decode step (decode_gemm.dense_linear: decode_linear on CUDA unless DRAMA_DECODE_GEMM=cublas);
+    else invariant.linear_rows, as prompt steps always (measured on the H200 at frame steps only).
+    A row's bits thus depend on its kind and its step's kind, never on the rows beside it."""
+    if decode and kind in TOWER_DECODE_GEMM and x.dtype == weight.dtype == torch.bfloat16:
         from services.backbone.kernels.decode_gemm import dense_linear
 
         return dense_linear(True, x)(x, weight, residual)
