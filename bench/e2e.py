@@ -397,14 +397,14 @@ def micro_backbone(preset: str, device: torch.device, context: int, steps: int) 
 
 
 def micro_tower(preset: str, device: torch.device, context: int, steps: int) -> float:
-    from bench.tower import bench_batch
+    from bench.tower import bench_batch, parse_args
     from services.common.random_weights import random_tower_stage
     from services.tower.engine import TowerEngine
 
     model, cfg = random_tower_stage(preset, device)
     engine = TowerEngine(model, cfg, max_sessions=1, max_context=context + steps + 8)
     engine.warm_up()                   # as the server does: captures the decode graphs on CUDA
-    args = SimpleNamespace(context=context, warmup=3, steps=steps, idle_ms=0.0, idle_spin=False)   # back to back
+    args = parse_args(["--context", str(context), "--warmup", "3", "--steps", str(steps)])   # back to back
     with torch.inference_mode():
         result = bench_batch(engine, 1, args, torch.Generator().manual_seed(0))
     del engine, model

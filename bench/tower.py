@@ -72,9 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-profile", action="store_true", help="a torch.profiler table of each "
                         "--prompt step")
     parser.add_argument("--decode-gemm", nargs="+", metavar="KINDS",
-                        help="the tower's projections through kernels/decode_gemm or cuBLAS in 128-row pieces: "
-                        "off (none), on (all) or kinds like qkv,o_proj,fc (services/tower/model.PROJECTIONS), "
-                        "one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
+                        help="the tower's frame-step projections through kernels/decode_gemm or cuBLAS in "
+                        "128-row pieces: off (none), on (all) or kinds like qkv,o_proj,fc "
+                        "(services/tower/model.PROJECTIONS), one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
@@ -216,11 +216,10 @@ def main(argv=None) -> list[dict]:
     print(f"{'mode':>10} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'frames/s':>9} {'of 46.4 ms':>10} "
           f"{'prefill rows/s':>15}", flush=True)
     switch = tower_model.TOWER_DECODE_GEMM
-    gemms = args.decode_gemm or [",".join(sorted(switch)) or "off"]
-    for gemm in gemms:
-        tower_model.decode_gemm_kinds(gemm)              # a typo fails before any engine is built
+    # parsed before any engine is built, so a typo fails at once
+    settings = [tower_model.decode_gemm_kinds(g) for g in args.decode_gemm] if args.decode_gemm else [switch]
     try:
-        results, checks, meta_modes = _run(args, model, cfg, device, modes, gemms)
+        results, checks, meta_modes = _run(args, model, cfg, device, modes, settings)
     finally:
         tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
     if args.out:
@@ -231,13 +230,12 @@ def main(argv=None) -> list[dict]:
     return results
 
 
-def _run(args, model, cfg, device, modes: list[str], gemms: list[str]) -> tuple[list, list, dict]:
-    """main's timings: one engine per (decode GEMM setting, mode), in turn."""
+def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset]) -> tuple[list, list, dict]:
+    """main's timings: one engine per (decode GEMM kinds, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    for gemm, base_mode in [(gemm, mode) for gemm in gemms for mode in modes]:
+    for kinds, base_mode in [(kinds, mode) for kinds in settings for mode in modes]:
         # tower_linear reads the switch at each call: eager steps and the graphs captured below
         # follow it
-        kinds = tower_model.decode_gemm_kinds(gemm)
         tower_model.TOWER_DECODE_GEMM = kinds
         mode = base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
                             else "+" + ",".join(sorted(kinds)))

@@ -133,8 +133,6 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
     (256 x 2048, BK 64) BN 32: 8 x 32 of 64. bench/decode_gemm.py --sweep times the alternatives.
     """
     f32 = dtype == torch.float32
-    if (n, k, dtype) in TUNED:
-        return dict(BM=ROWS if f32 else WIDE_ROWS, num_warps=4, num_stages=3, **TUNED[(n, k, dtype)])
     bk = 64 if f32 else 128           # F32: an FMA dot keeps [16, BK] and [BK, BN] in registers
     steps = _cdiv(k, bk)
     bn, split = 64, 1
@@ -143,7 +141,8 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
             split *= 2
         if _cdiv(n, bn) * split < 256:
             bn = 32
-    return dict(BM=ROWS if f32 else WIDE_ROWS, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
+    rule = dict(BM=ROWS if f32 else WIDE_ROWS, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3)
+    return rule | TUNED.get((n, k, dtype), {})
 
 
 def tiles_for(m: int, programs: int, weight_bytes: int, bm: int = ROWS) -> int:
