@@ -74,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-gemm", nargs="+", metavar="KINDS",
                         help="the tower's frame-step projections through kernels/decode_gemm or cuBLAS in "
                         "128-row pieces: off (none), on (all) or kinds like qkv,o_proj,fc "
-                        "(services/tower/model.PROJECTIONS), one engine per entry in turn (default: DRAMA_TOWER_DECODE_GEMM's)")
+                        "(services/tower/model.PROJECTIONS), one engine per entry in turn "
+                        "(default: DRAMA_TOWER_DECODE_GEMM's)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
