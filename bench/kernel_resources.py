@@ -46,6 +46,7 @@ def cases() -> dict:
     import triton.language as tl
 
     from services.backbone.kernels import decode_gemm, gdn, moe_decode
+    from services.tower import kernels as tower
 
     cfg = moe_decode.DECODE_CONFIG
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
@@ -69,7 +70,23 @@ def cases() -> dict:
                      KX=cfg["SHARED_KX"], REDUCE=reduce, PDL=True, **dot),
                 cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"})
 
+    draw_ptrs = dict(temperature_ptr=_ptr("fp32"), top_p_ptr=_ptr("fp32"), top_k_ptr=_ptr("i64"),
+                     seed_ptr=_ptr("i64"), take_ptr=_ptr("i64"), frame_ptr=_ptr("i64"))
+    frame_ptrs = dict(codes_ptr=_ptr("i64"), draw_rows_ptr=_ptr("i64"), stopped_ptr=_ptr("u8"))
+
+    def draw(kernel, m, ptrs, **constexprs):     # the tower's draws at the full preset's M (4097, 1024)
+        block = tower._next_pow2(m)
+        return (kernel, dict(logits_ptr=_ptr("bf16"), **draw_ptrs, **ptrs),
+                dict(BM=block, PRECISE_LOG=True, PDL=True, **constexprs), tower._draw_warps(m), 3, set())
+
     return {
+        "semantic_draw": draw(tower._semantic_draw_kernel, 4097,
+                              dict(slot_ptr=_ptr("i64"), history_ptr=_ptr("i64"), penalty_ptr=_ptr("fp32"),
+                                   ras_temperature="fp32", ras_top_p="fp32", drawn_temperature_ptr=_ptr("fp32"),
+                                   drawn_top_p_ptr=_ptr("fp32"), drawn_top_k_ptr=_ptr("i64"), **frame_ptrs),
+                              W=16, BW=16, RECENT=4),
+        "residual_draw": draw(tower._residual_draw_kernel, 1024, frame_ptrs),
+        "draw_4097": draw(tower._draw_kernel, 4097, dict(out_ptr=_ptr("i64"))),
         "gate_up": gate_up(0),
         "gate_up_reduce": gate_up(8),
         "down": (moe_decode._down_kernel,

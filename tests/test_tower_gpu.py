@@ -253,41 +253,60 @@ def test_graphs_off_by_env(monkeypatch):
     assert engine.graphs_captured and engine.open_sessions == 0
 
 
+def _served_codes(cfg: DramaConfig, graphs: bool, fused_draws: bool | None = None) -> list:
+    """Codes and stops of 8 sessions through a 37-row prompt step each and 16 decode steps
+    (row-varied sampling: greedy, RAS-prone, penalised, top-k, plain), one engine."""
+    sessions, prompt, steps = 8, 37, 16
+    d, n = cfg.tower.hidden_size, cfg.num_codebooks
+    engine = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16, seed=7), cfg,
+                         max_sessions=sessions, max_context=prompt + steps + 1, graphs=graphs)
+    if fused_draws is not None:
+        engine._fused_draws = fused_draws
+    engine.warm_up()
+    g = torch.Generator().manual_seed(12)
+    codes = []
+    for i in range(sessions):
+        result = engine.step([StepEntry(f"s{i}", 0, prompt, draw=True, seed=100 + i, **_params(i))],
+                             torch.randn(prompt, d, generator=g), torch.full((prompt, n), -1, dtype=torch.int64))
+        codes.append((result.codes.clone(), tuple(result.stop)))
+    for step in range(steps):
+        entries = [StepEntry(f"s{i}", prompt + step, 1, draw=True, seed=100 + i, frame_index=step + 1,
+                             **_params(i)) for i in range(sessions)]
+        result = engine.step(entries, torch.randn(sessions, d, generator=g),
+                             torch.full((sessions, n), -1, dtype=torch.int64))
+        assert not result.row_errors
+        codes.append((result.codes.clone(), tuple(result.stop)))
+    return codes
+
+
 @cuda
 @pytest.mark.parametrize("graphs", [True, False])
 def test_programmatic_dependent_launch_changes_no_code(graphs, monkeypatch):
     """The tower's Triton kernels launched with PDL (DRAMA_TOWER_PDL: they start while the kernel
-    before drains and wait in pdl_prologue) draw the same codes and stops as without, prompt and decode steps, graphed
-    and eager: a kernel reading before its predecessor finished would show as other logits, and
-    at these temperatures as other codes."""
+    before drains and wait in pdl_prologue) draw the same codes and stops as without, prompt and
+    decode steps, graphed and eager: a kernel reading before its predecessor finished would show
+    as other logits, and at these temperatures as other codes."""
     from services.backbone import kernels as backbone_kernels
 
-    cfg = _preset("full")
-    sessions, prompt, steps = 8, 37, 16
-    d, n = cfg.tower.hidden_size, cfg.num_codebooks
     out, used = {}, {}
     for pdl in (True, False):
         monkeypatch.setattr(backbone_kernels, "PDL", pdl)
         monkeypatch.setattr(kernels, "TOWER_PDL", pdl)
         used[pdl] = bool(kernels._pdl_args())
-        engine = TowerEngine(random_tower(cfg, device="cuda", dtype=torch.bfloat16, seed=7), cfg,
-                             max_sessions=sessions, max_context=prompt + steps + 1, graphs=graphs)
-        engine.warm_up()
-        g = torch.Generator().manual_seed(12)
-        codes = []
-        for i in range(sessions):
-            result = engine.step([StepEntry(f"s{i}", 0, prompt, draw=True, seed=100 + i, **_params(i))],
-                                 torch.randn(prompt, d, generator=g), torch.full((prompt, n), -1, dtype=torch.int64))
-            codes.append((result.codes.clone(), tuple(result.stop)))
-        for step in range(steps):
-            entries = [StepEntry(f"s{i}", prompt + step, 1, draw=True, seed=100 + i, frame_index=step + 1,
-                                 **_params(i)) for i in range(sessions)]
-            result = engine.step(entries, torch.randn(sessions, d, generator=g),
-                                 torch.full((sessions, n), -1, dtype=torch.int64))
-            assert not result.row_errors
-            codes.append((result.codes.clone(), tuple(result.stop)))
-        out[pdl] = codes
+        out[pdl] = _served_codes(_preset("full"), graphs)
     print(f"PDL used: {used[True]} (a GPU of compute capability 9 or more)")
     assert not used[False]
     for (a, sa), (b, sb) in zip(out[True], out[False]):
+        assert torch.equal(a, b) and sa == sb
+
+
+@cuda
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fused_frame_draws_change_no_code(graphs):
+    """kernels.FusedFrameDraws (a draw and its bookkeeping in one launch: the RAS switch, the
+    repetition penalty, EOS, the code writes, the RAS windows) draws what the torch bookkeeping
+    around kernels.draw draws, over prompts and 16 frames of RAS-prone and penalised rows."""
+    cfg = _preset("full")
+    fused, unfused = _served_codes(cfg, graphs, fused_draws=True), _served_codes(cfg, graphs, fused_draws=False)
+    for (a, sa), (b, sb) in zip(fused, unfused):
         assert torch.equal(a, b) and sa == sb

@@ -250,6 +250,7 @@ def test_fast_path_graphs_on_tracks_graphs_off(small_buckets):
                 return torch.full((row_logits.shape[0],), 3 + draw_index, dtype=torch.int64)
             return sample
         engine._sampler = sampler
+        engine._fused_draws = False       # the torch bookkeeping calls _sampler (TRITON_INTERPRET=1)
     steps = [([_entry(0, 0, 9, draw=True)], [_rows(9, 50, True)]),
              ([_entry(1, 0, 6, draw=False), _entry(0, 9, 1, draw=True, frame=1)],
               [_rows(6, 51, False), _rows(1, 52, True)]),

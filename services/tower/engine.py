@@ -48,7 +48,7 @@ from services.common.config import DramaConfig
 from services.tower import graphs as decode_graphs
 from services.tower import kernels, sampling
 from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS, Bucket, DecodeGraphs, StepBucket, StepGraphs
-from services.tower.model import RowBatch, TowerModel, forward_rows
+from services.tower.model import RowBatch, Sampler, TowerModel, forward_rows
 
 
 @dataclass
@@ -167,6 +167,10 @@ class TowerEngine:
         # The last ras_window semantic codes drawn in each slot's take, right-aligned, -1 = empty.
         self._ras_history = torch.full((pool_slots, cfg.sampling.ras_window), -1, dtype=torch.int64,
                                        device=self.device)
+        # Draws and their bookkeeping in one launch each where the draws run on Triton
+        # (kernels.FusedFrameDraws; DRAMA_TOWER_FUSED_DRAWS=0: the torch bookkeeping).
+        self._fused_draws = all(kernels.FusedFrameDraws.fits(m) for m in (
+            cfg.semantic_codebook_size + 1, cfg.residual_codebook_size))
         if prefix_cache_mb is None:
             prefix_cache_mb = default_capacity_mb(self.device.type)
         self.prefixes: PrefixCache[PrefixSnapshot] = PrefixCache.from_mb(prefix_cache_mb)
@@ -357,38 +361,18 @@ class TowerEngine:
         """forward_rows with the draws, then the RAS windows advanced: the part of a step shared
         by the eager path and the graphs. ints int64 [6, R] / floats float32 [3, R]: the draw
         rows' parameters in graphs.INT_FIELDS / FLOAT_FIELDS order, on the device."""
-        slots = ints[INT_FIELDS.index("slot")]
+        if self._fused_draws and kernels.use_triton(hidden):     # the windows advance in draw 0
+            draws = fused_frame_draws(self.cfg, self._ras_history, ints, floats)
+            return forward_rows(self.model, hidden, targets, rows, draw_index, draws)
+        slots = _field(ints, floats, "slot")
         history = self._ras_history[slots]
-        sample = self._sampler(history, ints, floats)
-        codes, stopped = forward_rows(self.model, hidden, targets, rows, draw_index, sample)
-        # The semantic code enters its take's RAS window unless it was EOS.
-        advanced = torch.cat([history[:, 1:], codes[draw_index, :1]], dim=1)
-        self._ras_history[slots] = torch.where(stopped[:, None], history, advanced)
+        codes, stopped = forward_rows(self.model, hidden, targets, rows, draw_index,
+                                      self._sampler(history, ints, floats))
+        advance_ras_windows(self._ras_history, slots, history, codes[draw_index, 0], stopped)
         return codes, stopped
 
-    def _sampler(self, history: Tensor, ints: Tensor, floats: Tensor):
-        """The draw callback for forward_rows: per-row parameters, RAS switch, noise keys."""
-        defaults = self.cfg.sampling
-
-        def field(name):
-            return ints[INT_FIELDS.index(name)] if name in INT_FIELDS else floats[FLOAT_FIELDS.index(name)]
-
-        ras = sampling.ras_active(history, recent=defaults.ras_recent)
-        temperature = torch.where(ras, defaults.ras_temperature, field("temperature"))
-        top_p = torch.where(ras, defaults.ras_top_p, field("top_p"))
-        top_k = torch.where(ras, defaults.ras_top_k, field("top_k"))
-        penalty = field("penalty")
-        seeds, takes, frames = field("seed"), field("take"), field("frame")
-        num_semantic = self.cfg.semantic_codebook_size
-
-        def sample(draw_index: int, logits: Tensor) -> Tensor:
-            if draw_index == 0:   # the penalty touches semantic codes only, never EOS (§6.2)
-                logits = torch.cat([sampling.apply_repetition_penalty(logits[:, :num_semantic], history, penalty),
-                                    logits[:, num_semantic:]], dim=1)
-            return kernels.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
-                                takes=takes, frames=frames, draw_index=draw_index)
-
-        return sample
+    def _sampler(self, history: Tensor, ints: Tensor, floats: Tensor) -> Sampler:
+        return torch_sampler(self.cfg, history, ints, floats)
 
     # ---------------------------------------------------------------- CUDA graphs
     def _graphable(self, accepted) -> bool:
@@ -515,6 +499,56 @@ def _frame_step(accepted) -> bool:
     the decode graphs (with graphs on) and the decode GEMM (model.tower_linear); any other step,
     the general graphs and cuBLAS, so a row's kernels never depend on the rows beside it."""
     return all(e.draw and e.n_rows == 1 and not e.prefix_key for _, e, _, _ in accepted)
+
+
+def torch_sampler(cfg: DramaConfig, history: Tensor, ints: Tensor, floats: Tensor) -> Sampler:
+    """The draw callback for forward_rows in torch ops around kernels.draw: per-row parameters,
+    the RAS switch and the repetition penalty (§6.2), noise keys. history int64 [R, W]: the draw
+    rows' RAS windows; ints / floats as TowerEngine._draw_step's."""
+    defaults = cfg.sampling
+
+    def field(name):
+        return _field(ints, floats, name)
+
+    ras = sampling.ras_active(history, recent=defaults.ras_recent)
+    temperature = torch.where(ras, defaults.ras_temperature, field("temperature"))
+    top_p = torch.where(ras, defaults.ras_top_p, field("top_p"))
+    top_k = torch.where(ras, defaults.ras_top_k, field("top_k"))
+    penalty = field("penalty")
+    num_semantic = cfg.semantic_codebook_size
+
+    def sample(draw_index: int, logits: Tensor) -> Tensor:
+        if draw_index == 0:   # the penalty touches semantic codes only, never EOS (§6.2)
+            logits = torch.cat([sampling.apply_repetition_penalty(logits[:, :num_semantic], history, penalty),
+                                logits[:, num_semantic:]], dim=1)
+        return kernels.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=field("seed"),
+                            takes=field("take"), frames=field("frame"), draw_index=draw_index)
+
+    return sample
+
+
+def advance_ras_windows(pool: Tensor, slots: Tensor, history: Tensor, semantic: Tensor, stopped: Tensor) -> None:
+    """pool[slots] = history shifted left by one with the semantic code [R] appended, where the
+    row did not stop (an EOS never enters its take's window)."""
+    advanced = torch.cat([history[:, 1:], semantic[:, None]], dim=1)
+    pool[slots] = torch.where(stopped[:, None], history, advanced)
+
+
+def fused_frame_draws(cfg: DramaConfig, pool: Tensor, ints: Tensor, floats: Tensor) -> "kernels.FusedFrameDraws":
+    """torch_sampler and advance_ras_windows as kernels.FusedFrameDraws (one launch per draw)
+    over the RAS windows `pool` [S, W]; ints / floats as TowerEngine._draw_step's."""
+    def field(name):
+        return _field(ints, floats, name)
+
+    return kernels.FusedFrameDraws(
+        pool, slots=field("slot"), temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"),
+        penalty=field("penalty"), seeds=field("seed"), takes=field("take"), frames=field("frame"),
+        defaults=cfg.sampling, eos=cfg.semantic_codebook_size)
+
+
+def _field(ints: Tensor, floats: Tensor, name: str) -> Tensor:
+    """One draw parameter [R] of the staged ints/floats, by its INT_FIELDS / FLOAT_FIELDS name."""
+    return ints[INT_FIELDS.index(name)] if name in INT_FIELDS else floats[FLOAT_FIELDS.index(name)]
 
 
 def _draw_columns(accepted) -> tuple[Tensor, Tensor]:

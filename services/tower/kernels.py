@@ -45,6 +45,7 @@ from services.backbone.kernels import pdl_args
 from services.common import invariant
 from services.common.grpcutil import env_switch
 from services.tower import sampling
+from services.tower.model import FrameDraws
 
 try:  # Triton ships with CUDA builds of torch only; CPU CI has none.
     import triton
@@ -412,8 +413,81 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=8 if block >= 4096 else 4, **_pdl_args())
+        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
     return out
+
+
+# A step's draws with their bookkeeping, one launch each (model.FrameDraws, served frames). On by
+# default where the draws run on Triton; DRAMA_TOWER_FUSED_DRAWS=0 keeps the torch bookkeeping
+# around kernels.draw (tests/test_tower_gpu.py demands the same codes either way).
+FUSED_FRAME_DRAWS = env_switch("DRAMA_TOWER_FUSED_DRAWS") is not False
+
+
+class FusedFrameDraws(FrameDraws):
+    """model.FrameDraws for the engine on Triton: each draw is one launch that also does what
+    the torch path does around kernels.draw. The semantic draw (_semantic_draw_kernel) reads
+    its row's RAS window from the engine's pool, picks the RAS parameters (§6.2), applies the
+    repetition penalty, draws, marks EOS, writes the code and advances the window; each residual
+    draw (_residual_draw_kernel) takes the parameters the semantic draw chose and writes its
+    code, -1 for a stopped row. The same codes as the torch path (sampling.ras_active,
+    sampling.apply_repetition_penalty, kernels.draw, the engine's window update), in 10 launches
+    where that path takes ~85 per frame step.
+
+    history int64 [S, W]: the RAS windows of every pool slot (advanced in place); the rest are
+    the draw rows' [R] parameters on the device, as the engine's graphs stage them."""
+    float32_logits = False       # the draws read the heads' bf16 logits and widen them exactly
+
+    def __init__(self, history: Tensor, *, slots: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                 penalty: Tensor, seeds: Tensor, takes: Tensor, frames: Tensor, defaults, eos: int):
+        super().__init__(sample=None, eos=eos)
+        self.history = history
+        self.slots, self.temperature, self.top_p, self.top_k, self.penalty = (
+            t.contiguous() for t in (slots, temperature, top_p, top_k, penalty))
+        self.seeds, self.takes, self.frames = (t.contiguous() for t in (seeds, takes, frames))
+        self.defaults = defaults                 # config.SamplingDefaults: the RAS parameters
+        self.drawn: tuple[Tensor, Tensor, Tensor] | None = None   # the semantic draw's parameters
+
+    @staticmethod
+    def fits(num_candidates: int) -> bool:
+        """Can a draw over this many candidates take the fused kernels?"""
+        return FUSED_FRAME_DRAWS and HAS_TRITON and num_candidates <= FUSED_DRAW_MAX_CANDIDATES
+
+    def semantic(self, logits: Tensor, codes: Tensor, draw_rows: Tensor) -> Tensor:
+        rows, m = logits.shape
+        stopped = torch.empty(rows, dtype=torch.bool, device=logits.device)
+        self.drawn = (torch.empty_like(self.temperature), torch.empty_like(self.top_p), torch.empty_like(self.top_k))
+        if rows == 0:
+            return stopped
+        window = self.history.shape[1]
+        defaults = self.defaults
+        _semantic_draw_kernel[(rows,)](
+            logits, logits.stride(0), m, self.eos, self.slots, self.history, self.penalty,
+            self.temperature, self.top_p, self.top_k,
+            _float32(defaults.ras_temperature), _float32(defaults.ras_top_p), defaults.ras_top_k,
+            self.seeds, self.takes, self.frames, codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
+            *self.drawn, BM=max(16, _next_pow2(m)), W=window, BW=_next_pow2(window),
+            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m),
+            **_pdl_args())
+        return stopped
+
+    def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
+        rows, m = logits.shape
+        if rows == 0:
+            return
+        _residual_draw_kernel[(rows,)](
+            logits, logits.stride(0), m, column, *self.drawn, self.seeds, self.takes, self.frames,
+            codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
+            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as torch.where rounds a Python float beside a float32 tensor
+    (a kernel's float argument may be wider: the interpreter keeps float64)."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _draw_warps(num_candidates: int) -> int:
+    return 8 if _next_pow2(num_candidates) >= 4096 else 4
 
 
 if HAS_TRITON:
@@ -430,10 +504,11 @@ if HAS_TRITON:
         """The probability whose float32 bits are `bits` (a key), widened exactly."""
         return bits.to(tl.float32, bitcast=True).to(tl.float64)
 
-    @triton.jit(do_not_specialize=["draw_index"])
-    def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
-                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
-        """One row's draw (§6.1) in one program, its M <= BM candidates held in registers.
+    @triton.jit
+    def _draw_row(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
+                  PRECISE_LOG: tl.constexpr):
+        """One row's draw (§6.1) -> the drawn index: x float32 [BM] its logits (-inf past M), its
+        M <= BM candidates held in one program's registers.
 
         The top-p/top-k cut needs no sort. Both keep a prefix of the ranking (probability
         descending, ties to the lower index), so the kept set is "the first R ranks" for
@@ -447,13 +522,7 @@ if HAS_TRITON:
         probabilities: sampling.draw's float32 cumsum and the naive reference's float64 one may
         differ from it only where a cumulative sum is within rounding of top_p.
         """
-        pdl_prologue(PDL)
-        row = tl.program_id(0)
-        i = tl.arange(0, BM)
-        ok = i < M
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         greedy_index = tl.argmax(x, axis=0, tie_break_left=True)
-        temperature = tl.load(temperature_ptr + row)
         greedy = temperature <= 0
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
         e = tl.exp(z - tl.max(z, axis=0))                       # padding: exp(-inf) = 0
@@ -473,8 +542,7 @@ if HAS_TRITON:
         # group alone exceeds top_p, v = key_max, and only rank 1 survives below). The sums are
         # over the same masked vectors as c's own formula (no key lies between v_prev and x_A),
         # so this is the bisection over c with half the reductions, each step waiting on one.
-        top_p = tl.load(top_p_ptr + row).to(tl.float64)
-        top_k = tl.load(top_k_ptr + row)
+        top_p = top_p.to(tl.float64)
         rank_k = tl.where(top_k <= 0, M, tl.minimum(top_k, M).to(tl.int32))
         key_min = tl.min(tl.where(ok, key, big), axis=0)
         cut = key_min                      # top_p >= 1 keeps every rank: the cut is the last one
@@ -520,9 +588,9 @@ if HAS_TRITON:
         kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
 
         # §6.3 noise: h = sm(seed), then h = sm(h ^ v) for take, frame, draw; uint64 arithmetic.
-        h = _splitmix64(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True))
-        h = _splitmix64(h ^ tl.load(take_ptr + row).to(tl.uint64, bitcast=True))
-        h = _splitmix64(h ^ tl.load(frame_ptr + row).to(tl.uint64, bitcast=True))
+        h = _splitmix64(seed.to(tl.uint64, bitcast=True))
+        h = _splitmix64(h ^ take.to(tl.uint64, bitcast=True))
+        h = _splitmix64(h ^ frame.to(tl.uint64, bitcast=True))
         h = _splitmix64(h ^ (draw_index + tl.zeros([], tl.int64)).to(tl.uint64, bitcast=True))
         w = _splitmix64(h ^ i.to(tl.uint64))
         u = (((w >> 11).to(tl.float64) + 0.5) * (2.0 ** -53)).to(tl.float32)
@@ -536,4 +604,102 @@ if HAS_TRITON:
         score = tl.where(kept, score, -1.0)
         score = tl.where(ok, score, -2.0)
         raced = tl.argmax(score, axis=0, tie_break_left=True)
-        tl.store(out_ptr + row, tl.where(greedy, greedy_index, raced).to(tl.int64))
+        return tl.where(greedy, greedy_index, raced).to(tl.int64)
+
+    @triton.jit(do_not_specialize=["draw_index"])
+    def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
+                     frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        """kernels.draw: one program per row, its draw into out[row]."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        i = tl.arange(0, BM)
+        ok = i < M
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+        drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
+                          tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
+                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
+        tl.store(out_ptr + row, drawn)
+
+    @triton.jit
+    def _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped):
+        """codes[draw_rows[row], column] = -1 if the row stopped, else the drawn code."""
+        dest = tl.load(draw_rows_ptr + row)
+        tl.store(codes_ptr + dest * stride_codes + column * stride_column, tl.where(stopped, -1, drawn))
+
+    @triton.jit
+    def _semantic_draw_kernel(logits_ptr, stride_row, M, eos, slot_ptr, history_ptr, penalty_ptr,
+                              temperature_ptr, top_p_ptr, top_k_ptr, ras_temperature, ras_top_p, ras_top_k,
+                              seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
+                              stopped_ptr, drawn_temperature_ptr, drawn_top_p_ptr, drawn_top_k_ptr,
+                              BM: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, RECENT: tl.constexpr,
+                              PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+        """FrameDraws.semantic for one row: everything the engine's torch sampler does around
+        draw 0 (sampling.ras_active, the RAS parameters, apply_repetition_penalty, the draw, EOS,
+        the code write, the RAS window's advance), in one program.
+
+        The RAS switch reads the row's window before this draw's code enters it, as the torch
+        path reads its snapshot; the residual draws take the parameters it chose from
+        drawn_temperature/top_p/top_k, so they never read the window this program rewrites."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        i = tl.arange(0, BM)
+        ok = i < M
+        window = tl.arange(0, BW)
+        in_window = window < W
+        history_row = history_ptr + tl.load(slot_ptr + row) * W
+        history = tl.load(history_row + window, mask=in_window, other=-1)
+        shifted = tl.load(history_row + window + 1, mask=window + 1 < W, other=-1)
+
+        # §6.2's RAS switch: two or more codes so far, and a repeat among the last RECENT
+        recent = in_window & (window >= W - RECENT) & (history >= 0)
+        repeats = tl.zeros([], tl.int32)
+        for a in tl.static_range(RECENT):
+            code_a = tl.load(history_row + W - RECENT + a)
+            same = recent & (history == code_a) & (window != W - RECENT + a) & (code_a >= 0)
+            repeats += tl.sum(same.to(tl.int32), axis=0)
+        ras = (repeats > 0) & (tl.sum((history >= 0).to(tl.int32), axis=0) >= 2)
+        temperature = tl.where(ras, ras_temperature, tl.load(temperature_ptr + row))
+        top_p = tl.where(ras, ras_top_p, tl.load(top_p_ptr + row))
+        top_k = tl.where(ras, ras_top_k, tl.load(top_k_ptr + row))
+
+        # the repetition penalty on the semantic codes of the window (never on EOS)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+        seen = i < 0
+        for w in tl.static_range(BW):
+            if w < W:
+                seen = seen | (i == tl.load(history_row + w))
+        penalty = tl.load(penalty_ptr + row)
+        penalised = tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty)
+        x = tl.where(seen & (i < eos), penalised, x)
+
+        drawn = _draw_row(x, i, ok, M, temperature, top_p, top_k, tl.load(seed_ptr + row),
+                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG)
+        stopped = drawn == eos
+        _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, 0, drawn, stopped)
+        tl.store(stopped_ptr + row, stopped.to(tl.uint8))
+        tl.store(drawn_temperature_ptr + row, temperature)
+        tl.store(drawn_top_p_ptr + row, top_p)
+        tl.store(drawn_top_k_ptr + row, top_k.to(tl.int64))
+        # the window advances by the semantic code unless EOS: every load above is used before
+        # the barrier, so no thread overwrites an entry another has yet to read
+        advanced = tl.where(stopped, history, tl.where(window + 1 < W, shifted, drawn))
+        tl.debug_barrier()
+        tl.store(history_row + window, advanced, mask=in_window)
+
+    @triton.jit(do_not_specialize=["column"])
+    def _residual_draw_kernel(logits_ptr, stride_row, M, column, temperature_ptr, top_p_ptr, top_k_ptr,
+                              seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
+                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+        """FrameDraws.residual for one row: draw `column` (codebook `column`) with the parameters
+        the semantic draw chose, its code written into codes (-1 for a stopped row)."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        i = tl.arange(0, BM)
+        ok = i < M
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+        drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
+                          tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
+                          tl.load(frame_ptr + row), column, PRECISE_LOG)
+        stopped = tl.load(stopped_ptr + row) != 0
+        _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped)

@@ -77,8 +77,37 @@ def decode_gemm_kinds(value: str | None) -> frozenset[str]:
 
 TOWER_DECODE_GEMM = decode_gemm_kinds(env_default("DRAMA_TOWER_DECODE_GEMM", "1"))
 
-# draw(draw_index, logits [R, M]) -> codes [R]: the engine's sampler for the draw rows.
+# draw(draw_index, logits [R, M]) -> codes [R]: a sampler for the draw rows (FrameDraws wraps it).
 Sampler = Callable[[int, Tensor], Tensor]
+
+
+class FrameDraws:
+    """How forward_rows draws the frames of a step's draw rows: `semantic` (draw 0, which also
+    decides which rows stop at EOS) and then `residual` for codebooks 1..N-1, each writing its
+    codes into `codes` at the draw rows (-1 for a stopped row).
+
+    This one wraps a `Sampler` callback and does the writes with torch ops (the CPU path and the
+    tests). The engine's GPU draws (kernels.FusedFrameDraws) do each draw and its writes in one
+    launch, the sampler's RAS switch and repetition penalty too: ~75 small torch launches fewer
+    per frame step.
+    """
+    float32_logits = True        # the heads' logits reach the draws as float32 (else as computed)
+
+    def __init__(self, sample: Sampler, eos: int):
+        self.sample = sample
+        self.eos = eos
+
+    def semantic(self, logits: Tensor, codes: Tensor, draw_rows: Tensor) -> Tensor:
+        """Draw 0 from logits [R, Q_s + 1] into codes[draw_rows, 0]; returns stopped bool [R]."""
+        semantic = self.sample(0, logits)
+        stopped = semantic == self.eos
+        codes[draw_rows, 0] = torch.where(stopped, torch.full_like(semantic, -1), semantic)
+        return stopped
+
+    def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
+        """Draw `column` (1..N-1) from logits [R, Q_r] into codes[draw_rows, column]."""
+        drawn = self.sample(column, logits)
+        codes[draw_rows, column] = torch.where(stopped, torch.full_like(drawn, -1), drawn)
 
 
 @dataclass(frozen=True)
@@ -97,8 +126,9 @@ class RowBatch:
     decode_positions: Tensor   # int64 [R]
     decode_length: int         # 1 + the largest decode position (0 without decode rows)
     all_decode: bool = False   # every row is a single-row segment, in order (decode_rows = 0..T-1)
-    # A frame step's rows (each entry one drawing row; TowerEngine decides): the projections whose
-    # kind is in TOWER_DECODE_GEMM take the decode GEMM. Prompt steps keep cuBLAS over 128-row pieces.
+    # A frame step's rows (each entry one drawing row, so every row draws, in order; TowerEngine
+    # decides): the projections whose kind is in TOWER_DECODE_GEMM take the decode GEMM, and the
+    # draws read the heads' rows without a gather. Prompt steps keep cuBLAS over 128-row pieces.
     decode_step: bool = False
     # cos/sin per (rotary_dim, theta), made by the first layer and shared by the others.
     _rotary: dict = field(default_factory=dict, compare=False, repr=False)
@@ -202,9 +232,11 @@ class TowerModel(nn.Module):
             x = layer(x, rows)
         return x
 
-    def semantic_logits(self, hidden: Tensor, decode: bool = False) -> Tensor:
-        """s [R, Q_s + 1] float32 from backbone hidden rows (§4.8); index Q_s is EOS."""
-        return self.semantic_head(hidden, decode=decode).float()
+    def semantic_logits(self, hidden: Tensor, decode: bool = False, float32: bool = True) -> Tensor:
+        """s [R, Q_s + 1] float32 (else in the weights' dtype) from backbone hidden rows (§4.8);
+        index Q_s is EOS."""
+        logits = self.semantic_head(hidden, decode=decode)
+        return logits.float() if float32 else logits
 
     def embed_codes(self, codebook: int, codes: Tensor) -> Tensor:
         """[T, D] embeddings of codebook `codebook`'s values `codes` [T]; exact zeros where -1."""
@@ -215,12 +247,13 @@ class TowerModel(nn.Module):
 
 
 def forward_rows(model: TowerModel, hidden: Tensor, targets: Tensor, rows: RowBatch,
-                 draw_rows: Tensor | None = None, sample: Sampler | None = None) -> tuple[Tensor, Tensor]:
+                 draw_rows: Tensor | None = None, sample: Sampler | FrameDraws | None = None) -> tuple[Tensor, Tensor]:
     """Run the tower on T rows: teacher-forced rows and draw rows together (§5.3, §5.4).
 
     hidden [T, D] backbone rows; targets int64 [T, N], -1 = none (the target row of a draw row
-    is -1); rows: their slots and positions; draw_rows int64 [R] indices into T; sample: the
-    engine's draws (`Sampler`), called for draw index 0 (semantic, M = Q_s + 1) then 1..N-1.
+    is -1); rows: their slots and positions; draw_rows int64 [R] indices into T (every row, in
+    order, in a frame step: rows.decode_step); sample: the draws, a `FrameDraws` or a `Sampler`
+    called for draw index 0 (semantic, M = Q_s + 1) then 1..N-1.
 
     Returns (codes [T, N], stopped bool [R]): the targets with each draw row's drawn frame filled
     in (-1 for a stopped row). Every layer writes every row into its cache, so the invariant
@@ -230,17 +263,24 @@ def forward_rows(model: TowerModel, hidden: Tensor, targets: Tensor, rows: RowBa
     """
     codes = targets.clone()
     num_draws = 0 if draw_rows is None else draw_rows.numel()
-    stopped = torch.zeros(num_draws, dtype=torch.bool, device=hidden.device)
     h = model.trunk(hidden, rows)
-    if num_draws:
-        semantic = sample(0, model.semantic_logits(hidden[draw_rows], rows.decode_step))
-        stopped = semantic == model.semantic_codebook_size
-        codes[draw_rows, 0] = torch.where(stopped, torch.full_like(semantic, -1), semantic)
+    if not num_draws:
+        stopped = torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    else:
+        draws = sample if isinstance(sample, FrameDraws) else FrameDraws(sample, model.semantic_codebook_size)
+        # a frame step's draw rows are its rows, in order: no gather
+        every_row = rows.decode_step and num_draws == hidden.shape[0]
+
+        def drawing(x: Tensor) -> Tensor:
+            return x if every_row else x[draw_rows]
+
+        stopped = draws.semantic(model.semantic_logits(drawing(hidden), rows.decode_step, draws.float32_logits),
+                                 codes, draw_rows)
     for j, layer in enumerate(model.residual_layers):
         h = layer(fuse_codes(model, layer, j, codes[:, j], h, rows.decode_step), rows)
         if num_draws:
-            drawn = sample(j + 1, layer.codebook_logits(h[draw_rows], rows.decode_step))
-            codes[draw_rows, j + 1] = torch.where(stopped, torch.full_like(drawn, -1), drawn)
+            draws.residual(j + 1, layer.codebook_logits(drawing(h), rows.decode_step, draws.float32_logits),
+                           codes, draw_rows, stopped)
     return codes, stopped
 
 
@@ -299,9 +339,11 @@ class ResidualLayer(TowerLayer):
         self.norm = RMSNormPlus(d, cfg.rms_norm_eps)
         self.head = RowLinear(d, head_size, batch_invariant, "head")
 
-    def codebook_logits(self, h: Tensor, decode: bool = False) -> Tensor:
-        """l [R, Q_r] float32 for codebook j+1 from this layer's output h [R, D]."""
-        return self.head(self.norm(h), decode=decode).float()
+    def codebook_logits(self, h: Tensor, decode: bool = False, float32: bool = True) -> Tensor:
+        """l [R, Q_r] float32 (else in the weights' dtype) for codebook j+1 from this layer's
+        output h [R, D]."""
+        logits = self.head(self.norm(h), decode=decode)
+        return logits.float() if float32 else logits
 
 
 class GatedAttention(nn.Module):
