@@ -392,13 +392,16 @@ if HAS_TRITON:
 
 # A row's candidates live in one program's registers; above this the draw takes the torch path.
 FUSED_DRAW_MAX_CANDIDATES = 16384
+# The cut's bisections stop as soon as their interval holds no candidate (the same cut; fewer steps).
+DRAW_EARLY_EXIT = env_switch("DRAMA_TOWER_DRAW_EARLY_EXIT") is True
 
 
 def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
-         takes: Tensor, frames: Tensor, draw_index: int) -> Tensor:
+         takes: Tensor, frames: Tensor, draw_index: int, early_exit: bool | None = None) -> Tensor:
     """`sampling.draw` with keys `noise_key(seeds, takes, frames, draw_index)`: int64 [R].
 
-    temperature/top_p/top_k/seeds/takes/frames are [R] tensors on the logits' device.
+    temperature/top_p/top_k/seeds/takes/frames are [R] tensors on the logits' device. early_exit:
+    the cut's bisections stop once their interval holds no candidate (DRAW_EARLY_EXIT unless given).
     """
     rows, m = logits.shape
     if not use_triton(logits) or m > FUSED_DRAW_MAX_CANDIDATES:
@@ -413,7 +416,8 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
+        BM=block, PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT if early_exit is None else early_exit,
+        num_warps=_draw_warps(m), **_pdl_args())
     return out
 
 
@@ -466,8 +470,8 @@ class FusedFrameDraws(FrameDraws):
             _float32(defaults.ras_temperature), _float32(defaults.ras_top_p), defaults.ras_top_k,
             self.seeds, self.takes, self.frames, codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
             *self.drawn, BM=max(16, _next_pow2(m)), W=window, BW=_next_pow2(window),
-            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m),
-            **_pdl_args())
+            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT,
+            num_warps=_draw_warps(m), **_pdl_args())
         return stopped
 
     def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
@@ -477,7 +481,8 @@ class FusedFrameDraws(FrameDraws):
         _residual_draw_kernel[(rows,)](
             logits, logits.stride(0), m, column, *self.drawn, self.seeds, self.takes, self.frames,
             codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
-            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
+            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT,
+            num_warps=_draw_warps(m), **_pdl_args())
 
 
 def _float32(value: float) -> float:
@@ -506,7 +511,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _draw_row(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
-                  PRECISE_LOG: tl.constexpr):
+                  PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False):
         """One row's draw (§6.1) -> the drawn index: x float32 [BM] its logits (-inf past M), its
         M <= BM candidates held in one program's registers.
 
@@ -552,10 +557,20 @@ if HAS_TRITON:
             hi = key_max + 1               # S(key_max + 1) = 0 <= top_p
             while lo < hi:
                 mid = lo + (hi - lo) // 2
-                if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
+                above_mid = tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0)
+                if EARLY_EXIT:   # how many keys each half holds (low half | high half << 16)
+                    halves = tl.sum(tl.where((key >= lo) & (key < mid), 1, 0)
+                                    + tl.where((key > mid) & (key < hi), 65536, 0), axis=0)
+                if above_mid <= top_p:
                     hi = mid
+                    if EARLY_EXIT:
+                        if (halves & 65535) == 0:   # no key in [lo, mid): S(lo) = S(mid), lo is the answer
+                            hi = lo
                 else:
                     lo = mid + 1
+                    if EARLY_EXIT:
+                        if (halves >> 16) == 0:     # no key in (mid, hi): S(mid + 1) = S(hi)
+                            hi = lo
             v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
             c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
             v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
@@ -577,10 +592,22 @@ if HAS_TRITON:
             hi = key_max
             while lo < hi:
                 mid = hi - (hi - lo) // 2
-                if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
+                if EARLY_EXIT:   # count(key >= mid) | keys in (lo, mid) << 20 | keys in (mid, hi] << 40
+                    counts = tl.sum((key >= mid).to(tl.int64) + tl.where((key > lo) & (key < mid), 1 << 20, 0)
+                                    + tl.where((key > mid) & (key <= hi), 1 << 40, 0), axis=0)
+                    at_least = counts & 1048575
+                else:
+                    at_least = tl.sum((key >= mid).to(tl.int32), axis=0)
+                if at_least >= ranks:
                     lo = mid
+                    if EARLY_EXIT:
+                        if (counts >> 40) == 0:     # no key in (mid, hi]: mid is the answer
+                            hi = lo
                 else:
                     hi = mid - 1
+                    if EARLY_EXIT:
+                        if ((counts >> 20) & 1048575) == 0:   # no key in (lo, mid): lo is the answer
+                            hi = lo
             cut = lo
         # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
         tie = key == cut
@@ -609,7 +636,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
                      frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     EARLY_EXIT: tl.constexpr = False, PDL: tl.constexpr = False):
         """kernels.draw: one program per row, its draw into out[row]."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
@@ -618,7 +645,7 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
                           tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
+                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG, EARLY_EXIT)
         tl.store(out_ptr + row, drawn)
 
     @triton.jit
@@ -633,7 +660,7 @@ if HAS_TRITON:
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
                               stopped_ptr, drawn_temperature_ptr, drawn_top_p_ptr, drawn_top_k_ptr,
                               BM: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, RECENT: tl.constexpr,
-                              PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+                              PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False, PDL: tl.constexpr = False):
         """FrameDraws.semantic for one row: everything the engine's torch sampler does around
         draw 0 (sampling.ras_active, the RAS parameters, apply_repetition_penalty, the draw, EOS,
         the code write, the RAS window's advance), in one program.
@@ -674,7 +701,7 @@ if HAS_TRITON:
         x = tl.where(seen & (i < eos), penalised, x)
 
         drawn = _draw_row(x, i, ok, M, temperature, top_p, top_k, tl.load(seed_ptr + row),
-                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG)
+                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG, EARLY_EXIT)
         stopped = drawn == eos
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, 0, drawn, stopped)
         tl.store(stopped_ptr + row, stopped.to(tl.uint8))
@@ -690,7 +717,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["column"])
     def _residual_draw_kernel(logits_ptr, stride_row, M, column, temperature_ptr, top_p_ptr, top_k_ptr,
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
-                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False,
+                              PDL: tl.constexpr = False):
         """FrameDraws.residual for one row: draw `column` (codebook `column`) with the parameters
         the semantic draw chose, its code written into codes (-1 for a stopped row)."""
         pdl_prologue(PDL)
@@ -700,6 +728,6 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
                           tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), column, PRECISE_LOG)
+                          tl.load(frame_ptr + row), column, PRECISE_LOG, EARLY_EXIT)
         stopped = tl.load(stopped_ptr + row) != 0
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped)

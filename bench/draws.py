@@ -1,0 +1,159 @@
+"""The tower's draws alone (issue #7): what the ten draws of a frame step cost, one table.
+
+    python3 bench/draws.py                      every case at 1, 8 and 128 rows
+    python3 bench/draws.py --rows 1 --cases frame
+
+Two parts, each captured as a CUDA graph of `--repeat` copies and timed by replaying it
+(median of triton.testing.do_bench, µs per copy):
+
+- `draw`: one kernels.draw launch over M candidates (4097: the semantic draw; 1024: a residual
+  one) with the sampling settings that decide its work: greedy, top_p 1 (no cut), the API's
+  default top_p 0.9, and RAS's top_p 0.95 + top_k 30 (two cuts). Each with the cut's bisections
+  run to the end and with DRAW_EARLY_EXIT (stop once the interval holds no candidate).
+- `frame`: the ten draws of a frame step with their bookkeeping (RAS switch, repetition
+  penalty, EOS, code writes, RAS windows), the torch path (engine.torch_sampler + FrameDraws +
+  advance_ras_windows) against kernels.FusedFrameDraws, at the API's defaults, half the rows on RAS.
+
+Logits are random bf16 (std 3), as flat as the random-weight tower's: the cut then keeps many
+candidates, which is the bisections' worst case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SETTINGS = {"greedy": (0.0, 1.0, 0), "top_p 1": (0.8, 1.0, 0), "top_p 0.9": (0.8, 0.9, 0),
+            "RAS 0.95/30": (1.5, 0.95, 30)}
+
+
+def do_bench(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def graphed(fn, repeat: int):
+    """fn captured `repeat` times in one CUDA graph; returns the replay."""
+    fn()                                                  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return graph.replay
+
+
+def draw_cases(rows: int, repeat: int) -> list[dict]:
+    from services.tower import kernels
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for m in (4097, 1024):
+        logits = (torch.randn(rows, m, device="cuda", generator=g) * 3).bfloat16()
+        seeds = torch.randint(0, 2 ** 62, (rows,), device="cuda", generator=g)
+        takes = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        frames = torch.arange(rows, device="cuda")
+        for name, (temperature, top_p, top_k) in SETTINGS.items():
+            args = dict(temperature=torch.full((rows,), temperature, device="cuda"),
+                        top_p=torch.full((rows,), top_p, device="cuda"),
+                        top_k=torch.full((rows,), top_k, dtype=torch.int64, device="cuda"),
+                        seeds=seeds, takes=takes, frames=frames, draw_index=1)
+            row = dict(part="draw", rows=rows, m=m, setting=name)
+            codes = {}
+            for early in (False, True):
+                def fn(early=early):
+                    codes[early] = kernels.draw(logits, early_exit=early, **args)
+                row["early_exit" if early else "full"] = do_bench(graphed(fn, repeat)) * 1000 / repeat
+            row["same"] = bool(torch.equal(codes[False], codes[True]))
+            out.append(row)
+    return out
+
+
+def frame_cases(rows: int, repeat: int) -> list[dict]:
+    from services.common.config import DramaConfig
+    from services.tower import kernels
+    from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
+    from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
+    from services.tower.model import FrameDraws
+
+    cfg = DramaConfig.from_dict(json.loads(resources.files("services.common").joinpath("presets/full.json").read_text()))
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    n, semantic = cfg.num_codebooks, cfg.semantic_codebook_size
+    window = cfg.sampling.ras_window
+    pool = torch.randint(0, semantic, (rows, window), device="cuda", generator=g)
+    pool[::2, -1] = pool[::2, -2]                          # half the rows on RAS
+    ints = torch.zeros(len(INT_FIELDS), rows, dtype=torch.int64, device="cuda")
+    floats = torch.zeros(len(FLOAT_FIELDS), rows, device="cuda")
+    ints[INT_FIELDS.index("slot")] = torch.arange(rows, device="cuda")
+    ints[INT_FIELDS.index("top_k")] = cfg.sampling.top_k
+    ints[INT_FIELDS.index("seed")] = torch.randint(0, 2 ** 62, (rows,), device="cuda", generator=g)
+    floats[FLOAT_FIELDS.index("temperature")] = cfg.sampling.temperature
+    floats[FLOAT_FIELDS.index("top_p")] = cfg.sampling.top_p
+    floats[FLOAT_FIELDS.index("penalty")] = 1.1
+    logits = [(torch.randn(rows, semantic + 1, device="cuda", generator=g) * 3).bfloat16()]
+    logits += [(torch.randn(rows, cfg.residual_codebook_size, device="cuda", generator=g) * 3).bfloat16()
+               for _ in range(n - 1)]
+    targets = torch.full((rows, n), -1, dtype=torch.int64, device="cuda")
+    draw_rows = torch.arange(rows, device="cuda")
+    result = {}
+
+    def frame(fused: bool):
+        codes = targets.clone()
+        if fused:
+            draws = fused_frame_draws(cfg, pool, ints, floats)
+        else:
+            history = pool[ints[INT_FIELDS.index("slot")]]
+            draws = FrameDraws(torch_sampler(cfg, history, ints, floats), semantic)
+        cast = (lambda x: x.float()) if draws.float32_logits else (lambda x: x)
+        stopped = draws.semantic(cast(logits[0]), codes, draw_rows)
+        for column in range(1, n):
+            draws.residual(column, cast(logits[column]), codes, draw_rows, stopped)
+        if not fused:
+            advance_ras_windows(pool, ints[INT_FIELDS.index("slot")], history, codes[:, 0], stopped)
+        result[fused] = codes
+
+    row = dict(part="frame", rows=rows, m=f"{semantic + 1}+{n - 1}x{cfg.residual_codebook_size}", setting="defaults")
+    for fused in (False, True):
+        row["fused" if fused else "torch"] = do_bench(graphed(lambda fused=fused: frame(fused), repeat)) * 1000 / repeat
+    row["early_exit"] = kernels.DRAW_EARLY_EXIT
+    return [row]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128])
+    parser.add_argument("--cases", nargs="+", choices=["draw", "frame"], default=["draw", "frame"])
+    parser.add_argument("--repeat", type=int, default=20, help="copies per graph")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/draws.py needs CUDA")
+    rows_out = []
+    for rows in args.rows:
+        if "draw" in args.cases:
+            rows_out += draw_cases(rows, args.repeat)
+        if "frame" in args.cases:
+            rows_out += frame_cases(rows, args.repeat)
+    print(f"{'part':6} {'rows':>4} {'M':>14} {'setting':12} {'µs':>8} {'µs, other':>10}  note")
+    for r in rows_out:
+        if r["part"] == "draw":
+            print(f"{'draw':6} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['full']:8.1f} {r['early_exit']:10.1f}"
+                  f"  full | early exit{'' if r['same'] else '  CODES DIFFER'}")
+        else:
+            print(f"{'frame':6} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['torch']:8.1f} {r['fused']:10.1f}"
+                  f"  torch | fused (early exit {'on' if r['early_exit'] else 'off'})")
+    if args.json:
+        args.json.write_text(json.dumps(rows_out, indent=2))
+    return rows_out
+
+
+if __name__ == "__main__":
+    main()
