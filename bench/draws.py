@@ -8,8 +8,9 @@ Two parts, each captured as a CUDA graph of `--repeat` copies and timed by repla
 
 - `draw`: one kernels.draw launch over M candidates (4097: the semantic draw; 1024: a residual
   one) with the sampling settings that decide its work: greedy, top_p 1 (no cut), the API's
-  default top_p 0.9, and RAS's top_p 0.95 + top_k 30 (two cuts). Each with the cut's bisections
-  run to the end and with DRAW_EARLY_EXIT (stop once the interval holds no candidate).
+  default top_p 0.9, and RAS's top_p 0.95 + top_k 30 (two cuts).
+- `semantic`: FusedFrameDraws.semantic alone at the API's defaults, its kernel whole and with
+  parts left out (EXPERIMENT: what the bookkeeping costs inside the draw).
 - `frame`: the ten draws of a frame step with their bookkeeping (RAS switch, repetition
   penalty, EOS, code writes, RAS windows), the torch path (engine.torch_sampler + FrameDraws +
   advance_ras_windows) against kernels.FusedFrameDraws, at the API's defaults, half the rows on RAS.
@@ -67,19 +68,46 @@ def draw_cases(rows: int, repeat: int) -> list[dict]:
                         top_k=torch.full((rows,), top_k, dtype=torch.int64, device="cuda"),
                         seeds=seeds, takes=takes, frames=frames, draw_index=1)
             row = dict(part="draw", rows=rows, m=m, setting=name)
-            codes = {}
-            for early in (False, True):
-                def fn(early=early):
-                    codes[early] = kernels.draw(logits, early_exit=early, **args)
-                row["early_exit" if early else "full"] = do_bench(graphed(fn, repeat)) * 1000 / repeat
-            row["same"] = bool(torch.equal(codes[False], codes[True]))
+            row["us"] = do_bench(graphed(lambda args=args: kernels.draw(logits, **args), repeat)) * 1000 / repeat
             out.append(row)
+    return out
+
+
+def semantic_cases(rows: int, repeat: int) -> list[dict]:
+    """FusedFrameDraws.semantic alone, with parts of its kernel left out (EXPERIMENT)."""
+    from services.common.config import DramaConfig
+    from services.tower.engine import fused_frame_draws
+    from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
+
+    cfg = DramaConfig.from_dict(json.loads(resources.files("services.common").joinpath("presets/full.json").read_text()))
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    semantic = cfg.semantic_codebook_size
+    pool = torch.randint(0, semantic, (rows, cfg.sampling.ras_window), device="cuda", generator=g)
+    ints = torch.zeros(len(INT_FIELDS), rows, dtype=torch.int64, device="cuda")
+    floats = torch.zeros(len(FLOAT_FIELDS), rows, device="cuda")
+    ints[INT_FIELDS.index("slot")] = torch.arange(rows, device="cuda")
+    ints[INT_FIELDS.index("seed")] = torch.randint(0, 2 ** 62, (rows,), device="cuda", generator=g)
+    floats[FLOAT_FIELDS.index("temperature")] = cfg.sampling.temperature
+    floats[FLOAT_FIELDS.index("top_p")] = cfg.sampling.top_p
+    floats[FLOAT_FIELDS.index("penalty")] = 1.1
+    logits = (torch.randn(rows, semantic + 1, device="cuda", generator=g) * 3).bfloat16()
+    codes = torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64, device="cuda")
+    draw_rows = torch.arange(rows, device="cuda")
+    out = []
+    for name, parts in [("all", {}), ("no RAS", dict(RAS_SWITCH=False)), ("no penalty", dict(PENALTY=False)),
+                        ("no advance", dict(ADVANCE=False)),
+                        ("none", dict(RAS_SWITCH=False, PENALTY=False, ADVANCE=False))]:
+        def fn(parts=parts):
+            draws = fused_frame_draws(cfg, pool, ints, floats)
+            draws.kernel_parts = parts
+            draws.semantic(logits, codes, draw_rows)
+        out.append(dict(part="semantic", rows=rows, m=semantic + 1, setting=name,
+                        us=do_bench(graphed(fn, repeat)) * 1000 / repeat))
     return out
 
 
 def frame_cases(rows: int, repeat: int) -> list[dict]:
     from services.common.config import DramaConfig
-    from services.tower import kernels
     from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
     from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
     from services.tower.model import FrameDraws
@@ -123,14 +151,14 @@ def frame_cases(rows: int, repeat: int) -> list[dict]:
     row = dict(part="frame", rows=rows, m=f"{semantic + 1}+{n - 1}x{cfg.residual_codebook_size}", setting="defaults")
     for fused in (False, True):
         row["fused" if fused else "torch"] = do_bench(graphed(lambda fused=fused: frame(fused), repeat)) * 1000 / repeat
-    row["early_exit"] = kernels.DRAW_EARLY_EXIT
     return [row]
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128])
-    parser.add_argument("--cases", nargs="+", choices=["draw", "frame"], default=["draw", "frame"])
+    parser.add_argument("--cases", nargs="+", choices=["draw", "semantic", "frame"],
+                        default=["draw", "semantic", "frame"])
     parser.add_argument("--repeat", type=int, default=20, help="copies per graph")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -140,16 +168,17 @@ def main(argv=None) -> list[dict]:
     for rows in args.rows:
         if "draw" in args.cases:
             rows_out += draw_cases(rows, args.repeat)
+        if "semantic" in args.cases:
+            rows_out += semantic_cases(rows, args.repeat)
         if "frame" in args.cases:
             rows_out += frame_cases(rows, args.repeat)
-    print(f"{'part':6} {'rows':>4} {'M':>14} {'setting':12} {'µs':>8} {'µs, other':>10}  note")
+    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'µs':>8} {'µs, fused':>10}")
     for r in rows_out:
-        if r["part"] == "draw":
-            print(f"{'draw':6} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['full']:8.1f} {r['early_exit']:10.1f}"
-                  f"  full | early exit{'' if r['same'] else '  CODES DIFFER'}")
+        if r["part"] == "frame":
+            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['torch']:8.1f} {r['fused']:10.1f}"
+                  f"  torch | fused")
         else:
-            print(f"{'frame':6} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['torch']:8.1f} {r['fused']:10.1f}"
-                  f"  torch | fused (early exit {'on' if r['early_exit'] else 'off'})")
+            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['us']:8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2))
     return rows_out

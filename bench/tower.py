@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "128-row pieces: off (none), on (all) or kinds like qkv,o_proj,fc "
                         "(services/tower/model.PROJECTIONS), one engine per entry in turn "
                         "(default: DRAMA_TOWER_DECODE_GEMM's)")
+    parser.add_argument("--fused-draws", nargs="+", choices=["on", "off"],
+                        help="each draw and its bookkeeping in one launch (kernels.FusedFrameDraws) or the torch "
+                        "bookkeeping around kernels.draw, one engine per entry in turn, crossed with --decode-gemm "
+                        "(default: DRAMA_TOWER_FUSED_DRAWS's)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
@@ -220,7 +224,7 @@ def main(argv=None) -> list[dict]:
     # parsed before any engine is built, so a typo fails at once
     settings = [tower_model.decode_gemm_kinds(g) for g in args.decode_gemm] if args.decode_gemm else [switch]
     try:
-        results, checks, meta_modes = _run(args, model, cfg, device, modes, settings)
+        results, checks, meta_modes = _run(args, model, cfg, device, modes, settings, args.fused_draws or [None])
     finally:
         tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
     if args.out:
@@ -231,20 +235,23 @@ def main(argv=None) -> list[dict]:
     return results
 
 
-def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset]) -> tuple[list, list, dict]:
-    """main's timings: one engine per (decode GEMM kinds, mode), in turn."""
+def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset],
+         fused_draws: list[str | None]) -> tuple[list, list, dict]:
+    """main's timings: one engine per (decode GEMM kinds, fused draws, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    for kinds, base_mode in [(kinds, mode) for kinds in settings for mode in modes]:
+    for kinds, fused, base_mode in [(k, f, m) for k in settings for f in fused_draws for m in modes]:
         # tower_linear reads the switch at each call: eager steps and the graphs captured below
         # follow it
         tower_model.TOWER_DECODE_GEMM = kinds
         mode = base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
-                            else "+" + ",".join(sorted(kinds)))
+                            else "+" + ",".join(sorted(kinds))) + {None: "", "on": "+fd", "off": "-fd"}[fused]
         # One engine at a time: a new engine re-allocates the model's caches (and the old
         # engine's graphs point at the old ones).
         engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
                              max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
                              graphs=base_mode == "graphs")
+        if fused is not None:            # before warm_up: the graphs capture the draws it picks
+            engine._fused_draws = fused == "on" and engine._fused_draws
         started = time.perf_counter()
         engine.warm_up()
         _sync(device)

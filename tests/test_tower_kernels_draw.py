@@ -102,20 +102,6 @@ def test_fused_draw_equals_the_references_away_from_boundaries(m):
 
 
 @runnable
-@pytest.mark.parametrize("m", [4097, 1024, 33, 1])
-def test_early_exit_bisection_draws_what_the_full_one_draws(m):
-    """DRAW_EARLY_EXIT stops each bisection of the cut once its interval holds no candidate;
-    the cut, and so every draw, must be the full 31-step bisection's, ties and corners included."""
-    rows = 256 if DEVICE == "cuda" else 48
-    logits, temperature, top_p, top_k, seeds, takes, frames = _inputs(rows, m, seed=m + 1)
-    args = dict(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds, takes=takes, frames=frames)
-    for draw_index in (0, 3):
-        full = kernels.draw(logits, draw_index=draw_index, early_exit=False, **args)
-        early = kernels.draw(logits, draw_index=draw_index, early_exit=True, **args)
-        assert torch.equal(full, early), (full != early).nonzero()[:8, 0].tolist()
-
-
-@runnable
 def test_fused_draw_corners():
     """Hand-made rows with known answers: ties, greedy, rank 1 only, a zero-probability field."""
     m = 9

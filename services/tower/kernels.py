@@ -392,16 +392,13 @@ if HAS_TRITON:
 
 # A row's candidates live in one program's registers; above this the draw takes the torch path.
 FUSED_DRAW_MAX_CANDIDATES = 16384
-# The cut's bisections stop as soon as their interval holds no candidate (the same cut; fewer steps).
-DRAW_EARLY_EXIT = env_switch("DRAMA_TOWER_DRAW_EARLY_EXIT") is True
 
 
 def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
-         takes: Tensor, frames: Tensor, draw_index: int, early_exit: bool | None = None) -> Tensor:
+         takes: Tensor, frames: Tensor, draw_index: int) -> Tensor:
     """`sampling.draw` with keys `noise_key(seeds, takes, frames, draw_index)`: int64 [R].
 
-    temperature/top_p/top_k/seeds/takes/frames are [R] tensors on the logits' device. early_exit:
-    the cut's bisections stop once their interval holds no candidate (DRAW_EARLY_EXIT unless given).
+    temperature/top_p/top_k/seeds/takes/frames are [R] tensors on the logits' device.
     """
     rows, m = logits.shape
     if not use_triton(logits) or m > FUSED_DRAW_MAX_CANDIDATES:
@@ -416,8 +413,7 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
         top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT if early_exit is None else early_exit,
-        num_warps=_draw_warps(m), **_pdl_args())
+        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
     return out
 
 
@@ -450,6 +446,7 @@ class FusedFrameDraws(FrameDraws):
         self.seeds, self.takes, self.frames = (t.contiguous() for t in (seeds, takes, frames))
         self.defaults = defaults                 # config.SamplingDefaults: the RAS parameters
         self.drawn: tuple[Tensor, Tensor, Tensor] | None = None   # the semantic draw's parameters
+        self.kernel_parts: dict = {}     # EXPERIMENT: RAS_SWITCH / PENALTY / ADVANCE off (bench/draws.py)
 
     @staticmethod
     def fits(num_candidates: int) -> bool:
@@ -470,8 +467,8 @@ class FusedFrameDraws(FrameDraws):
             _float32(defaults.ras_temperature), _float32(defaults.ras_top_p), defaults.ras_top_k,
             self.seeds, self.takes, self.frames, codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
             *self.drawn, BM=max(16, _next_pow2(m)), W=window, BW=_next_pow2(window),
-            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT,
-            num_warps=_draw_warps(m), **_pdl_args())
+            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m),
+            **self.kernel_parts, **_pdl_args())
         return stopped
 
     def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
@@ -481,8 +478,7 @@ class FusedFrameDraws(FrameDraws):
         _residual_draw_kernel[(rows,)](
             logits, logits.stride(0), m, column, *self.drawn, self.seeds, self.takes, self.frames,
             codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
-            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, EARLY_EXIT=DRAW_EARLY_EXIT,
-            num_warps=_draw_warps(m), **_pdl_args())
+            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
 
 
 def _float32(value: float) -> float:
@@ -511,7 +507,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _draw_row(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
-                  PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False):
+                  PRECISE_LOG: tl.constexpr):
         """One row's draw (§6.1) -> the drawn index: x float32 [BM] its logits (-inf past M), its
         M <= BM candidates held in one program's registers.
 
@@ -557,20 +553,10 @@ if HAS_TRITON:
             hi = key_max + 1               # S(key_max + 1) = 0 <= top_p
             while lo < hi:
                 mid = lo + (hi - lo) // 2
-                above_mid = tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0)
-                if EARLY_EXIT:   # how many keys each half holds (low half | high half << 16)
-                    halves = tl.sum(tl.where((key >= lo) & (key < mid), 1, 0)
-                                    + tl.where((key > mid) & (key < hi), 65536, 0), axis=0)
-                if above_mid <= top_p:
+                if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
                     hi = mid
-                    if EARLY_EXIT:
-                        if (halves & 65535) == 0:   # no key in [lo, mid): S(lo) = S(mid), lo is the answer
-                            hi = lo
                 else:
                     lo = mid + 1
-                    if EARLY_EXIT:
-                        if (halves >> 16) == 0:     # no key in (mid, hi): S(mid + 1) = S(hi)
-                            hi = lo
             v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
             c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
             v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
@@ -592,22 +578,10 @@ if HAS_TRITON:
             hi = key_max
             while lo < hi:
                 mid = hi - (hi - lo) // 2
-                if EARLY_EXIT:   # count(key >= mid) | keys in (lo, mid) << 20 | keys in (mid, hi] << 40
-                    counts = tl.sum((key >= mid).to(tl.int64) + tl.where((key > lo) & (key < mid), 1 << 20, 0)
-                                    + tl.where((key > mid) & (key <= hi), 1 << 40, 0), axis=0)
-                    at_least = counts & 1048575
-                else:
-                    at_least = tl.sum((key >= mid).to(tl.int32), axis=0)
-                if at_least >= ranks:
+                if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
                     lo = mid
-                    if EARLY_EXIT:
-                        if (counts >> 40) == 0:     # no key in (mid, hi]: mid is the answer
-                            hi = lo
                 else:
                     hi = mid - 1
-                    if EARLY_EXIT:
-                        if ((counts >> 20) & 1048575) == 0:   # no key in (lo, mid): lo is the answer
-                            hi = lo
             cut = lo
         # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
         tie = key == cut
@@ -636,7 +610,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
                      frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr,
-                     EARLY_EXIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
         """kernels.draw: one program per row, its draw into out[row]."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
@@ -645,7 +619,7 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
                           tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG, EARLY_EXIT)
+                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
         tl.store(out_ptr + row, drawn)
 
     @triton.jit
@@ -660,7 +634,8 @@ if HAS_TRITON:
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
                               stopped_ptr, drawn_temperature_ptr, drawn_top_p_ptr, drawn_top_k_ptr,
                               BM: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, RECENT: tl.constexpr,
-                              PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                              PRECISE_LOG: tl.constexpr, RAS_SWITCH: tl.constexpr = True,
+                              PENALTY: tl.constexpr = True, ADVANCE: tl.constexpr = True, PDL: tl.constexpr = False):
         """FrameDraws.semantic for one row: everything the engine's torch sampler does around
         draw 0 (sampling.ras_active, the RAS parameters, apply_repetition_penalty, the draw, EOS,
         the code write, the RAS window's advance), in one program.
@@ -675,50 +650,57 @@ if HAS_TRITON:
         window = tl.arange(0, BW)
         in_window = window < W
         history_row = history_ptr + tl.load(slot_ptr + row) * W
-        history = tl.load(history_row + window, mask=in_window, other=-1)
-        shifted = tl.load(history_row + window + 1, mask=window + 1 < W, other=-1)
 
-        # §6.2's RAS switch: two or more codes so far, and a repeat among the last RECENT
-        recent = in_window & (window >= W - RECENT) & (history >= 0)
-        repeats = tl.zeros([], tl.int32)
-        for a in tl.static_range(RECENT):
-            code_a = tl.load(history_row + W - RECENT + a)
-            same = recent & (history == code_a) & (window != W - RECENT + a) & (code_a >= 0)
-            repeats += tl.sum(same.to(tl.int32), axis=0)
-        ras = (repeats > 0) & (tl.sum((history >= 0).to(tl.int32), axis=0) >= 2)
-        temperature = tl.where(ras, ras_temperature, tl.load(temperature_ptr + row))
-        top_p = tl.where(ras, ras_top_p, tl.load(top_p_ptr + row))
-        top_k = tl.where(ras, ras_top_k, tl.load(top_k_ptr + row))
+        temperature = tl.load(temperature_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        top_k = tl.load(top_k_ptr + row)
+        if RAS_SWITCH:
+            # §6.2's RAS switch: two or more codes so far, and a repeat among the last RECENT
+            history = tl.load(history_row + window, mask=in_window, other=-1)
+            recent = in_window & (window >= W - RECENT) & (history >= 0)
+            repeats = tl.zeros([], tl.int32)
+            for a in tl.static_range(RECENT):
+                code_a = tl.load(history_row + W - RECENT + a)
+                same = recent & (history == code_a) & (window != W - RECENT + a) & (code_a >= 0)
+                repeats += tl.sum(same.to(tl.int32), axis=0)
+            ras = (repeats > 0) & (tl.sum((history >= 0).to(tl.int32), axis=0) >= 2)
+            temperature = tl.where(ras, ras_temperature, temperature)
+            top_p = tl.where(ras, ras_top_p, top_p)
+            top_k = tl.where(ras, ras_top_k, top_k)
 
-        # the repetition penalty on the semantic codes of the window (never on EOS)
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-        seen = i < 0
-        for w in tl.static_range(BW):
-            if w < W:
-                seen = seen | (i == tl.load(history_row + w))
-        penalty = tl.load(penalty_ptr + row)
-        penalised = tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty)
-        x = tl.where(seen & (i < eos), penalised, x)
+        if PENALTY:
+            # the repetition penalty on the semantic codes of the window (never on EOS)
+            seen = i < 0
+            for w in tl.static_range(BW):
+                if w < W:
+                    seen = seen | (i == tl.load(history_row + w))
+            penalty = tl.load(penalty_ptr + row)
+            penalised = tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty)
+            x = tl.where(seen & (i < eos), penalised, x)
 
         drawn = _draw_row(x, i, ok, M, temperature, top_p, top_k, tl.load(seed_ptr + row),
-                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG, EARLY_EXIT)
+                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG)
         stopped = drawn == eos
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, 0, drawn, stopped)
         tl.store(stopped_ptr + row, stopped.to(tl.uint8))
         tl.store(drawn_temperature_ptr + row, temperature)
         tl.store(drawn_top_p_ptr + row, top_p)
         tl.store(drawn_top_k_ptr + row, top_k.to(tl.int64))
-        # the window advances by the semantic code unless EOS: every load above is used before
-        # the barrier, so no thread overwrites an entry another has yet to read
-        advanced = tl.where(stopped, history, tl.where(window + 1 < W, shifted, drawn))
-        tl.debug_barrier()
-        tl.store(history_row + window, advanced, mask=in_window)
+        if ADVANCE:
+            # the window advances by the semantic code unless EOS (read again here: nothing of it
+            # stays live across the draw); every load is used before the barrier, so no thread
+            # overwrites an entry another has yet to read
+            history = tl.load(history_row + window, mask=in_window, other=-1)
+            shifted = tl.load(history_row + window + 1, mask=window + 1 < W, other=-1)
+            advanced = tl.where(stopped, history, tl.where(window + 1 < W, shifted, drawn))
+            tl.debug_barrier()
+            tl.store(history_row + window, advanced, mask=in_window)
 
     @triton.jit(do_not_specialize=["column"])
     def _residual_draw_kernel(logits_ptr, stride_row, M, column, temperature_ptr, top_p_ptr, top_k_ptr,
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
-                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, EARLY_EXIT: tl.constexpr = False,
-                              PDL: tl.constexpr = False):
+                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
         """FrameDraws.residual for one row: draw `column` (codebook `column`) with the parameters
         the semantic draw chose, its code written into codes (-1 for a stopped row)."""
         pdl_prologue(PDL)
@@ -728,6 +710,6 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
                           tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), column, PRECISE_LOG, EARLY_EXIT)
+                          tl.load(frame_ptr + row), column, PRECISE_LOG)
         stopped = tl.load(stopped_ptr + row) != 0
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped)
