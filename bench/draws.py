@@ -9,8 +9,8 @@ Two parts, each captured as a CUDA graph of `--repeat` copies and timed by repla
 - `draw`: one kernels.draw launch over M candidates (4097: the semantic draw; 1024: a residual
   one) with the sampling settings that decide its work: greedy, top_p 1 (no cut), the API's
   default top_p 0.9, and RAS's top_p 0.95 + top_k 30 (two cuts).
-- `semantic`: FusedFrameDraws.semantic alone at the API's defaults, its kernel whole and with
-  parts left out (EXPERIMENT: what the bookkeeping costs inside the draw).
+- `semantic`: FusedFrameDraws.semantic alone at the API's defaults (the draw with its
+  bookkeeping; against `draw` at 4097 and top_p 0.9, what the bookkeeping costs inside it).
 - `frame`: the ten draws of a frame step with their bookkeeping (RAS switch, repetition
   penalty, EOS, code writes, RAS windows), the torch path (engine.torch_sampler + FrameDraws +
   advance_ras_windows) against kernels.FusedFrameDraws, at the API's defaults, half the rows on RAS.
@@ -74,7 +74,7 @@ def draw_cases(rows: int, repeat: int) -> list[dict]:
 
 
 def semantic_cases(rows: int, repeat: int) -> list[dict]:
-    """FusedFrameDraws.semantic alone, with parts of its kernel left out (EXPERIMENT)."""
+    """FusedFrameDraws.semantic alone (RAS switch, penalty, draw, EOS, writes, window advance)."""
     from services.common.config import DramaConfig
     from services.tower.engine import fused_frame_draws
     from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
@@ -93,17 +93,11 @@ def semantic_cases(rows: int, repeat: int) -> list[dict]:
     logits = (torch.randn(rows, semantic + 1, device="cuda", generator=g) * 3).bfloat16()
     codes = torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64, device="cuda")
     draw_rows = torch.arange(rows, device="cuda")
-    out = []
-    for name, parts in [("all", {}), ("no RAS", dict(RAS_SWITCH=False)), ("no penalty", dict(PENALTY=False)),
-                        ("no advance", dict(ADVANCE=False)),
-                        ("none", dict(RAS_SWITCH=False, PENALTY=False, ADVANCE=False))]:
-        def fn(parts=parts):
-            draws = fused_frame_draws(cfg, pool, ints, floats)
-            draws.kernel_parts = parts
-            draws.semantic(logits, codes, draw_rows)
-        out.append(dict(part="semantic", rows=rows, m=semantic + 1, setting=name,
-                        us=do_bench(graphed(fn, repeat)) * 1000 / repeat))
-    return out
+    def fn():
+        fused_frame_draws(cfg, pool, ints, floats).semantic(logits, codes, draw_rows)
+
+    return [dict(part="semantic", rows=rows, m=semantic + 1, setting="defaults",
+                 us=do_bench(graphed(fn, repeat)) * 1000 / repeat)]
 
 
 def frame_cases(rows: int, repeat: int) -> list[dict]:
@@ -160,25 +154,38 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cases", nargs="+", choices=["draw", "semantic", "frame"],
                         default=["draw", "semantic", "frame"])
     parser.add_argument("--repeat", type=int, default=20, help="copies per graph")
+    parser.add_argument("--warps", type=int, nargs="+", metavar="W",
+                        help="the draws over 4096+ candidates with W warps (kernels._draw_warps: 8), each in turn")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/draws.py needs CUDA")
+    from services.tower import kernels
+
     rows_out = []
-    for rows in args.rows:
-        if "draw" in args.cases:
-            rows_out += draw_cases(rows, args.repeat)
-        if "semantic" in args.cases:
-            rows_out += semantic_cases(rows, args.repeat)
-        if "frame" in args.cases:
-            rows_out += frame_cases(rows, args.repeat)
-    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'µs':>8} {'µs, fused':>10}")
+    default_warps = kernels._draw_warps
+    for warps in args.warps or [None]:
+        if warps is not None:
+            kernels._draw_warps = lambda m, w=warps: w if kernels._next_pow2(m) >= 4096 else default_warps(m)
+        first = len(rows_out)
+        for rows in args.rows:
+            if "draw" in args.cases:
+                rows_out += draw_cases(rows, args.repeat)
+            if "semantic" in args.cases:
+                rows_out += semantic_cases(rows, args.repeat)
+            if "frame" in args.cases:
+                rows_out += frame_cases(rows, args.repeat)
+        for r in rows_out[first:]:
+            r["warps_4097"] = warps or default_warps(4097)
+        kernels._draw_warps = default_warps
+    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'warps':>5} {'µs':>8} {'µs, fused':>10}")
     for r in rows_out:
         if r["part"] == "frame":
-            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['torch']:8.1f} {r['fused']:10.1f}"
+            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps_4097']:5d} {r['torch']:8.1f} "
+                  f"{r['fused']:10.1f}"
                   f"  torch | fused")
         else:
-            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['us']:8.1f}")
+            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps_4097']:5d} {r['us']:8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2))
     return rows_out

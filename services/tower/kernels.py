@@ -446,7 +446,6 @@ class FusedFrameDraws(FrameDraws):
         self.seeds, self.takes, self.frames = (t.contiguous() for t in (seeds, takes, frames))
         self.defaults = defaults                 # config.SamplingDefaults: the RAS parameters
         self.drawn: tuple[Tensor, Tensor, Tensor] | None = None   # the semantic draw's parameters
-        self.kernel_parts: dict = {}     # EXPERIMENT: RAS_SWITCH / PENALTY / ADVANCE off (bench/draws.py)
 
     @staticmethod
     def fits(num_candidates: int) -> bool:
@@ -468,7 +467,7 @@ class FusedFrameDraws(FrameDraws):
             self.seeds, self.takes, self.frames, codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
             *self.drawn, BM=max(16, _next_pow2(m)), W=window, BW=_next_pow2(window),
             RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m),
-            **self.kernel_parts, **_pdl_args())
+            **_pdl_args())
         return stopped
 
     def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
@@ -634,8 +633,7 @@ if HAS_TRITON:
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
                               stopped_ptr, drawn_temperature_ptr, drawn_top_p_ptr, drawn_top_k_ptr,
                               BM: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, RECENT: tl.constexpr,
-                              PRECISE_LOG: tl.constexpr, RAS_SWITCH: tl.constexpr = True,
-                              PENALTY: tl.constexpr = True, ADVANCE: tl.constexpr = True, PDL: tl.constexpr = False):
+                              PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
         """FrameDraws.semantic for one row: everything the engine's torch sampler does around
         draw 0 (sampling.ras_active, the RAS parameters, apply_repetition_penalty, the draw, EOS,
         the code write, the RAS window's advance), in one program.
@@ -654,30 +652,28 @@ if HAS_TRITON:
         temperature = tl.load(temperature_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         top_k = tl.load(top_k_ptr + row)
-        if RAS_SWITCH:
-            # §6.2's RAS switch: two or more codes so far, and a repeat among the last RECENT
-            history = tl.load(history_row + window, mask=in_window, other=-1)
-            recent = in_window & (window >= W - RECENT) & (history >= 0)
-            repeats = tl.zeros([], tl.int32)
-            for a in tl.static_range(RECENT):
-                code_a = tl.load(history_row + W - RECENT + a)
-                same = recent & (history == code_a) & (window != W - RECENT + a) & (code_a >= 0)
-                repeats += tl.sum(same.to(tl.int32), axis=0)
-            ras = (repeats > 0) & (tl.sum((history >= 0).to(tl.int32), axis=0) >= 2)
-            temperature = tl.where(ras, ras_temperature, temperature)
-            top_p = tl.where(ras, ras_top_p, top_p)
-            top_k = tl.where(ras, ras_top_k, top_k)
+        # §6.2's RAS switch: two or more codes so far, and a repeat among the last RECENT
+        history = tl.load(history_row + window, mask=in_window, other=-1)
+        recent = in_window & (window >= W - RECENT) & (history >= 0)
+        repeats = tl.zeros([], tl.int32)
+        for a in tl.static_range(RECENT):
+            code_a = tl.load(history_row + W - RECENT + a)
+            same = recent & (history == code_a) & (window != W - RECENT + a) & (code_a >= 0)
+            repeats += tl.sum(same.to(tl.int32), axis=0)
+        ras = (repeats > 0) & (tl.sum((history >= 0).to(tl.int32), axis=0) >= 2)
+        temperature = tl.where(ras, ras_temperature, temperature)
+        top_p = tl.where(ras, ras_top_p, top_p)
+        top_k = tl.where(ras, ras_top_k, top_k)
 
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-        if PENALTY:
-            # the repetition penalty on the semantic codes of the window (never on EOS)
-            seen = i < 0
-            for w in tl.static_range(BW):
-                if w < W:
-                    seen = seen | (i == tl.load(history_row + w))
-            penalty = tl.load(penalty_ptr + row)
-            penalised = tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty)
-            x = tl.where(seen & (i < eos), penalised, x)
+        # the repetition penalty on the semantic codes of the window (never on EOS)
+        seen = i < 0
+        for w in tl.static_range(BW):
+            if w < W:
+                seen = seen | (i == tl.load(history_row + w))
+        penalty = tl.load(penalty_ptr + row)
+        penalised = tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty)
+        x = tl.where(seen & (i < eos), penalised, x)
 
         drawn = _draw_row(x, i, ok, M, temperature, top_p, top_k, tl.load(seed_ptr + row),
                           tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG)
@@ -687,15 +683,14 @@ if HAS_TRITON:
         tl.store(drawn_temperature_ptr + row, temperature)
         tl.store(drawn_top_p_ptr + row, top_p)
         tl.store(drawn_top_k_ptr + row, top_k.to(tl.int64))
-        if ADVANCE:
-            # the window advances by the semantic code unless EOS (read again here: nothing of it
-            # stays live across the draw); every load is used before the barrier, so no thread
-            # overwrites an entry another has yet to read
-            history = tl.load(history_row + window, mask=in_window, other=-1)
-            shifted = tl.load(history_row + window + 1, mask=window + 1 < W, other=-1)
-            advanced = tl.where(stopped, history, tl.where(window + 1 < W, shifted, drawn))
-            tl.debug_barrier()
-            tl.store(history_row + window, advanced, mask=in_window)
+        # the window advances by the semantic code unless EOS (read again here: nothing of it
+        # stays live across the draw); every load is used before the barrier, so no thread
+        # overwrites an entry another has yet to read
+        history = tl.load(history_row + window, mask=in_window, other=-1)
+        shifted = tl.load(history_row + window + 1, mask=window + 1 < W, other=-1)
+        advanced = tl.where(stopped, history, tl.where(window + 1 < W, shifted, drawn))
+        tl.debug_barrier()
+        tl.store(history_row + window, advanced, mask=in_window)
 
     @triton.jit(do_not_specialize=["column"])
     def _residual_draw_kernel(logits_ptr, stride_row, M, column, temperature_ptr, top_p_ptr, top_k_ptr,
