@@ -26,6 +26,13 @@ int64 kernels. So:
         boundary (a cumulative sum at top_p, two race scores), which a float64 analysis flags
         (tests/test_tower_kernels_draw.py). On the CPU: `sampling.draw` itself.
 
+    FusedFrameDraws(history, slots=, temperature=, ..., defaults=, eos=)
+        a frame step's ten draws as model.FrameDraws, each draw one launch that also does its
+        bookkeeping (the RAS switch, the repetition penalty, EOS, the code writes, the RAS
+        window's advance), where the torch path around `draw` took ~85 small launches per step.
+        Reference: engine.torch_sampler + model.FrameDraws + engine.advance_ras_windows, the
+        same codes bit for bit (tests/test_tower_frame_draws.py).
+
     rms_norm_plus(x [T, D], w, eps), norm_rope(x [T, heads, d], w, eps, cos, sin)
         RMSNorm+ in one kernel instead of ~8, and the attention's q/k norm + partial NeoX RoPE
         in one instead of ~20. References: model.rms_norm_plus, model.apply_rotary.
