@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from importlib import resources
 
 import pytest
 import torch
 
 from services.common.config import DramaConfig
-from services.tower import kernels, sampling
+from services.tower import sampling
 from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
 from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
 from services.tower.model import FrameDraws
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-runnable = pytest.mark.skipif(not kernels.HAS_TRITON or not (torch.cuda.is_available() or INTERPRET),
-                              reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+from tests.test_tower_kernels_draw import DEVICE, runnable
 
 
 def _preset(name: str) -> DramaConfig:

@@ -624,13 +624,20 @@ if HAS_TRITON:
         """kernels.draw: one program per row, its draw into out[row]."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
+        drawn = _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr,
+                             take_ptr, frame_ptr, draw_index, BM, PRECISE_LOG)
+        tl.store(out_ptr + row, drawn)
+
+    @triton.jit
+    def _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
+                     frame_ptr, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr):
+        """_draw_row of row `row`: its logits and parameters loaded from [R] arrays."""
         i = tl.arange(0, BM)
         ok = i < M
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-        drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
-                          tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
-        tl.store(out_ptr + row, drawn)
+        return _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
+                         tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
+                         tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
 
     @triton.jit
     def _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped):
@@ -711,11 +718,7 @@ if HAS_TRITON:
         the semantic draw chose, its code written into codes (-1 for a stopped row)."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
-        i = tl.arange(0, BM)
-        ok = i < M
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-        drawn = _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
-                          tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                          tl.load(frame_ptr + row), column, PRECISE_LOG)
+        drawn = _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr,
+                             take_ptr, frame_ptr, column, BM, PRECISE_LOG)
         stopped = tl.load(stopped_ptr + row) != 0
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped)
