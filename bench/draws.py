@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,10 +75,11 @@ def draw_cases(rows: int, repeat: int) -> list[dict]:
 def semantic_cases(rows: int, repeat: int) -> list[dict]:
     """FusedFrameDraws.semantic alone (RAS switch, penalty, draw, EOS, writes, window advance)."""
     from services.common.config import DramaConfig
+    from services.common.make_checkpoint import preset_raw
     from services.tower.engine import fused_frame_draws
     from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
 
-    cfg = DramaConfig.from_dict(json.loads(resources.files("services.common").joinpath("presets/full.json").read_text()))
+    cfg = DramaConfig.from_dict(preset_raw("full"))
     g = torch.Generator(device="cuda").manual_seed(rows)
     semantic = cfg.semantic_codebook_size
     pool = torch.randint(0, semantic, (rows, cfg.sampling.ras_window), device="cuda", generator=g)
@@ -102,11 +102,12 @@ def semantic_cases(rows: int, repeat: int) -> list[dict]:
 
 def frame_cases(rows: int, repeat: int) -> list[dict]:
     from services.common.config import DramaConfig
+    from services.common.make_checkpoint import preset_raw
     from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
     from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
     from services.tower.model import FrameDraws
 
-    cfg = DramaConfig.from_dict(json.loads(resources.files("services.common").joinpath("presets/full.json").read_text()))
+    cfg = DramaConfig.from_dict(preset_raw("full"))
     g = torch.Generator(device="cuda").manual_seed(rows)
     n, semantic = cfg.num_codebooks, cfg.semantic_codebook_size
     window = cfg.sampling.ras_window
@@ -154,8 +155,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cases", nargs="+", choices=["draw", "semantic", "frame"],
                         default=["draw", "semantic", "frame"])
     parser.add_argument("--repeat", type=int, default=20, help="copies per graph")
-    parser.add_argument("--warps", type=int, nargs="+", metavar="W",
-                        help="the draws over 4096+ candidates with W warps (kernels._draw_warps: 8), each in turn")
+    parser.add_argument("--warps", nargs="+", metavar="S[,R]",
+                        help="the draws over 4096+ candidates with S warps and the smaller ones with R "
+                        "(kernels._draw_warps: 16 and 4), each entry in turn, e.g. 16 16,8 8,2")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,9 +166,10 @@ def main(argv=None) -> list[dict]:
 
     rows_out = []
     default_warps = kernels._draw_warps
-    for warps in args.warps or [None]:
-        if warps is not None:
-            kernels._draw_warps = lambda m, w=warps: w if kernels._next_pow2(m) >= 4096 else default_warps(m)
+    for entry in args.warps or [None]:
+        if entry is not None:
+            big, small = (int(w) for w in (entry.split(",") + [str(default_warps(1024))])[:2])
+            kernels._draw_warps = lambda m, big=big, small=small: big if kernels._next_pow2(m) >= 4096 else small
         first = len(rows_out)
         for rows in args.rows:
             if "draw" in args.cases:
@@ -176,16 +179,16 @@ def main(argv=None) -> list[dict]:
             if "frame" in args.cases:
                 rows_out += frame_cases(rows, args.repeat)
         for r in rows_out[first:]:
-            r["warps_4097"] = warps or default_warps(4097)
+            r["warps"] = f"{kernels._draw_warps(4097)},{kernels._draw_warps(1024)}"
         kernels._draw_warps = default_warps
-    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'warps':>5} {'µs':>8} {'µs, fused':>10}")
+    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'warps':>6} {'µs':>8} {'µs, fused':>10}")
     for r in rows_out:
         if r["part"] == "frame":
-            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps_4097']:5d} {r['torch']:8.1f} "
+            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['torch']:8.1f} "
                   f"{r['fused']:10.1f}"
                   f"  torch | fused")
         else:
-            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps_4097']:5d} {r['us']:8.1f}")
+            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['us']:8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2))
     return rows_out
