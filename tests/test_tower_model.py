@@ -153,6 +153,9 @@ def test_bench_smoke_on_cpu():
     assert [(r["mode"], r["batch"]) for r in results] == [("eager", 1), ("eager", 3), ("eager+dg", 1), ("eager+dg", 3)]
     assert all(r["median_ms"] > 0 for r in results)
     assert model.TOWER_DECODE_GEMM == switch                   # the bench leaves the switch as it was
+    results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "--context", "5", "--steps", "1",
+                          "--warmup", "1", "--decode-gemm", "on", "--fused-draws", "off", "on"])
+    assert [r["mode"] for r in results] == ["eager+dg-fd", "eager+dg+fd"]
 
 
 # ------------------------------------------------------------------------------------------
