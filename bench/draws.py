@@ -72,47 +72,20 @@ def draw_cases(rows: int, repeat: int) -> list[dict]:
     return out
 
 
-def semantic_cases(rows: int, repeat: int) -> list[dict]:
-    """FusedFrameDraws.semantic alone (RAS switch, penalty, draw, EOS, writes, window advance)."""
+def frame_inputs(rows: int, ras_rows: bool) -> dict:
+    """A frame step's draw inputs at the full preset and the API's defaults (penalty 1.1): RAS
+    windows of random codes (`ras_rows`: every other row's last two codes equal, so it is on
+    RAS), the staged ints / floats, the heads' bf16 logits, empty codes, every row drawing."""
     from services.common.config import DramaConfig
     from services.common.make_checkpoint import preset_raw
-    from services.tower.engine import fused_frame_draws
     from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
-
-    cfg = DramaConfig.from_dict(preset_raw("full"))
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    semantic = cfg.semantic_codebook_size
-    pool = torch.randint(0, semantic, (rows, cfg.sampling.ras_window), device="cuda", generator=g)
-    ints = torch.zeros(len(INT_FIELDS), rows, dtype=torch.int64, device="cuda")
-    floats = torch.zeros(len(FLOAT_FIELDS), rows, device="cuda")
-    ints[INT_FIELDS.index("slot")] = torch.arange(rows, device="cuda")
-    ints[INT_FIELDS.index("seed")] = torch.randint(0, 2 ** 62, (rows,), device="cuda", generator=g)
-    floats[FLOAT_FIELDS.index("temperature")] = cfg.sampling.temperature
-    floats[FLOAT_FIELDS.index("top_p")] = cfg.sampling.top_p
-    floats[FLOAT_FIELDS.index("penalty")] = 1.1
-    logits = (torch.randn(rows, semantic + 1, device="cuda", generator=g) * 3).bfloat16()
-    codes = torch.full((rows, cfg.num_codebooks), -1, dtype=torch.int64, device="cuda")
-    draw_rows = torch.arange(rows, device="cuda")
-    def fn():
-        fused_frame_draws(cfg, pool, ints, floats).semantic(logits, codes, draw_rows)
-
-    return [dict(part="semantic", rows=rows, m=semantic + 1, setting="defaults",
-                 us=do_bench(graphed(fn, repeat)) * 1000 / repeat)]
-
-
-def frame_cases(rows: int, repeat: int) -> list[dict]:
-    from services.common.config import DramaConfig
-    from services.common.make_checkpoint import preset_raw
-    from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
-    from services.tower.graphs import FLOAT_FIELDS, INT_FIELDS
-    from services.tower.model import FrameDraws
 
     cfg = DramaConfig.from_dict(preset_raw("full"))
     g = torch.Generator(device="cuda").manual_seed(rows)
     n, semantic = cfg.num_codebooks, cfg.semantic_codebook_size
-    window = cfg.sampling.ras_window
-    pool = torch.randint(0, semantic, (rows, window), device="cuda", generator=g)
-    pool[::2, -1] = pool[::2, -2]                          # half the rows on RAS
+    pool = torch.randint(0, semantic, (rows, cfg.sampling.ras_window), device="cuda", generator=g)
+    if ras_rows:
+        pool[::2, -1] = pool[::2, -2]
     ints = torch.zeros(len(INT_FIELDS), rows, dtype=torch.int64, device="cuda")
     floats = torch.zeros(len(FLOAT_FIELDS), rows, device="cuda")
     ints[INT_FIELDS.index("slot")] = torch.arange(rows, device="cuda")
@@ -124,26 +97,51 @@ def frame_cases(rows: int, repeat: int) -> list[dict]:
     logits = [(torch.randn(rows, semantic + 1, device="cuda", generator=g) * 3).bfloat16()]
     logits += [(torch.randn(rows, cfg.residual_codebook_size, device="cuda", generator=g) * 3).bfloat16()
                for _ in range(n - 1)]
-    targets = torch.full((rows, n), -1, dtype=torch.int64, device="cuda")
-    draw_rows = torch.arange(rows, device="cuda")
-    result = {}
+    return dict(cfg=cfg, pool=pool, ints=ints, floats=floats, logits=logits,
+                codes=torch.full((rows, n), -1, dtype=torch.int64, device="cuda"),
+                draw_rows=torch.arange(rows, device="cuda"))
+
+
+def semantic_cases(rows: int, repeat: int) -> list[dict]:
+    """FusedFrameDraws.semantic alone (RAS switch, penalty, draw, EOS, writes, window advance)."""
+    from services.tower.engine import fused_frame_draws
+
+    f = frame_inputs(rows, ras_rows=False)
+
+    def fn():
+        fused_frame_draws(f["cfg"], f["pool"], f["ints"], f["floats"]).semantic(f["logits"][0], f["codes"],
+                                                                                f["draw_rows"])
+
+    return [dict(part="semantic", rows=rows, m=f["cfg"].semantic_codebook_size + 1, setting="defaults",
+                 us=do_bench(graphed(fn, repeat)) * 1000 / repeat)]
+
+
+def frame_cases(rows: int, repeat: int) -> list[dict]:
+    """The ten draws of a frame step, the torch bookkeeping against FusedFrameDraws."""
+    from services.tower.engine import advance_ras_windows, fused_frame_draws, torch_sampler
+    from services.tower.graphs import INT_FIELDS
+    from services.tower.model import FrameDraws
+
+    f = frame_inputs(rows, ras_rows=True)
+    cfg, pool, ints, floats, logits = f["cfg"], f["pool"], f["ints"], f["floats"], f["logits"]
+    slots = ints[INT_FIELDS.index("slot")]
 
     def frame(fused: bool):
-        codes = targets.clone()
+        codes = f["codes"].clone()
         if fused:
             draws = fused_frame_draws(cfg, pool, ints, floats)
         else:
-            history = pool[ints[INT_FIELDS.index("slot")]]
-            draws = FrameDraws(torch_sampler(cfg, history, ints, floats), semantic)
+            history = pool[slots]
+            draws = FrameDraws(torch_sampler(cfg, history, ints, floats), cfg.semantic_codebook_size)
         cast = (lambda x: x.float()) if draws.float32_logits else (lambda x: x)
-        stopped = draws.semantic(cast(logits[0]), codes, draw_rows)
-        for column in range(1, n):
-            draws.residual(column, cast(logits[column]), codes, draw_rows, stopped)
+        stopped = draws.semantic(cast(logits[0]), codes, f["draw_rows"])
+        for column in range(1, cfg.num_codebooks):
+            draws.residual(column, cast(logits[column]), codes, f["draw_rows"], stopped)
         if not fused:
-            advance_ras_windows(pool, ints[INT_FIELDS.index("slot")], history, codes[:, 0], stopped)
-        result[fused] = codes
+            advance_ras_windows(pool, slots, history, codes[:, 0], stopped)
 
-    row = dict(part="frame", rows=rows, m=f"{semantic + 1}+{n - 1}x{cfg.residual_codebook_size}", setting="defaults")
+    row = dict(part="frame", rows=rows, setting="defaults",
+               m=f"{cfg.semantic_codebook_size + 1}+{cfg.num_codebooks - 1}x{cfg.residual_codebook_size}")
     for fused in (False, True):
         row["fused" if fused else "torch"] = do_bench(graphed(lambda fused=fused: frame(fused), repeat)) * 1000 / repeat
     return [row]

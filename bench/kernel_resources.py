@@ -75,9 +75,9 @@ def cases() -> dict:
     frame_ptrs = dict(codes_ptr=_ptr("i64"), draw_rows_ptr=_ptr("i64"), stopped_ptr=_ptr("u8"))
 
     def draw(kernel, m, ptrs, **constexprs):     # the tower's draws at the full preset's M (4097, 1024)
-        block = tower._next_pow2(m)
+        launch = tower._draw_launch(m)
         return (kernel, dict(logits_ptr=_ptr("bf16"), **draw_ptrs, **ptrs),
-                dict(BM=block, PRECISE_LOG=True, PDL=True, **constexprs), tower._draw_warps(m), 3, set())
+                dict(BM=launch["BM"], PRECISE_LOG=True, PDL=True, **constexprs), launch["num_warps"], 3, set())
 
     return {
         "semantic_draw": draw(tower._semantic_draw_kernel, 4097,

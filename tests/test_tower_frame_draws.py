@@ -134,7 +134,7 @@ def test_fused_frame_draws_equal_the_torch_bookkeeping(preset):
 
 
 @runnable
-def test_penalty_and_ras_reach_the_fused_draw():
+def test_the_fused_semantic_draw_penalises_and_advances_its_window():
     """The fused semantic draw reads its row's window: with every other candidate far below, a
     greedy draw takes the window's code unless the penalty pushes it under the runner-up."""
     cfg = _preset("tiny")

@@ -34,6 +34,7 @@ on the fast path, which is test-only there).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -506,10 +507,7 @@ def torch_sampler(cfg: DramaConfig, history: Tensor, ints: Tensor, floats: Tenso
     the RAS switch and the repetition penalty (§6.2), noise keys. history int64 [R, W]: the draw
     rows' RAS windows; ints / floats as TowerEngine._draw_step's."""
     defaults = cfg.sampling
-
-    def field(name):
-        return _field(ints, floats, name)
-
+    field = functools.partial(_field, ints, floats)
     ras = sampling.ras_active(history, recent=defaults.ras_recent)
     temperature = torch.where(ras, defaults.ras_temperature, field("temperature"))
     top_p = torch.where(ras, defaults.ras_top_p, field("top_p"))
@@ -537,9 +535,7 @@ def advance_ras_windows(pool: Tensor, slots: Tensor, history: Tensor, semantic: 
 def fused_frame_draws(cfg: DramaConfig, pool: Tensor, ints: Tensor, floats: Tensor) -> "kernels.FusedFrameDraws":
     """torch_sampler and advance_ras_windows as kernels.FusedFrameDraws (one launch per draw)
     over the RAS windows `pool` [S, W]; ints / floats as TowerEngine._draw_step's."""
-    def field(name):
-        return _field(ints, floats, name)
-
+    field = functools.partial(_field, ints, floats)
     return kernels.FusedFrameDraws(
         pool, slots=field("slot"), temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"),
         penalty=field("penalty"), seeds=field("seed"), takes=field("take"), frames=field("frame"),

@@ -416,11 +416,9 @@ def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, s
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block = max(16, _next_pow2(m))
     _draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.to(torch.float32), top_p.to(torch.float32),
-        top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index,
-        BM=block, PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
+        top_k.to(torch.int64), seeds, takes, frames, out, m, draw_index, **_draw_launch(m), **_pdl_args())
     return out
 
 
@@ -472,9 +470,8 @@ class FusedFrameDraws(FrameDraws):
             self.temperature, self.top_p, self.top_k,
             _float32(defaults.ras_temperature), _float32(defaults.ras_top_p), defaults.ras_top_k,
             self.seeds, self.takes, self.frames, codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
-            *self.drawn, BM=max(16, _next_pow2(m)), W=window, BW=_next_pow2(window),
-            RECENT=min(defaults.ras_recent, window), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m),
-            **_pdl_args())
+            *self.drawn, W=window, BW=_next_pow2(window), RECENT=min(defaults.ras_recent, window),
+            **_draw_launch(m), **_pdl_args())
         return stopped
 
     def residual(self, column: int, logits: Tensor, codes: Tensor, draw_rows: Tensor, stopped: Tensor) -> None:
@@ -483,14 +480,19 @@ class FusedFrameDraws(FrameDraws):
             return
         _residual_draw_kernel[(rows,)](
             logits, logits.stride(0), m, column, *self.drawn, self.seeds, self.takes, self.frames,
-            codes, *codes.stride(), draw_rows, stopped.view(torch.uint8),
-            BM=max(16, _next_pow2(m)), PRECISE_LOG=not _INTERPRET, num_warps=_draw_warps(m), **_pdl_args())
+            codes, *codes.stride(), draw_rows, stopped.view(torch.uint8), **_draw_launch(m), **_pdl_args())
 
 
 def _float32(value: float) -> float:
     """`value` rounded to float32, as torch.where rounds a Python float beside a float32 tensor
     (a kernel's float argument may be wider: the interpreter keeps float64)."""
     return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _draw_launch(num_candidates: int) -> dict:
+    """The launch arguments every draw kernel takes for a row of this many candidates."""
+    return dict(BM=max(16, _next_pow2(num_candidates)), PRECISE_LOG=not _INTERPRET,
+                num_warps=_draw_warps(num_candidates))
 
 
 def _draw_warps(num_candidates: int) -> int:
