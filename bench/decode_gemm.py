@@ -52,6 +52,7 @@ SHAPES = [("gdn_in_proj", 12352, 2048, torch.bfloat16, False, 30),
           ("tower_down", 2048, 12288, torch.bfloat16, True, 13),
           ("tower_head", 1024, 2048, torch.bfloat16, False, 9)]
 POSITIONS = (0, 1, 15, 16, 31, 63, 64, 127)
+SKIP_SWEEP_INVARIANCE = False   # --no-inv: swept configs skip the invariance check (its compiles)
 
 
 def do_bench(fn) -> float:
@@ -129,7 +130,8 @@ def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list
     n, k = weights[0].shape
     dtype, calls = weights[0].dtype, len(weights)
     nbytes = n * k * weights[0].element_size()
-    inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles)
+    inv = ("skipped" if config is not None and SKIP_SWEEP_INVARIANCE
+           else invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles))
     out = []
     for m in rows:
         x = random_rows(m, k, torch.bfloat16, gen)
@@ -169,17 +171,22 @@ HEADER = (f"{'shape':<13} {'M':>4} {'triton us':>9} {'GB/s':>8} {'cublas us':>9}
           f"{'err':>8} {'inv':<14} config (tiles per program x row groups)")
 
 
-def sweep_configs(n: int, k: int, dtype) -> list[dict]:
-    """Candidate configs for one weight shape: each one fixed for every M (issue #8)."""
+def sweep_configs(n: int, k: int, dtype, stages=(3,), warps=(4,), bns=(32, 64, 128), bks=None) -> list[dict]:
+    """Candidate configs for one weight shape: each one fixed for every M (issue #8). stages,
+    warps, bns, bks: the pipeline depths, warp counts, column and reduction blocks to cross with
+    every SPLIT (bks None: 32, 64 for F32 weights, 64, 128 for bf16)."""
     f32 = dtype == torch.float32
     out = []
-    for bn in (32, 64, 128):
-        for bk in ((32, 64) if f32 else (64, 128)):
+    for bn in bns:
+        for bk in bks or ((32, 64) if f32 else (64, 128)):
             for split in (1, 2, 4, 8, 16, 32):
                 programs = -(-n // bn) * split
                 if k // split < bk or programs < 64 or programs > 1024:
                     continue
-                out.append(dict(BM=16 if f32 else 64, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=3))
+                for num_stages in stages:
+                    for num_warps in warps:
+                        out.append(dict(BM=16 if f32 else 64, BN=bn, BK=bk, SPLIT=split, num_warps=num_warps,
+                                        num_stages=num_stages))
     return out
 
 
@@ -210,6 +217,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=40, help="GEMMs per graph, on distinct weights (at most "
                         "the shape's count per decode step)")
     parser.add_argument("--sweep", action="store_true", help="also time other configs (M = 1 and 128)")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 128],
+                        help="row counts the sweep times (default 1 128)")
+    parser.add_argument("--sweep-stages", type=int, nargs="+", default=[3], help="pipeline depths to sweep")
+    parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4], help="warp counts to sweep")
+    parser.add_argument("--sweep-bn", type=int, nargs="+", default=[32, 64, 128], help="column blocks to sweep")
+    parser.add_argument("--sweep-bk", type=int, nargs="+", help="reduction blocks to sweep (default by dtype)")
+    parser.add_argument("--no-partitions", action="store_true", help="skip the sweep's row partitions")
+    parser.add_argument("--no-inv", action="store_true", help="swept configs skip the invariance check")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="compile the swept configs first in this many processes (Triton's disk cache)")
     parser.add_argument("--backbone", action="store_true", help="time the whole graphed decode step instead")
     parser.add_argument("--cublas-tiles", type=int, nargs="+", metavar="ROWS",
                         help="time linear_rows with these padded tiles instead (M = --rows)")
@@ -220,6 +237,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_gemm.py needs a CUDA GPU")
+    global SKIP_SWEEP_INVARIANCE
+    SKIP_SWEEP_INVARIANCE = args.no_inv
     if args.backbone:
         results = backbone(args)
     elif args.variants:
@@ -234,16 +253,25 @@ def main(argv=None) -> dict:
         for shape in shapes:
             results["default"] += bench_shape(shape, args.rows, [None], args)
         if args.sweep:
-            print("\nsweep (M = 1 and 128; ratio column empty: compare with the default rows above)")
+            print(f"\nsweep (M = {args.sweep_rows}; ratio column empty: compare with the default rows above)")
             print(HEADER)
-            for shape in shapes:
-                rows = bench_shape(shape, [1, 128], sweep_configs(shape[1], shape[2], shape[3]), args)
+            per_shape = [(shape, sweep_configs(shape[1], shape[2], shape[3], args.sweep_stages, args.sweep_warps,
+                                               args.sweep_bn, args.sweep_bk)) for shape in shapes]
+            if args.jobs > 1:
+                precompile([(shape, config, m) for shape, configs in per_shape for config in configs
+                            for m in args.sweep_rows], args.jobs)
+            for shape, configs in per_shape:
+                rows = bench_shape(shape, args.sweep_rows, configs, args)
                 results["sweep"] += rows
                 cublas128 = next(r["cublas_us"] for r in results["default"] if r["shape"] == shape[0]
                                  and r["m"] == max(args.rows))
                 best = _best(rows, cublas128)
                 if best:
                     print(f"best for {shape[0]}: {best}   (least M = 1 time with M = 128 <= 1.3x cuBLAS)")
+                fastest = sorted((r["triton_us"], r["config"]) for r in rows if r["m"] == 1)[:3]
+                print(f"fastest at M = 1 for {shape[0]}: " + "; ".join(f"{us:.1f} us {c}" for us, c in fastest))
+            if args.no_partitions:
+                shapes = []
             print("\nrow partitions (default config; tiles per program forced; bits equal by design, inv checks)")
             print(HEADER)
             for shape in shapes:
@@ -312,6 +340,34 @@ def cublas_tiles(args) -> list[dict]:
         weights.clear()
         torch.cuda.empty_cache()
     return out
+
+
+def precompile(work: list, jobs: int) -> None:
+    """Compile every (shape, config, rows) of a sweep in `jobs` processes sharing Triton's disk
+    cache, so the timing loop only loads kernels (a config takes ~1-2 s to compile, one at a time
+    in one process)."""
+    import multiprocessing
+    import time
+
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for done, _ in enumerate(pool.imap_unordered(_compile_one, work), 1):
+            if done % 20 == 0 or done == len(work):
+                print(f"compiled {done}/{len(work)} configs in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def _compile_one(item) -> None:
+    (name, n, k, dtype, residual, _), config, m = item
+    from services.backbone.kernels import decode_gemm
+
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(n, k, dtype=dtype, device="cuda")
+    r = torch.zeros(m, n, dtype=dtype, device="cuda") if residual else None
+    try:
+        decode_gemm.decode_linear(x, w, r, config=config)
+        torch.cuda.synchronize()
+    except Exception:          # a config that does not fit fails again, with its message, when timed
+        pass
 
 
 def decode_gemm_plan(shape, m: int) -> str:
