@@ -227,6 +227,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-inv", action="store_true", help="swept configs skip the invariance check")
     parser.add_argument("--jobs", type=int, default=1,
                         help="compile the swept configs first in this many processes (Triton's disk cache)")
+    parser.add_argument("--try", dest="tries", nargs="+", metavar="SHAPE:KEY=V,..",
+                        help="time config_for's config with these changes (e.g. tower_down:SPLIT=4,num_stages=4) "
+                             "at --rows, invariance checked, beside the default")
     parser.add_argument("--backbone", action="store_true", help="time the whole graphed decode step instead")
     parser.add_argument("--cublas-tiles", type=int, nargs="+", metavar="ROWS",
                         help="time linear_rows with these padded tiles instead (M = --rows)")
@@ -245,6 +248,8 @@ def main(argv=None) -> dict:
         results = variants(args)
     elif args.cublas_tiles:
         results = cublas_tiles(args)
+    elif args.tries:
+        results = tries(args)
     else:
         print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second")
         print(HEADER)
@@ -309,6 +314,26 @@ def variants(args) -> list[dict]:
         for change in (dict(BK=64, num_stages=3), dict(BK=64, num_stages=4), dict(BK=64, num_stages=5),
                        dict(BK=128, num_stages=2), dict(BN=128, BK=64, num_stages=4)):
             out += bench_shape(shape, args.rows, [dict(base, BM=64, **change)], args)
+    return out
+
+
+def tries(args) -> list[dict]:
+    """--try: per shape named, the default config and each given change of it, at --rows."""
+    from services.backbone.kernels import decode_gemm
+
+    changes: dict[str, list[dict]] = {}
+    for entry in args.tries:
+        name, _, spec = entry.partition(":")
+        change = {key: int(v) for key, v in (kv.split("=") for kv in spec.split(",") if kv)}
+        changes.setdefault(name, []).append(change)
+    print(f"{torch.cuda.get_device_name()}; GB/s = weight bytes read per second")
+    print(HEADER)
+    out = []
+    for shape in SHAPES:
+        if shape[0] not in changes:
+            continue
+        base = decode_gemm.config_for(shape[1], shape[2], shape[3])
+        out += bench_shape(shape, args.rows, [None] + [dict(base, **c) for c in changes[shape[0]]], args)
     return out
 
 
