@@ -156,6 +156,12 @@ def test_bench_smoke_on_cpu():
     results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "--context", "5", "--steps", "1",
                           "--warmup", "1", "--decode-gemm", "on", "--fused-draws", "off", "on"])
     assert [r["mode"] for r in results] == ["eager+dg-fd", "eager+dg+fd"]
+    from services.backbone.kernels import decode_gemm
+    tuned = decode_gemm.TUNED
+    results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "--context", "5", "--steps", "1",
+                          "--warmup", "1", "--gemm-configs", "session20", "tuned"])
+    assert [r["mode"] for r in results] == ["eager+dg+session20", "eager+dg+tuned"]
+    assert decode_gemm.TUNED is tuned                          # restored
 
 
 # ------------------------------------------------------------------------------------------

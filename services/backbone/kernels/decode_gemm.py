@@ -19,8 +19,9 @@ decode step reads once: the H200 decode step spent ~1.9 ms per step in dense GEM
 ~2.9 GB (a 0.68 ms floor). Here the kernel is written so that a row's bits cannot depend on M.
 
 Invariance by construction. The config (BM rows per MMA tile, BN output columns, BK reduction
-step, SPLIT K ranges, num_warps, num_stages) is a function of the weight's shape and dtype only
-(`config_for`), never of M. Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator: 64 rows
+step, SPLIT K ranges, num_warps) is a function of the weight's shape and dtype only
+(`config_for`), never of M; so is the pipeline depth, except where TUNED gives a shape another
+one above one row group (`wide_stages`: it schedules the loads, not the arithmetic). Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator: 64 rows
 for bf16 weights, which Triton lowers on Hopper to the warpgroup MMA (wgmma, one instruction
 shape for every tile), 16 for the F32 router, whose IEEE dot is an FMA chain over k. Each output
 element is then Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
@@ -113,11 +114,24 @@ def dense_linear(decode: bool, x: torch.Tensor, gemm_rows: int | None = None):
     return invariant.linear_rows if gemm_rows is None else functools.partial(invariant.linear_rows, tile=gemm_rows)
 
 
-# Shapes whose swept config (`bench/decode_gemm.py --sweep --shapes ...`, the best M = 1 time with
-# M = 128 near cuBLAS) differs from the rule below; still one config per shape, whatever M.
-# The tower's down projection (2048 x 12288), H200 session 19 run 2, µs at M = 1 / 128: the rule's
-# SPLIT 8 16.7 / 26.9, SPLIT 4 18.1 / 22.8, cuBLAS in 128-row pieces 23.7 / 23.7.
-TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
+# Shapes whose swept config differs from the rule below; still one summation order per shape,
+# whatever M. `wide_stages` is the pipeline depth of launches with more than one row group (M >
+# BM): bit-neutral like the row partition (it only moves the loads ahead; every accumulator sees
+# the same dots in the same K order; tests/test_decode_gemm.py compares rows alone with rows
+# inside 128 on the GPU). H200, µs per GEMM at M = 1 / 8 / 32 / 128, the rule's config -> this
+# one (`bench/decode_gemm.py --sweep ... --try ...`, session 21 runs 1-3):
+# - the tower's gate|up (24576 x 2048): 2 stages let 3 programs share an SM, so the 384 programs
+#   run in one wave: 28.9 / 29.7 / 30.7 / 41.1 -> 26.7 / 27.3 / 28.0 (3 stages at 128 rows);
+# - the tower's down (2048 x 12288): K in 4 ranges (session 19: SPLIT 8 16.7 / 26.9 at 1 / 128, 4
+#   18.1 / 22.8), 4 stages at one row group: 18.0 / 18.6 / 19.4 / 22.7 -> 16.3 / 16.8 / 17.1 / 22.7;
+# - out_proj, o_proj and the tower's fc (2048 x 4096): K in 4 ranges, 4 stages, 128 programs:
+#   8.6 / 8.9 / 9.0 / 14.7 -> 8.0 / 8.2 / 8.3 / 12.5;
+# - the tower's codebook heads (1024 x 2048): K in 4 ranges, 4 stages: 7.6 / 7.8 / 8.1 / 11.7 ->
+#   5.4 / 5.5 / 5.5 / 6.0.
+TUNED = {(24576, 2048, torch.bfloat16): dict(num_stages=2, wide_stages=3),
+         (2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4, num_stages=4, wide_stages=3),
+         (2048, 4096, torch.bfloat16): dict(SPLIT=4, num_stages=4),
+         (1024, 2048, torch.bfloat16): dict(SPLIT=4, num_stages=4)}
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
@@ -128,10 +142,10 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
     workspace that costs most at 128 rows. The others are latency-bound at M = 1 (too few weight
     bytes in flight), so K is split in 2, 4, .. ranges (each at least one BK step) until the grid
     has >= 256 programs (about 2 per SM); if the ranges run out first, BN = 32 doubles the column
-    blocks. Result: out_proj/o_proj (2048 x 4096) 32 x 8 ranges of 512, shared gate|up|gate
-    (1088 x 2048) 17 x 16 of 128, shared down (2048 x 512) BN 32: 64 x 4 of 128, the F32 router
-    (256 x 2048, BK 64) BN 32: 8 x 32 of 64. bench/decode_gemm.py --sweep times the alternatives.
-    """
+    blocks. Result: shared gate|up|gate (1088 x 2048) 17 x 16 of 128, shared down (2048 x 512)
+    BN 32: 64 x 4 of 128, the F32 router (256 x 2048, BK 64) BN 32: 8 x 32 of 64; TUNED overrides
+    the rule for the shapes it names (out_proj/o_proj: 32 x 4 ranges of 1024).
+    bench/decode_gemm.py --sweep times the alternatives."""
     f32 = dtype == torch.float32
     bk = 64 if f32 else 128           # F32: an FMA dot keeps [16, BK] and [BK, BN] in registers
     steps = _cdiv(k, bk)
@@ -179,12 +193,16 @@ def _cdiv(a: int, b: int) -> int:
 def launch_plan(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None = None,
                 tiles: int | None = None) -> dict:
     """What decode_linear launches for M = m: the config plus `k_range` (reduction length per
-    split) and `splits` (K ranges that are not empty), both functions of K only, and the row
-    partition, the only M-dependent part: `tiles` (BM-row tiles per program, tiles_for unless
-    given) and `groups` (row groups of BM·tiles rows, one grid axis)."""
+    split) and `splits` (K ranges that are not empty), both functions of K only, and the
+    M-dependent parts, none of which changes a row's bits: the row partition, `tiles` (BM-row
+    tiles per program, tiles_for unless given) and `groups` (row groups of BM·tiles rows, one
+    grid axis), and `num_stages` where the config gives `wide_stages` for M > BM."""
     cfg = dict(config or config_for(n, k, dtype))
     cfg.setdefault("BM", ROWS)
     bm = cfg["BM"]
+    wide_stages = cfg.pop("wide_stages", None)
+    if wide_stages is not None and m > bm:            # more than one row group: bit-neutral, see TUNED
+        cfg["num_stages"] = wide_stages
     steps = _cdiv(k, cfg["BK"])
     k_range = _cdiv(steps, cfg["SPLIT"]) * cfg["BK"]
     splits = _cdiv(k, k_range)
