@@ -61,13 +61,12 @@ def do_bench(fn) -> float:
 
 
 def graphed(fn, calls: int):
-    """fn(i) for i < calls, captured once; returns the replay."""
-    fn(0)                                     # compile / pick kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
+    """fn(i) for i < calls, captured once; returns the replay. Warmed up on the capture stream
+    first, as serving captures (services/common/cuda_graphs.capture): Triton compiles there, and
+    decode_linear makes that stream's split-reduce tickets."""
+    from services.common.cuda_graphs import capture
+
+    graph, _ = capture(lambda: [fn(i) for i in range(calls)], warmup=1)
     return graph.replay
 
 

@@ -52,13 +52,19 @@ def cases() -> dict:
     dot = dict(DOT=tl.bfloat16, PREC="tf32")
     moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
                     num_active_ptr=_ptr("i32"))
-    gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"))
-    gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "K_RANGE"}
+    gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
+                     final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
+    gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
     def gemm(bm, tiles):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
         return (decode_gemm._decode_gemm_kernel, gemm_ptrs,
-                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, PDL=True, **dot),
-                4, 3, gemm_div16)
+                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
+                     PDL=True, **dot), 4, 3, gemm_div16)
+
+    def split_gemm():        # out_proj's launch (K in 4 ranges, 4 stages), its reduce by the last program
+        return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32")),
+                dict(BM=64, BN=64, BK=128, TILES=1, FINAL=False, HAS_RESIDUAL=True, LAST_REDUCES=True,
+                     PDL=True, **dot), 4, 4, gemm_div16)
 
     def gate_up(reduce):     # REDUCE: the split reduce by each column group's last program (one row: 8 pairs)
         return (moe_decode._gate_up_kernel,
@@ -117,6 +123,7 @@ def cases() -> dict:
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
+        "gemm_split_last_reduces": split_gemm(),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),

@@ -55,9 +55,10 @@ from services.tower.weights import random_tower  # noqa: E402
 FRAME_PERIOD_MS = 2048 / 44100 * 1000
 
 
-# --gemm-configs: decode_gemm.TUNED as it is ("tuned") or as session 20 had it
-GEMM_CONFIGS = {"tuned": None,
-                "session20": {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}}
+# --gemm-configs: (decode_gemm.TUNED, decode_gemm.LAST_REDUCES) as they are ("tuned"), with the
+# split reduce in its own launch ("reduce-launch"), or as session 20 had them
+GEMM_CONFIGS = {"tuned": (None, True), "reduce-launch": (None, False),
+                "session20": ({(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}, False)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,8 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bookkeeping around kernels.draw, one engine per entry in turn, crossed with --decode-gemm "
                         "(default: DRAMA_TOWER_FUSED_DRAWS's)")
     parser.add_argument("--gemm-configs", nargs="+", choices=sorted(GEMM_CONFIGS),
-                        help="the decode GEMM's per-shape configs (kernels/decode_gemm.TUNED): this session's or "
-                        "session 20's, one engine per entry in turn, crossed with the others (default: tuned)")
+                        help="the decode GEMM's per-shape configs (kernels/decode_gemm.TUNED) and where its split "
+                        "reduce runs (LAST_REDUCES): now, now with the reduce launch, or session 20's; one engine "
+                        "per entry in turn, crossed with the others (default: as the process has them)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
@@ -232,13 +234,13 @@ def main(argv=None) -> list[dict]:
     switch = tower_model.TOWER_DECODE_GEMM
     # parsed before any engine is built, so a typo fails at once
     settings = [tower_model.decode_gemm_kinds(g) for g in args.decode_gemm] if args.decode_gemm else [switch]
-    tuned = decode_gemm.TUNED
+    tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     try:
         results, checks, meta_modes = _run(args, model, cfg, device, modes, settings, args.fused_draws or [None],
                                            args.gemm_configs or [None])
     finally:
         tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
-        decode_gemm.TUNED = tuned
+        decode_gemm.TUNED, decode_gemm.LAST_REDUCES = tuned, last_reduces
     if args.out:
         meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "context": args.context,
                 "steps": args.steps, "torch": torch.__version__, "modes": meta_modes,
@@ -251,13 +253,14 @@ def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset],
          fused_draws: list[str | None], gemm_configs: list[str | None]) -> tuple[list, list, dict]:
     """main's timings: one engine per (decode GEMM kinds, fused draws, GEMM configs, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    tuned = decode_gemm.TUNED
+    tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     for kinds, fused, configs, base_mode in [(k, f, c, m) for k in settings for f in fused_draws
                                              for c in gemm_configs for m in modes]:
         # tower_linear reads the switch at each call, decode_linear the configs: eager steps and
         # the graphs captured below follow them
         tower_model.TOWER_DECODE_GEMM = kinds
-        decode_gemm.TUNED = tuned if GEMM_CONFIGS.get(configs) is None else GEMM_CONFIGS[configs]
+        table, reduces = GEMM_CONFIGS.get(configs, (None, last_reduces))
+        decode_gemm.TUNED, decode_gemm.LAST_REDUCES = tuned if table is None else table, reduces
         mode = (base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
                              else "+" + ",".join(sorted(kinds))) + {None: "", "on": "+fd", "off": "-fd"}[fused]
                 + ("" if configs is None else "+" + configs))

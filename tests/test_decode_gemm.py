@@ -284,6 +284,24 @@ def test_strided_operands():
                        decode_gemm.decode_linear(wide.contiguous(), w[:, :256].contiguous()))
 
 
+@kernel
+@pytest.mark.parametrize("m,residual", [(1, True), (5, False), (70, True)])
+def test_last_program_reduce_equals_the_reduce_launch(monkeypatch, m, residual):
+    """With K split, the reduce inside the GEMM launch (the last program of each row group and
+    column block) gives the bits of the separate reduce launch, at one and at two row groups,
+    and leaves every ticket at zero for the next launch."""
+    x, w, r = operands(m, 48, 512, torch.bfloat16, residual, seed=9)
+    config = dict(BM=64, BN=32, BK=128, SPLIT=4, num_warps=4, num_stages=3)
+    monkeypatch.setattr(decode_gemm, "LAST_REDUCES", False)
+    launch = decode_gemm.decode_linear(x, w, r, config=config)
+    monkeypatch.setattr(decode_gemm, "LAST_REDUCES", True)
+    inside = decode_gemm.decode_linear(x, w, r, config=config)
+    assert torch.equal(inside, launch), f"max |diff| {float((inside - launch).abs().max())}"
+    assert_matches_reference(inside, x, w, r)
+    tickets = decode_gemm._tickets(x.device)
+    assert tickets is not None and int(tickets.abs().sum()) == 0
+
+
 # --- GPU only ----------------------------------------------------------------------------------
 
 @gpu

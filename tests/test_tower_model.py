@@ -157,11 +157,11 @@ def test_bench_smoke_on_cpu():
                           "--warmup", "1", "--decode-gemm", "on", "--fused-draws", "off", "on"])
     assert [r["mode"] for r in results] == ["eager+dg-fd", "eager+dg+fd"]
     from services.backbone.kernels import decode_gemm
-    tuned = decode_gemm.TUNED
+    tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "--context", "5", "--steps", "1",
-                          "--warmup", "1", "--gemm-configs", "session20", "tuned"])
-    assert [r["mode"] for r in results] == ["eager+dg+session20", "eager+dg+tuned"]
-    assert decode_gemm.TUNED is tuned                          # restored
+                          "--warmup", "1", "--gemm-configs", "session20", "reduce-launch", "tuned"])
+    assert [r["mode"] for r in results] == ["eager+dg+session20", "eager+dg+reduce-launch", "eager+dg+tuned"]
+    assert decode_gemm.TUNED is tuned and decode_gemm.LAST_REDUCES == last_reduces       # restored
 
 
 # ------------------------------------------------------------------------------------------

@@ -62,6 +62,19 @@ sibling dots, which is the same freedom the kernel always had (at BM 16, M = 1 r
 shape on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
 too, but that is codegen detail; the row partition needs no such argument.
 
+The split reduce in the GEMM launch (LAST_REDUCES, `DRAMA_DECODE_GEMM_LAST_REDUCES=0` turns it
+off): with SPLIT > 1 each program, after storing its partial, takes a ticket for its (row group,
+column block) with an acq_rel atomic after a CTA barrier (CUTLASS's split-K semaphore, as
+moe_decode's gate/up does at one row); the program that draws the last of the group's SPLIT
+tickets zeroes it again and adds the partials in range order 0, 1, .., then the residual, with
+_split_reduce_kernel's arithmetic (so the same bits), reading them from L2 (".cg"). A decode step
+has ~40 such reduces in the backbone and ~44 in the tower, each a separate ~2 µs launch before.
+The tickets are one zeroed int32 buffer per CUDA stream (`_tickets`), made on the stream's first
+eager call: graphs are captured after an eager warm-up on their capture stream
+(services/common/cuda_graphs.capture), and graph families that may replay at the same time are
+captured on different streams (the same rule as cuBLAS's workspaces). A capture on a stream
+without tickets takes the reduce launch instead, never a half-made buffer.
+
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
 
@@ -82,7 +95,7 @@ import functools
 import torch
 
 from services.common import invariant
-from services.common.grpcutil import env_choice
+from services.common.grpcutil import env_choice, env_switch
 
 from . import HAS_TRITON, INTERPRET, bf16_dot_args, pdl_args
 
@@ -97,6 +110,8 @@ WIDE_ROWS = 64              # rows per tl.dot of bf16 weights: Hopper's warpgrou
 MAX_ROWS_PER_PROGRAM = 64   # default cap on a program's rows, tiles x BM (the kernel takes 8 tiles)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at import
+LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is not False   # read once at import; on by default
+TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -127,8 +142,11 @@ def dense_linear(decode: bool, x: torch.Tensor, gemm_rows: int | None = None):
 # - out_proj, o_proj and the tower's fc (2048 x 4096): K in 4 ranges, 4 stages, 128 programs:
 #   8.6 / 8.9 / 9.0 / 14.7 -> 8.0 / 8.2 / 8.3 / 12.5;
 # - the tower's codebook heads (1024 x 2048): K in 4 ranges, 4 stages: 7.6 / 7.8 / 8.1 / 11.7 ->
-#   5.4 / 5.5 / 5.5 / 6.0.
-TUNED = {(24576, 2048, torch.bfloat16): dict(num_stages=2, wide_stages=3),
+#   5.4 / 5.5 / 5.5 / 6.0;
+# - GDN in_proj (12352 x 2048): BN 32 (386 column blocks): 15.8 / 16.1 / 16.3 / 24.5 -> 14.7 /
+#   14.8 / 15.2 / 25.5.
+TUNED = {(12352, 2048, torch.bfloat16): dict(BN=32),
+         (24576, 2048, torch.bfloat16): dict(num_stages=2, wide_stages=3),
          (2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4, num_stages=4, wide_stages=3),
          (2048, 4096, torch.bfloat16): dict(SPLIT=4, num_stages=4),
          (1024, 2048, torch.bfloat16): dict(SPLIT=4, num_stages=4)}
@@ -235,6 +253,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
     return out_dtype
 
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor | None:
+    """The zeroed ticket buffer of the current stream on `device` (see the module docstring), made
+    on the stream's first eager call; None while a graph captures on a stream that has none."""
+    cuda = device.type == "cuda"
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream) if cuda else (str(device),)
+    tickets = _TICKETS.get(key)
+    if tickets is None and not (cuda and torch.cuda.is_current_stream_capturing()):
+        tickets = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return tickets
+
+
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -268,12 +300,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     # row groups on the fastest grid axis: the programs that share a weight tile start together,
     # so one reads it from HBM and the others find it in L2
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
+    tickets = (_tickets(x.device) if splits > 1 and LAST_REDUCES
+               and grid[0] * grid[1] <= TICKETS else None)
     _decode_gemm_kernel[grid](
-        x, weight, res, part, m, n, k, x.stride(0), weight.stride(0), res.stride(0), part.stride(-2),
-        plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
-        HAS_RESIDUAL=residual is not None, DOT=dot, PREC=prec,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
-    if splits > 1:
+        x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
+        res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
+        TILES=plan["tiles"], FINAL=splits == 1, HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None,
+        DOT=dot, PREC=prec, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
+    if splits > 1 and tickets is None:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
@@ -305,14 +339,16 @@ if HAS_TRITON:
             tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
-    def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                            stride_om, K_RANGE,
+    def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, final_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn,
+                            stride_rm, stride_om, stride_fm, K_RANGE,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                            FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr,
-                            PREC: tl.constexpr, PDL: tl.constexpr = False):
+                            FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                            DOT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
-        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials)."""
+        rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials),
+        and with LAST_REDUCES the group's last program to finish adds them into final."""
         pdl_prologue(PDL)
+        part_ptr = out_ptr
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -374,6 +410,36 @@ if HAS_TRITON:
         if TILES > 7:
             _tile_store(acc7, m0 + 7 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
                         HAS_RESIDUAL)
+        if LAST_REDUCES:
+            _last_program_reduces(part_ptr, r_ptr, final_ptr, tickets_ptr, M, N, stride_rm, stride_fm, m0, offs_n,
+                                  n_ok, BM, TILES, HAS_RESIDUAL)
+
+    @triton.jit
+    def _last_program_reduces(part_ptr, r_ptr, final_ptr, tickets_ptr, M, N, stride_rm, stride_fm, m0, offs_n, n_ok,
+                              BM: tl.constexpr, TILES: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Take a ticket for this (row group, column block); the program that draws the group's
+        last (of the launch's K ranges) zeroes it and reduces the group's rows x columns as
+        _split_reduce_kernel would. Ordering (as moe_decode._last_program_reduces): the barrier
+        puts every thread's partial stores before the ticket's release (acq_rel, GPU scope); the
+        last program's acquire makes the others' stores visible, and it reads them from L2 (".cg")."""
+        splits = tl.num_programs(2)
+        slot = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            tl.store(tickets_ptr + slot, 0)
+            for t in tl.static_range(TILES):
+                rows = m0 + t * BM + tl.arange(0, BM)
+                mask = (rows < M)[:, None] & n_ok[None, :]
+                r64 = rows[:, None].to(tl.int64)
+                p = part_ptr + r64 * N + offs_n[None, :]
+                acc = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+                for _ in range(1, splits):
+                    p += M * N                       # the next K range's partials
+                    acc = acc + tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_RESIDUAL:
+                    acc = acc + tl.load(r_ptr + r64 * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(final_ptr + r64 * stride_fm + offs_n[None, :], acc.to(final_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _split_reduce_kernel(part_ptr, r_ptr, out_ptr, MN, N, stride_rm, stride_om, SPLIT: tl.constexpr,
