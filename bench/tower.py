@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from services.backbone.kernels import decode_gemm  # noqa: E402
+from bench.gemm_configs import GEMM_CONFIGS, applied  # noqa: E402
 from services.common.config import DramaConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
 from services.tower import model as tower_model  # noqa: E402
@@ -53,12 +53,6 @@ from services.tower.engine import StepEntry, TowerEngine  # noqa: E402
 from services.tower.weights import random_tower  # noqa: E402
 
 FRAME_PERIOD_MS = 2048 / 44100 * 1000
-
-
-# --gemm-configs: (decode_gemm.TUNED, decode_gemm.LAST_REDUCES) as they are ("tuned"), with the
-# split reduce in its own launch ("reduce-launch"), or as session 20 had them
-GEMM_CONFIGS = {"tuned": (None, True), "reduce-launch": (None, False),
-                "session20": ({(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}, False)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -234,13 +228,11 @@ def main(argv=None) -> list[dict]:
     switch = tower_model.TOWER_DECODE_GEMM
     # parsed before any engine is built, so a typo fails at once
     settings = [tower_model.decode_gemm_kinds(g) for g in args.decode_gemm] if args.decode_gemm else [switch]
-    tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     try:
         results, checks, meta_modes = _run(args, model, cfg, device, modes, settings, args.fused_draws or [None],
                                            args.gemm_configs or [None])
     finally:
         tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
-        decode_gemm.TUNED, decode_gemm.LAST_REDUCES = tuned, last_reduces
     if args.out:
         meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "context": args.context,
                 "steps": args.steps, "torch": torch.__version__, "modes": meta_modes,
@@ -253,47 +245,50 @@ def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset],
          fused_draws: list[str | None], gemm_configs: list[str | None]) -> tuple[list, list, dict]:
     """main's timings: one engine per (decode GEMM kinds, fused draws, GEMM configs, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     for kinds, fused, configs, base_mode in [(k, f, c, m) for k in settings for f in fused_draws
                                              for c in gemm_configs for m in modes]:
-        # tower_linear reads the switch at each call, decode_linear the configs: eager steps and
-        # the graphs captured below follow them
-        tower_model.TOWER_DECODE_GEMM = kinds
-        table, reduces = GEMM_CONFIGS.get(configs, (None, last_reduces))
-        decode_gemm.TUNED, decode_gemm.LAST_REDUCES = tuned if table is None else table, reduces
-        mode = (base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
-                             else "+" + ",".join(sorted(kinds))) + {None: "", "on": "+fd", "off": "-fd"}[fused]
-                + ("" if configs is None else "+" + configs))
-        # One engine at a time: a new engine re-allocates the model's caches (and the old
-        # engine's graphs point at the old ones).
-        engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
-                             max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
-                             graphs=base_mode == "graphs")
-        if fused is not None:            # before warm_up: the graphs capture the draws it picks
-            engine._fused_draws = fused == "on" and engine._fused_draws
-        started = time.perf_counter()
-        engine.warm_up()
-        _sync(device)
-        meta_modes[mode] = {"warm_up_s": time.perf_counter() - started, "graphs_captured": engine.graphs_captured}
-        generator = torch.Generator().manual_seed(0)
-        for batch in args.batch:
-            r = {"mode": mode, **bench_batch(engine, batch, args, generator)}
-            results.append(r)
-            print(f"{mode:>10} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
-                  f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
-        for rows in args.prompt:
-            r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
-            results.append(r)
-            print(f"{mode:>10} prompt step of {rows} rows: median {r['median_ms']:.2f} ms, "
-                  f"min {r['min_ms']:.2f} ms", flush=True)
-        if args.invariance:
-            for c in invariance(engine, args.invariance, args):
-                checks.append({"mode": mode, **c})
-                print(f"{mode:>10} invariance: batch {c['batch']} vs alone: {c['identical_frames']}/{c['frames']} "
-                      f"frames identical (first different: {c['first_different_frame']}), "
-                      f"{c['codes_equal_fraction']:.1%} of codes equal", flush=True)
-        del engine
+        with applied(configs):
+            _run_one(args, model, cfg, device, kinds, fused, configs, base_mode, results, checks, meta_modes)
     return results, checks, meta_modes
+
+
+def _run_one(args, model, cfg, device, kinds, fused, configs, base_mode, results, checks, meta_modes) -> None:
+    """One engine under one setting: its timings appended to results, checks and meta_modes."""
+    # tower_linear reads the switch at each call, decode_linear the configs: eager steps and
+    # the graphs captured below follow them
+    tower_model.TOWER_DECODE_GEMM = kinds
+    mode = (base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
+                         else "+" + ",".join(sorted(kinds))) + {None: "", "on": "+fd", "off": "-fd"}[fused]
+            + ("" if configs is None else "+" + configs))
+    # One engine at a time: a new engine re-allocates the model's caches (and the old
+    # engine's graphs point at the old ones).
+    engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),
+                         max_context=max([args.context + args.warmup + args.steps + 1, *args.prompt]),
+                         graphs=base_mode == "graphs")
+    if fused is not None:            # before warm_up: the graphs capture the draws it picks
+        engine._fused_draws = fused == "on" and engine._fused_draws
+    started = time.perf_counter()
+    engine.warm_up()
+    _sync(device)
+    meta_modes[mode] = {"warm_up_s": time.perf_counter() - started, "graphs_captured": engine.graphs_captured}
+    generator = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        r = {"mode": mode, **bench_batch(engine, batch, args, generator)}
+        results.append(r)
+        print(f"{mode:>10} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
+              f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
+    for rows in args.prompt:
+        r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
+        results.append(r)
+        print(f"{mode:>10} prompt step of {rows} rows: median {r['median_ms']:.2f} ms, "
+              f"min {r['min_ms']:.2f} ms", flush=True)
+    if args.invariance:
+        for c in invariance(engine, args.invariance, args):
+            checks.append({"mode": mode, **c})
+            print(f"{mode:>10} invariance: batch {c['batch']} vs alone: {c['identical_frames']}/{c['frames']} "
+                  f"frames identical (first different: {c['first_different_frame']}), "
+                  f"{c['codes_equal_fraction']:.1%} of codes equal", flush=True)
+    del engine
 
 
 if __name__ == "__main__":
