@@ -1,14 +1,14 @@
 """The decode GEMM settings the benches compare inside one process (issue #7).
 
-    with applied("reduce-launch"): ...   build or capture the engine's steps under that setting
+    with applied("session20"): ...       build or capture the engine's steps under that setting
 
 Separate processes on one lent machine differ by up to ~0.3 ms per backbone step and ±0.1 ms per
 tower step (docs/perf.md), more than a launch config changes; decode_linear reads
 `decode_gemm.TUNED` and `decode_gemm.LAST_REDUCES` at each call, so graphs captured under a
 setting keep it. Settings:
 
-    tuned           the module's TUNED and the split reduce in the GEMM launch (session 21)
-    reduce-launch   the module's TUNED, the split reduce in its own launch
+    tuned           the module's TUNED (session 21), the split reduce in its own launch (the default)
+    last-reduces    the module's TUNED, the split reduce in the GEMM launch (LAST_REDUCES)
     session20       session 20's TUNED (the tower's down projection only), the reduce launch
 """
 
@@ -21,7 +21,7 @@ import torch
 from services.backbone.kernels import decode_gemm
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
-GEMM_CONFIGS = {"tuned": (None, True), "reduce-launch": (None, False), "session20": (SESSION20_TUNED, False)}
+GEMM_CONFIGS = {"tuned": (None, False), "last-reduces": (None, True), "session20": (SESSION20_TUNED, False)}
 
 
 @contextlib.contextmanager

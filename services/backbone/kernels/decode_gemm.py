@@ -62,8 +62,8 @@ sibling dots, which is the same freedom the kernel always had (at BM 16, M = 1 r
 shape on purpose: under Triton's MMA lowering a different BN should leave each element's k order alone
 too, but that is codegen detail; the row partition needs no such argument.
 
-The split reduce in the GEMM launch (LAST_REDUCES, `DRAMA_DECODE_GEMM_LAST_REDUCES=0` turns it
-off): with SPLIT > 1 each program, after storing its partial, takes a ticket for its (row group,
+The split reduce in the GEMM launch (LAST_REDUCES, off unless `DRAMA_DECODE_GEMM_LAST_REDUCES=1`:
+measured slower, see below): with SPLIT > 1 each program, after storing its partial, takes a ticket for its (row group,
 column block) with an acq_rel atomic after a CTA barrier (CUTLASS's split-K semaphore, as
 moe_decode's gate/up does at one row); the program that draws the last of the group's SPLIT
 tickets zeroes it again and adds the partials in range order 0, 1, .., then the residual, with
@@ -73,7 +73,12 @@ The tickets are one zeroed int32 buffer per CUDA stream (`_tickets`), made on th
 eager call: graphs are captured after an eager warm-up on their capture stream
 (services/common/cuda_graphs.capture), and graph families that may replay at the same time are
 captured on different streams (the same rule as cuBLAS's workspaces). A capture on a stream
-without tickets takes the reduce launch instead, never a half-made buffer.
+without tickets takes the reduce launch instead, never a half-made buffer. Measured (H200, one
+process, graphs recaptured per setting, `bench/backbone.py ... --gemm-configs session20
+reduce-launch tuned` twice, session 21 run 5): the batch-1 decode step 2.62 / 2.61 ms with the
+reduce launch, 2.65 / 2.66 with the reduce in the GEMM launch. The last program's reduce comes
+after its own K range, at the tail of the launch; the separate launch's 2-µs programs start early
+under PDL and spread over every SM. Kept, off, for other shapes and GPUs.
 
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
@@ -110,7 +115,7 @@ WIDE_ROWS = 64              # rows per tl.dot of bf16 weights: Hopper's warpgrou
 MAX_ROWS_PER_PROGRAM = 64   # default cap on a program's rows, tiles x BM (the kernel takes 8 tiles)
 SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at import
-LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is not False   # read once at import; on by default
+LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is True   # read once at import; off by default
 TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
 
 
