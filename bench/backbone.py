@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.gemm_configs import GEMM_CONFIGS, applied  # noqa: E402
+from bench.step_settings import SETTINGS, applied  # noqa: E402
 from services.backbone.engine import BackboneEngine  # noqa: E402
 from services.backbone.model import AudioSpec  # noqa: E402
 from services.backbone.weights import random_backbone  # noqa: E402
@@ -62,9 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--peer", action="store_true", help="also time transformers at batch 1")
-    parser.add_argument("--gemm-configs", nargs="+", choices=sorted(GEMM_CONFIGS),
-                        help="with --decode-graphs: time the graphed decode step under each decode GEMM setting "
-                             "(bench/gemm_configs.py) in turn, its graphs recaptured, instead of eager then graphed")
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS),
+                        help="with --decode-graphs: time the graphed decode step under each kernel setting "
+                             "(bench/step_settings.py) in turn, its graphs recaptured, instead of eager then graphed")
     parser.add_argument("--decode-graphs", action="store_true",
                         help="replay decode steps from CUDA graphs (kernel path on CUDA; captured on first use)")
     parser.add_argument("--served-warm-up", action="store_true",
@@ -376,12 +376,12 @@ def main(argv=None) -> dict:
         print(profile_prefill(engine, args.profile_prefill, gen, device, rows=args.profile_rows))
     print(f"{'batch':>5} {'graphs':>6} {'median ms':>10} {'p90 ms':>8} {'rows/s':>9} {'peak GiB':>9}   (context {args.context})")
     for batch in args.batch:
-        if args.gemm_configs and model.decode_graphs:
-            for name in args.gemm_configs:      # graphed only, each setting's graphs captured afresh
+        if args.settings and model.decode_graphs:
+            for name in args.settings:      # graphed only, each setting's graphs captured afresh
                 with applied(name):
                     model._graphs = {key: v for key, v in model._graphs.items() if key[0] == "prefill"}
                     r = bench_decode(engine, batch, args, gen, device)
-                r.update(graphs=True, gemm_configs=name)
+                r.update(graphs=True, setting=name)
                 results["decode"].append(r)
                 print(f"{batch:>5} {name:>6} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['rows_per_s']:>9.1f} "
                       f"{_fmt(r['peak_gib']):>9}")

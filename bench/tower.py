@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.gemm_configs import GEMM_CONFIGS, applied  # noqa: E402
+from bench.step_settings import SETTINGS, applied  # noqa: E402
 from services.common.config import DramaConfig  # noqa: E402
 from services.common.make_checkpoint import preset_raw  # noqa: E402
 from services.tower import model as tower_model  # noqa: E402
@@ -81,10 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="each draw and its bookkeeping in one launch (kernels.FusedFrameDraws) or the torch "
                         "bookkeeping around kernels.draw, one engine per entry in turn, crossed with --decode-gemm "
                         "(default: DRAMA_TOWER_FUSED_DRAWS's)")
-    parser.add_argument("--gemm-configs", nargs="+", choices=sorted(GEMM_CONFIGS),
-                        help="the decode GEMM's per-shape configs (kernels/decode_gemm.TUNED) and where its split "
-                        "reduce runs (LAST_REDUCES): now, now with the reduce launch, or session 20's; one engine "
-                        "per entry in turn, crossed with the others (default: as the process has them)")
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS),
+                        help="kernel settings (bench/step_settings.py: the decode GEMM's configs, where its split "
+                        "reduce runs), one engine per entry in turn, crossed with the others (default: as the "
+                        "process has them)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
@@ -230,7 +230,7 @@ def main(argv=None) -> list[dict]:
     settings = [tower_model.decode_gemm_kinds(g) for g in args.decode_gemm] if args.decode_gemm else [switch]
     try:
         results, checks, meta_modes = _run(args, model, cfg, device, modes, settings, args.fused_draws or [None],
-                                           args.gemm_configs or [None])
+                                           args.settings or [None])
     finally:
         tower_model.TOWER_DECODE_GEMM = switch           # as the process had it
     if args.out:
@@ -242,24 +242,24 @@ def main(argv=None) -> list[dict]:
 
 
 def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset],
-         fused_draws: list[str | None], gemm_configs: list[str | None]) -> tuple[list, list, dict]:
-    """main's timings: one engine per (decode GEMM kinds, fused draws, GEMM configs, mode), in turn."""
+         fused_draws: list[str | None], kernel_settings: list[str | None]) -> tuple[list, list, dict]:
+    """main's timings: one engine per (decode GEMM kinds, fused draws, kernel setting, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    for kinds, fused, configs, base_mode in [(k, f, c, m) for k in settings for f in fused_draws
-                                             for c in gemm_configs for m in modes]:
-        with applied(configs):
-            _run_one(args, model, cfg, device, kinds, fused, configs, base_mode, results, checks, meta_modes)
+    for kinds, fused, setting, base_mode in [(k, f, c, m) for k in settings for f in fused_draws
+                                             for c in kernel_settings for m in modes]:
+        with applied(setting):
+            _run_one(args, model, cfg, device, kinds, fused, setting, base_mode, results, checks, meta_modes)
     return results, checks, meta_modes
 
 
-def _run_one(args, model, cfg, device, kinds, fused, configs, base_mode, results, checks, meta_modes) -> None:
+def _run_one(args, model, cfg, device, kinds, fused, setting, base_mode, results, checks, meta_modes) -> None:
     """One engine under one setting: its timings appended to results, checks and meta_modes."""
-    # tower_linear reads the switch at each call, decode_linear the configs: eager steps and
+    # tower_linear reads the switch at each call, the kernels their settings: eager steps and
     # the graphs captured below follow them
     tower_model.TOWER_DECODE_GEMM = kinds
     mode = (base_mode + ("" if not kinds else "+dg" if kinds == set(tower_model.PROJECTIONS)
                          else "+" + ",".join(sorted(kinds))) + {None: "", "on": "+fd", "off": "-fd"}[fused]
-            + ("" if configs is None else "+" + configs))
+            + ("" if setting is None else "+" + setting))
     # One engine at a time: a new engine re-allocates the model's caches (and the old
     # engine's graphs point at the old ones).
     engine = TowerEngine(model, cfg, max_sessions=max(args.batch + args.invariance),

@@ -410,6 +410,11 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
+        if plan.decode and kgdn.FUSED_DECODE and u.is_cuda:    # DRAMA_GDN_FUSED_DECODE=1: the core in one launch
+            y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
+            kgdn.gdn_decode_step(proj, self.conv_weight, cache.conv, self.A_log, self.dt_bias, cache.state,
+                                 self.norm.weight, self.eps, (hk, dk, hv, dv), slots=plan.seg_slots, out=y)
+            return linear(y, self.out_weight, x, residual_out=x_owned)
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)

@@ -1,0 +1,42 @@
+"""Kernel settings the benches compare inside one process (issue #7).
+
+    with applied("session20"): ...     build or capture the engine's steps under that setting
+
+Separate processes on one lent machine differ by up to ~0.3 ms per backbone step and ±0.1 ms per
+tower step (docs/perf.md), more than a launch config changes. Each setting names module
+attributes that the kernels read at every call (so graphs captured under a setting keep it):
+
+    tuned           as the modules have them (decode_gemm.TUNED of session 21, the split
+                    reduce in its own launch, the GDN decode core in three launches)
+    last-reduces    decode_gemm.LAST_REDUCES: the split reduce in the GEMM launch
+    session20       session 20's decode_gemm.TUNED (the tower's down projection only)
+    gdn-fused       gdn.FUSED_DECODE: a decode row's GDN core in one launch (gdn_decode_step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from services.backbone.kernels import decode_gemm, gdn
+
+SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
+SETTINGS = {"tuned": {},
+            "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
+            "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
+            "gdn-fused": {(gdn, "FUSED_DECODE"): True}}
+
+
+@contextlib.contextmanager
+def applied(name: str | None):
+    """The attributes `name` sets (None: nothing), as they were again after."""
+    changes = SETTINGS[name] if name is not None else {}
+    saved = {key: getattr(*key) for key in changes}
+    try:
+        for (module, attr), value in changes.items():
+            setattr(module, attr, value)
+        yield
+    finally:
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
