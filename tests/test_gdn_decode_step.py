@@ -50,9 +50,9 @@ def reference(args, heads, slots):
     cpu_slots = None if slots is None else slots.cpu()
     mixed = gdn.causal_conv1d_update(a["proj"][:, :channels], a["conv_weight"], a["conv_state"], slots=cpu_slots)
     key = hk * dk
+    gates = a["proj"][:, channels + hv * dv:]                 # b | a
     o = gdn.gdn_decode_inplace(mixed[:, :key].view(bsz, hk, dk), mixed[:, key:2 * key].view(bsz, hk, dk),
-                               mixed[:, 2 * key:].view(bsz, hv, dv),
-                               a["proj"][:, channels + hv * dv + hv:], a["proj"][:, channels + hv * dv:channels + hv * dv + hv],
+                               mixed[:, 2 * key:].view(bsz, hv, dv), gates[:, hv:], gates[:, :hv],
                                a["A_log"], a["dt_bias"], a["state"], slots=cpu_slots)
     z = a["proj"][:, channels:channels + hv * dv].view(bsz, hv, dv)
     y = gdn.naive_gated_rms_norm(o, z, a["norm_weight"], 1e-6).view(bsz, hv * dv)

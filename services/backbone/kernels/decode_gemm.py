@@ -18,18 +18,19 @@ cuBLAS with that one shape. At batch 1 that runs 128-row tensor-core tiles over 
 decode step reads once: the H200 decode step spent ~1.9 ms per step in dense GEMMs that move
 ~2.9 GB (a 0.68 ms floor). Here the kernel is written so that a row's bits cannot depend on M.
 
-Invariance by construction. The config (BM rows per MMA tile, BN output columns, BK reduction
-step, SPLIT K ranges, num_warps) is a function of the weight's shape and dtype only
-(`config_for`), never of M; so is the pipeline depth, except where TUNED gives a shape another
-one above one row group (`wide_stages`: it schedules the loads, not the arithmetic). Every tl.dot is [BM, BK] x [BK, BN] with an F32 accumulator: 64 rows
-for bf16 weights, which Triton lowers on Hopper to the warpgroup MMA (wgmma, one instruction
-shape for every tile), 16 for the F32 router, whose IEEE dot is an FMA chain over k. Each output
-element is then Σ over the fixed K ranges, each range summed in ascending BK steps, each step by the same
-instruction sequence; nothing in that sequence looks at the other rows (rows past M are masked to
-zero and never stored; storage past M is never read). With SPLIT > 1 the range partials go to an
-F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in range order 0, 1, .., then the
-residual: a fixed order, no atomics. With SPLIT = 1 the GEMM kernel adds the residual itself (the
-same arithmetic: partial + residual, one rounding).
+Invariance by construction. The config (BM rows per MMA tile, BN output columns, BK reduction step,
+SPLIT K ranges, num_warps) is a function of the weight's shape and dtype only (`config_for`), never
+of M; so is the pipeline depth, except where TUNED gives a shape another one above one row group
+(`wide_stages`: it schedules the loads, not the arithmetic). Every tl.dot is [BM, BK] x [BK, BN]
+with an F32 accumulator: 64 rows for bf16 weights, which Triton lowers on Hopper to the warpgroup
+MMA (wgmma, one instruction shape for every tile), 16 for the F32 router, whose IEEE dot is an FMA
+chain over k. Each output element is then Σ over the fixed K ranges, each range summed in ascending
+BK steps, each step by the same instruction sequence; nothing in that sequence looks at the other
+rows (rows past M are masked to zero and never stored; storage past M is never read). With SPLIT > 1
+the range partials go to an F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in
+range order 0, 1, .., then the residual: a fixed order, no atomic sums (LAST_REDUCES' tickets
+count arrivals, they add nothing). With SPLIT = 1 the GEMM kernel
+adds the residual itself (the same arithmetic: partial + residual, one rounding).
 
 Why BM 64 for bf16 (session 17): the per-warp MMA (mma.sync, BM 16, as first written) is
 Hopper's slower tensor-core path, and at 128 rows it made the kernel compute-bound where cuBLAS is

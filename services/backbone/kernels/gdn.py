@@ -465,22 +465,11 @@ if HAS_TRITON:
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = ch < C
-        x_new = tl.load(x_ptr + b * stride_x + ch, mask=ok, other=0.0)
         if HAS_SLOTS:
             row = tl.load(slot_ptr + b).to(tl.int64)
         else:
             row = b.to(tl.int64)
-        s_base = state_ptr + (row * C + ch) * (TAPS - 1)
-        # taps in order 0..Kc-2 from the state, then the new input (same sum order as the reference)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TAPS - 1):
-            s_j = tl.load(s_base + j, mask=ok, other=0.0)
-            acc += s_j.to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=ok, other=0.0).to(tl.float32)
-            if j > 0:
-                tl.store(s_base + j - 1, s_j, mask=ok)
-        acc += x_new.to(tl.float32) * tl.load(w_ptr + ch * TAPS + TAPS - 1, mask=ok, other=0.0).to(tl.float32)
-        tl.store(s_base + TAPS - 2, x_new.to(state_ptr.dtype.element_ty), mask=ok)
-        y = acc * tl.sigmoid(acc)
+        y = _conv_channels(x_ptr + b * stride_x, w_ptr, state_ptr, row, C, ch, ok, TAPS)
         tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -606,9 +595,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _conv_channels(row_ptr, w_ptr, conv_ptr, slot, C, ch, ok, TAPS: tl.constexpr):
-        """silu(conv) of one row's channels `ch`, their conv state shifted in place: the
-        arithmetic of _conv_update_kernel, the result rounded to the row's dtype as that kernel
-        stores it, returned in F32."""
+        """silu(conv) of one row's channels `ch` (row_ptr: the row's first input), their conv state
+        at `slot` shifted in place: the taps in order 0..K_c−2 from the state, then the new input
+        (causal_conv1d's sum order), rounded to the row's dtype as causal_conv1d_update stores
+        it, returned in F32."""
         x_new = tl.load(row_ptr + ch, mask=ok, other=0.0)
         s_base = conv_ptr + (slot * C + ch) * (TAPS - 1)
         acc = tl.zeros(ch.shape, dtype=tl.float32)
