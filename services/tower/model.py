@@ -133,10 +133,18 @@ class RowBatch:
     # cos/sin per (rotary_dim, theta), made by the first layer and shared by the others.
     _rotary: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def rotary(self, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    def rotary(self, rotary_dim: int, theta: float, table: tuple[Tensor, Tensor] | None = None
+               ) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, r/2] at the rows' positions: the rows of `table` (rotary_tables of every
+        cache position, made once by setup_caches) when given, two gathers a step where the
+        tables' arithmetic took ~8 launches; else computed. The same values either way: each
+        element is the same F32 product and cos/sin of it."""
         key = (rotary_dim, theta)
         if key not in self._rotary:
-            self._rotary[key] = rotary_tables(self.positions, rotary_dim, theta)
+            if table is None:
+                self._rotary[key] = rotary_tables(self.positions, rotary_dim, theta)
+            else:
+                self._rotary[key] = tuple(t.index_select(0, self.positions) for t in table)
         return self._rotary[key]
 
     @classmethod
@@ -206,8 +214,14 @@ class TowerModel(nn.Module):
         weight = self.codebook_embeddings.weight
         if weight.is_cuda and not self.batch_invariant:
             self.fuse_projections()
+        tables = {}               # cos/sin of every cache position, one pair per RoPE setting
         for layer in self.layers():
-            layer.self_attn.setup_cache(max_sessions, max_context, weight.dtype, weight.device)
+            attn = layer.self_attn
+            attn.setup_cache(max_sessions, max_context, weight.dtype, weight.device)
+            key = (attn.rotary_dim, attn.rope_theta)
+            if key not in tables:
+                tables[key] = rotary_tables(torch.arange(max_context, device=weight.device), *key)
+            attn.rope_table = tables[key]
 
     def fuse_projections(self) -> None:
         """The GPU path's load-time layout: each layer's q, k and v weights as one [N_q+2·N_kv, D]
@@ -368,6 +382,7 @@ class GatedAttention(nn.Module):
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
         self.qkv_weight: Tensor | None = None    # fuse_projections: q, k, v stacked
+        self.rope_table: tuple[Tensor, Tensor] | None = None   # cos, sin of every cache position (setup_caches)
 
     def fuse_projections(self) -> None:
         if self.qkv_weight is None:
@@ -392,7 +407,7 @@ class GatedAttention(nn.Module):
         q, gate = q_and_gate.view(t, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = rows.rotary(self.rotary_dim, self.rope_theta)
+        cos, sin = rows.rotary(self.rotary_dim, self.rope_theta, self.rope_table)
         q = norm_rope(q, self.q_norm, cos, sin)
 
         # Write first, then attend: rows of one segment then see each other causally.
