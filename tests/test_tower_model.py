@@ -136,6 +136,23 @@ def test_fast_path_matches_the_batch_invariant_path():
         assert torch.allclose(fast, reference, rtol=1e-4, atol=1e-4), (fast - reference).abs().max()
 
 
+def test_rope_rows_come_from_the_position_tables():
+    """setup_caches makes cos/sin of every cache position once per RoPE setting, shared by the
+    layers; a step's rows from the tables equal the ones computed at its positions, bit for bit."""
+    from services.tower.model import rotary_tables
+
+    model = random_tower(TINY, seed=1)
+    model.setup_caches(2, 300)
+    attn = [layer.self_attn for layer in model.layers()]
+    assert all(a.rope_table is attn[0].rope_table for a in attn)
+    assert attn[0].rope_table[0].shape == (300, attn[0].rotary_dim // 2)
+    rows = RowBatch.from_segments([(0, 0, 5), (1, 297, 3)])
+    assert rows.positions.tolist() == [0, 1, 2, 3, 4, 297, 298, 299]
+    got = rows.rotary(attn[0].rotary_dim, attn[0].rope_theta, attn[0].rope_table)
+    want = rotary_tables(rows.positions, attn[0].rotary_dim, attn[0].rope_theta)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_bench_smoke_on_cpu():
     """bench/tower.py runs at the tiny geometry on CPU (the GPU numbers come from the lead)."""
     import importlib.util
