@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -412,6 +413,28 @@ async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_f
     scheduler._active.append(types.SimpleNamespace(prefilling=True))
     assert not scheduler._steps_inline()
     scheduler._active.pop()
+
+
+async def test_spinning_while_a_step_is_at_the_tower_changes_no_frame(stage):
+    """spin_wait_s (DRAMA_SPIN_WAIT_MS): the main loop polls instead of sleeping while a step is at
+    the tower; every session gets the frames of the sleeping loop, and the loop does spin."""
+    runs, spins = {}, {}
+    for spin_s in (0.0, 0.02):
+        scheduler, _ = await stage(spin_wait_s=spin_s)
+        turns, sleeps = [0], asyncio.sleep
+
+        async def counting_sleep(delay, *args, **kwargs):
+            turns[0] += delay == 0
+            return await sleeps(delay, *args, **kwargs)
+
+        sessions = [scheduler.submit(_job(f"s{i}", seed=70 + i, turns=("one",), max_new=5)) for i in range(2)]
+        with mock.patch.object(asyncio, "sleep", counting_sleep):
+            results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        runs[spin_s] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
+        spins[spin_s] = turns[0]
+    for slept, spun in zip(runs[0.0], runs[0.02]):
+        assert torch.equal(slept, spun)
+    assert spins[0.02] > spins[0.0] + 10, spins
 
 
 async def test_frames_are_grouped_first_then_every_and_flushed_at_chunk_end(stage):

@@ -382,7 +382,8 @@ class Scheduler:
                  idle_poll_s: float = 0.05, meter: metrics.Meter | None = None,
                  prefix_cache: PrefixCache | None = None, model_identity: str = "",
                  prefill_interval_s: float = 0.0, prefill_lane: bool = False,
-                 first_audio_hold_s: float = 0.0, inline_steps: bool | None = None):
+                 first_audio_hold_s: float = 0.0, inline_steps: bool | None = None,
+                 spin_wait_s: float = 0.0):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
         goes into its keys, so snapshots of different weights or numerics never mix.
 
@@ -397,6 +398,9 @@ class Scheduler:
 
         prefill_lane: compute prefill pieces on a lane of their own, beside the decode groups
         (see the module docstring). Needs pieces of two rows or more.
+
+        spin_wait_s: while a step is at the tower, the main loop spins this long before it sleeps
+        (see _sleep); 0, the default, never spins.
 
         first_audio_hold_s: a session whose first frames message has just gone out sits out the
         decode steps for this long (once per request). Why: the stages are processes sharing one
@@ -430,6 +434,7 @@ class Scheduler:
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
         self.prefill_interval_s = prefill_interval_s
         self.first_audio_hold_s = first_audio_hold_s
+        self.spin_wait_s = spin_wait_s
         self._last_prefill_step = float("-inf")    # time.monotonic() of the last step with prefill
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
@@ -644,8 +649,19 @@ class Scheduler:
         """Wait for a wake-up, a response (each step's result sets `_wake` when done, see `_send`)
         or the poll interval (queue timeouts). The loop's own task waits on the event: an
         asyncio.wait over a new `_wake.wait()` task and the oldest result cost a task per sleep
-        and one more trip through the event loop between a frame's arrival and its routing."""
+        and one more trip through the event loop between a frame's arrival and its routing.
+
+        With `spin_wait_s` and a step at the tower, the loop spins on asyncio.sleep(0) for up to
+        that long first instead of sleeping in epoll, so the response is routed on the loop's next
+        turn (services.common.aio.Spinner says why; bench/hops.py measures it)."""
         self._wake.clear()
+        if self.spin_wait_s > 0 and self._inflight:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + self.spin_wait_s
+            while not self._wake.is_set() and loop.time() < until:
+                await asyncio.sleep(0)
+            if self._wake.is_set():
+                return
         timer = asyncio.get_running_loop().call_later(self.idle_poll_s, self._wake.set)
         try:
             await self._wake.wait()

@@ -314,6 +314,10 @@ class Settings:
     # (weights.start_backbone_load). None: on for a CUDA device (DRAMA_LOAD_OVERLAP=0 turns it
     # off); see load_overlap_for.
     load_overlap: bool | None = None
+    # while a step is at the tower, the scheduler's loop spins this long before it sleeps, so the
+    # frame is routed without waiting for the loop thread to wake (Scheduler.spin_wait_s). 0: off
+    # (the default until measured on the H200; bench/hops.py).
+    spin_wait_ms: float = 0.0
     grace_s: float = 30.0
 
 
@@ -523,6 +527,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
                           inline_steps=settings.inline_steps,
+                          spin_wait_s=settings.spin_wait_ms / 1000,
                           prefix_cache=prefix_cache,
                           model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost
