@@ -52,7 +52,6 @@ SHAPES = [("gdn_in_proj", 12352, 2048, torch.bfloat16, False, 30),
           ("tower_down", 2048, 12288, torch.bfloat16, True, 13),
           ("tower_head", 1024, 2048, torch.bfloat16, False, 9)]
 POSITIONS = (0, 1, 15, 16, 31, 63, 64, 127)
-SKIP_SWEEP_INVARIANCE = False   # --no-inv: swept configs skip the invariance check (its compiles)
 
 
 def do_bench(fn) -> float:
@@ -98,7 +97,8 @@ def bench_shape(shape, rows, configs, args, tiles=(None,)) -> list[dict]:
     for config in configs:
         for t in tiles:
             try:
-                out += bench_config(name, config, rows, weights, residual, gen, t)
+                out += bench_config(name, config, rows, weights, residual, gen, t,
+                                    check=config is None or not args.no_inv)
             except Exception as e:        # a sweep config may not fit (registers, shared memory)
                 if config is None and t is None:
                     raise
@@ -122,15 +122,16 @@ def random_rows(m: int, cols: int, dtype, gen) -> torch.Tensor:
     return rows.copy_(torch.randn(m, cols, device="cuda", generator=gen))
 
 
-def bench_config(name, config, rows, weights, residual, gen, tiles=None) -> list[dict]:
+def bench_config(name, config, rows, weights, residual, gen, tiles=None, check: bool = True) -> list[dict]:
+    """Time one config at each row count; `check` False skips the invariance check (--no-inv:
+    a sweep's configs, whose extra row partitions each cost a compile)."""
     from services.backbone.kernels import decode_gemm
     from services.common import invariant
 
     n, k = weights[0].shape
     dtype, calls = weights[0].dtype, len(weights)
     nbytes = n * k * weights[0].element_size()
-    inv = ("skipped" if config is not None and SKIP_SWEEP_INVARIANCE
-           else invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles))
+    inv = invariance(decode_gemm.decode_linear, weights[0], dtype, residual, config, tiles) if check else "skipped"
     out = []
     for m in rows:
         x = random_rows(m, k, torch.bfloat16, gen)
@@ -239,8 +240,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_gemm.py needs a CUDA GPU")
-    global SKIP_SWEEP_INVARIANCE
-    SKIP_SWEEP_INVARIANCE = args.no_inv
     if args.backbone:
         results = backbone(args)
     elif args.variants:
