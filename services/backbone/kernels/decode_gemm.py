@@ -28,9 +28,9 @@ chain over k. Each output element is then Σ over the fixed K ranges, each range
 BK steps, each step by the same instruction sequence; nothing in that sequence looks at the other
 rows (rows past M are masked to zero and never stored; storage past M is never read). With SPLIT > 1
 the range partials go to an F32 workspace [SPLIT, M, N] and `_split_reduce_kernel` adds them in
-range order 0, 1, .., then the residual: a fixed order, no atomic sums (LAST_REDUCES' tickets
-count arrivals, they add nothing). With SPLIT = 1 the GEMM kernel
-adds the residual itself (the same arithmetic: partial + residual, one rounding).
+range order 0, 1, .., then the residual: a fixed order, no atomic sums (LAST_REDUCES' tickets count
+arrivals, they add nothing). With SPLIT = 1 the GEMM kernel adds the residual itself (the same
+arithmetic: partial + residual, one rounding).
 
 Why BM 64 for bf16 (session 17): the per-warp MMA (mma.sync, BM 16, as first written) is
 Hopper's slower tensor-core path, and at 128 rows it made the kernel compute-bound where cuBLAS is
@@ -64,22 +64,22 @@ shape on purpose: under Triton's MMA lowering a different BN should leave each e
 too, but that is codegen detail; the row partition needs no such argument.
 
 The split reduce in the GEMM launch (LAST_REDUCES, off unless `DRAMA_DECODE_GEMM_LAST_REDUCES=1`:
-measured slower, see below): with SPLIT > 1 each program, after storing its partial, takes a ticket for its (row group,
-column block) with an acq_rel atomic after a CTA barrier (CUTLASS's split-K semaphore, as
-moe_decode's gate/up does at one row); the program that draws the last of the group's SPLIT
-tickets zeroes it again and adds the partials in range order 0, 1, .., then the residual, with
+measured slower, see below): with SPLIT > 1 each program, after storing its partial, takes a ticket
+for its (row group, column block) with an acq_rel atomic after a CTA barrier (CUTLASS's split-K
+semaphore, as moe_decode's gate/up does at one row); the program that draws the last of the group's
+SPLIT tickets zeroes it again and adds the partials in range order 0, 1, .., then the residual, with
 _split_reduce_kernel's arithmetic (so the same bits), reading them from L2 (".cg"). A decode step
-has ~40 such reduces in the backbone and ~44 in the tower, each a separate ~2 µs launch before.
-The tickets are one zeroed int32 buffer per CUDA stream (`_tickets`), made on the stream's first
-eager call: graphs are captured after an eager warm-up on their capture stream
+has ~40 such reduces in the backbone and ~44 in the tower, each a separate ~2 µs launch before. The
+tickets are one zeroed int32 buffer per CUDA stream (`_tickets`), made on the stream's first eager
+call: graphs are captured after an eager warm-up on their capture stream
 (services/common/cuda_graphs.capture), and graph families that may replay at the same time are
-captured on different streams (the same rule as cuBLAS's workspaces). A capture on a stream
-without tickets takes the reduce launch instead, never a half-made buffer. Measured (H200, one
-process, graphs recaptured per setting, `bench/backbone.py ... --gemm-configs session20
-reduce-launch tuned` twice, session 21 run 5): the batch-1 decode step 2.62 / 2.61 ms with the
-reduce launch, 2.65 / 2.66 with the reduce in the GEMM launch. The last program's reduce comes
-after its own K range, at the tail of the launch; the separate launch's 2-µs programs start early
-under PDL and spread over every SM. Kept, off, for other shapes and GPUs.
+captured on different streams (the same rule as cuBLAS's workspaces). A capture on a stream without
+tickets takes the reduce launch instead, never a half-made buffer. Measured (H200, one process,
+graphs recaptured per setting, `bench/backbone.py ... --settings tuned last-reduces`, session 21 run
+5): the batch-1 decode step 2.62 / 2.61 ms with the reduce launch, 2.65 / 2.66 with the reduce in
+the GEMM launch. The last program's reduce comes after its own K range, at the tail of the launch;
+the separate launch's 2-µs programs start early under PDL and spread over every SM. Kept, off, for
+other shapes and GPUs.
 
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
