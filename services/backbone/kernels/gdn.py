@@ -408,14 +408,14 @@ def gdn_decode_step(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: t
     (`slots` int [B]: row b's slot; None: row b); heads = (Hk, K, Hv, V).
 
     The same arithmetic as causal_conv1d_update, gdn_decode_inplace and gated_rms_norm in turn
-    (the conv output and o rounded to proj's dtype and bf16 as those store them), which is the
-    reference and runs off CUDA. On CUDA (or Triton's interpreter) one program per row and key
-    head: it owns that head's q and k channels and its Hv/Hk value heads' v channels, so the
-    conv state it shifts is read by no other program, and each value head's state [K, V] whole
-    (in one or two column stripes of `block_v`, at most 2·block_v columns), so the gated norm
-    needs no other program's o. The sums of the recurrence and the norm may
-    be ordered differently from the three kernels' (other tile shapes): last-bit differences,
-    the same for a row alone or in any batch."""
+    (the conv output and o rounded to proj's dtype, as those store them), which is the reference
+    and runs off CUDA. On CUDA (or Triton's interpreter) one program per row and key head: it
+    owns that head's q and k channels and its Hv/Hk value heads' v channels, so the conv state it
+    shifts is read by no other program, and each value head's state [K, V] whole (in one or two
+    column stripes of `block_v`, at most 2·block_v columns), so the gated norm needs no other
+    program's o. The sums of the recurrence and the norm may be ordered differently from the
+    three kernels' (other tile shapes): last-bit differences, the same for a row alone or in
+    any batch."""
     hk, dk, hv, dv = heads
     channels = conv_weight.shape[0]
     bsz = proj.shape[0]
