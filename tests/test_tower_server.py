@@ -106,6 +106,39 @@ async def test_prefill_and_draws_match_the_engine(tower):
     assert frames == _expected_frames(plan)
 
 
+async def test_a_spinning_server_answers_as_a_sleeping_one():
+    """spin_wait_s (DRAMA_SPIN_WAIT_MS): after each response the servicer's loop spins while the
+    next request is due; the frames are the engine's, and the spinner ends with the stream."""
+    server, port, _, servicer = await serve(None, port=0, max_sessions=SESSIONS, max_context=CONTEXT,
+                                            spin_wait_s=0.02, model=random_tower(TINY, seed=7), cfg=TINY)
+    assert servicer.spin_wait_s == 0.02
+    channel = grpcutil.create_channel(f"127.0.0.1:{port}", traced=False)
+    try:
+        hidden, targets = _prompt(TINY, 16, seed=4)
+        plan = _session_plan("spin", hidden, targets[:12], [12], frames=4)
+        call = tower_pb2_grpc.TowerStub(channel).Step()
+        frames, spun = [], 0
+
+        def spinners():
+            return [t for t in asyncio.all_tasks() if t.get_name() == "spinner" and not t.done()]
+
+        for step_id, (rows, h, t) in enumerate(plan, start=1):
+            await asyncio.sleep(0.005)             # the backbone's step between messages
+            spun += bool(spinners())               # the servicer spins while this request is due
+            await call.write(_request(step_id, rows, h, t))
+            frames.append(_codes(await call.read(), 1)[0].tolist())
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        assert frames == _expected_frames(plan)
+        assert spun >= len(plan) - 2, spun
+        await asyncio.sleep(0.05)                  # longer than spin_wait_s: every spinner has ended
+        assert not spinners()
+    finally:
+        await channel.close()
+        await server.stop(None)
+        servicer.worker.shutdown(wait=True)
+
+
 async def test_pipelined_requests_answer_in_order(tower):
     """Two sessions' plans interleaved with two requests in flight at all times (and a burst of
     three, which the server takes as its limit allows)."""

@@ -33,6 +33,7 @@ from opentelemetry import metrics, trace
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.common import grpcutil
+from services.common.aio import Spinner
 from services.common.telemetry import STEP_SECONDS_BUCKETS, extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
 from services.tower.engine import StepEntry, StepResult, TowerEngine
@@ -104,8 +105,12 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
 class TowerServicer(tower_pb2_grpc.TowerServicer):
     """The engine is attached once loaded and warmed; until then calls answer UNAVAILABLE."""
 
-    def __init__(self, *, max_inflight_steps: int = 2, build: str = ""):
+    def __init__(self, *, max_inflight_steps: int = 2, build: str = "", spin_wait_s: float = 0.0):
         self.engine: TowerEngine | None = None
+        # after a response, spin the event loop this long while the stream's next request is due
+        # (services.common.aio.Spinner: the request runs on the loop's next turn, not after the
+        # loop thread wakes up); 0 never spins. Off until measured on the H200 (bench/hops.py).
+        self.spin_wait_s = spin_wait_s
         self.hidden_dtype = ""
         self.max_inflight_steps = max_inflight_steps
         self.build = build
@@ -132,15 +137,22 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
     async def Step(self, request_iterator, context):
         engine = await self._require_engine(context)
         owner = object()          # this stream's sessions
+        spinner = Spinner(self.spin_wait_s) if self.spin_wait_s > 0 else None
         try:
             async for request in request_iterator:
+                if spinner is not None:
+                    spinner.stop()
                 try:
                     response = run_step(engine, request, self.hidden_dtype, owner)
                 except Exception as exc:   # a bug or a device error: the stream (and its sessions) end
                     log.exception("tower step failed")
                     await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"tower step failed: {exc!r}")
                 yield response
+                if spinner is not None:
+                    spinner.start()
         finally:
+            if spinner is not None:
+                spinner.close()
             engine.release_owner(owner)
 
 
@@ -159,15 +171,16 @@ def build_string(device: str) -> str:
 
 async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, device: str = "cpu",
                 max_sessions: int = 64, max_context: int = 8192, max_inflight_steps: int = 2,
-                prefix_cache_mb: float | None = None, ready: asyncio.Event | None = None,
-                model=None, cfg=None):
+                prefix_cache_mb: float | None = None, spin_wait_s: float = 0.0,
+                ready: asyncio.Event | None = None, model=None, cfg=None):
     """Start listening (NOT_SERVING), load and warm the tower, then SERVING.
 
     Returns (server, port, health, servicer). `model`/`cfg` skip loading from `checkpoint`
     (tests with random weights). `prefix_cache_mb`: the voice-prefix snapshot budget (None: the
     device's default, 0: off).
     """
-    servicer = TowerServicer(max_inflight_steps=max_inflight_steps, build=build_string(device))
+    servicer = TowerServicer(max_inflight_steps=max_inflight_steps, build=build_string(device),
+                             spin_wait_s=spin_wait_s)
     server, bound, health = await grpcutil.start_server(
         add_servicers=[lambda s: tower_pb2_grpc.add_TowerServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME], host=host, port=port, max_message_mb=16)
