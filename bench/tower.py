@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kernel settings (bench/step_settings.py: the decode GEMM's configs, where its split "
                         "reduce runs), one engine per entry in turn, crossed with the others (default: as the "
                         "process has them)")
+    parser.add_argument("--throwaway", action="store_true",
+                        help="time the first setting once more before the others and drop it: a process's first "
+                        "engine ran ~0.2 ms slow (docs/perf.md, session 21)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
@@ -245,8 +248,13 @@ def _run(args, model, cfg, device, modes: list[str], settings: list[frozenset],
          fused_draws: list[str | None], kernel_settings: list[str | None]) -> tuple[list, list, dict]:
     """main's timings: one engine per (decode GEMM kinds, fused draws, kernel setting, mode), in turn."""
     results, checks, meta_modes = [], [], {}
-    for kinds, fused, setting, base_mode in [(k, f, c, m) for k in settings for f in fused_draws
-                                             for c in kernel_settings for m in modes]:
+    combos = [(k, f, c, m) for k in settings for f in fused_draws for c in kernel_settings for m in modes]
+    if args.throwaway:                   # timed and printed, not returned
+        kinds, fused, setting, base_mode = combos[0]
+        print("(throw-away engine first)", flush=True)
+        with applied(setting):
+            _run_one(args, model, cfg, device, kinds, fused, setting, base_mode, [], [], {})
+    for kinds, fused, setting, base_mode in combos:
         with applied(setting):
             _run_one(args, model, cfg, device, kinds, fused, setting, base_mode, results, checks, meta_modes)
     return results, checks, meta_modes

@@ -176,7 +176,7 @@ def test_bench_smoke_on_cpu():
     from services.backbone.kernels import decode_gemm
     tuned, last_reduces = decode_gemm.TUNED, decode_gemm.LAST_REDUCES
     results = bench.main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "--context", "5", "--steps", "1",
-                          "--warmup", "1", "--settings", "session20", "last-reduces", "tuned"])
+                          "--warmup", "1", "--settings", "session20", "last-reduces", "tuned", "--throwaway"])
     assert [r["mode"] for r in results] == ["eager+dg+session20", "eager+dg+last-reduces", "eager+dg+tuned"]
     assert decode_gemm.TUNED is tuned and decode_gemm.LAST_REDUCES == last_reduces       # restored
 
