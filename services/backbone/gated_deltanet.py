@@ -410,11 +410,11 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
-        if plan.decode and kgdn.FUSED_DECODE and u.is_cuda:    # DRAMA_GDN_FUSED_DECODE=1: the core in one launch
-            y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
+        y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
+        if plan.decode and kgdn.FUSED_DECODE:    # DRAMA_GDN_FUSED_DECODE=1: conv, recurrence, gated norm in one launch
             kgdn.gdn_decode_step(proj, self.conv_weight, cache.conv, self.A_log, self.dt_bias, cache.state,
                                  self.norm.weight, self.eps, (hk, dk, hv, dv), slots=plan.seg_slots, out=y)
-            return linear(y, self.out_weight, x, residual_out=x_owned)
+            return linear(y, self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)
@@ -439,7 +439,7 @@ class GatedDeltaNet(nn.Module):
             # index_select / index_copy_ rather than indexing: the same copies, ~0.3-0.7 µs less
             # each for a piece's 2 MB state (H200, bench/prefill_parts.py); the slots are distinct
             cache.state.index_copy_(0, plan.seg_slots, state)
-        y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
+        # off CUDA the reference returns a new tensor rather than filling `out`: take what it returns
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
         return linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
 

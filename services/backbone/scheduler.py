@@ -435,6 +435,7 @@ class Scheduler:
         self.prefill_interval_s = prefill_interval_s
         self.first_audio_hold_s = first_audio_hold_s
         self.spin_wait_s = spin_wait_s
+        self._spinner = aio.Spinner(spin_wait_s) if spin_wait_s > 0 else None
         self._last_prefill_step = float("-inf")    # time.monotonic() of the last step with prefill
         self.session_buffer_frames = session_buffer_frames
         self.step_span_sample = step_span_sample
@@ -507,6 +508,8 @@ class Scheduler:
                     await task
                 except asyncio.CancelledError:
                     pass
+        if self._spinner is not None:
+            self._spinner.close()
         # A step cancelled mid-flight may still run on an engine thread; let it finish before
         # the slots are released.
         loop = asyncio.get_running_loop()
@@ -651,22 +654,20 @@ class Scheduler:
         asyncio.wait over a new `_wake.wait()` task and the oldest result cost a task per sleep
         and one more trip through the event loop between a frame's arrival and its routing.
 
-        With `spin_wait_s` and a step at the tower, the loop spins on asyncio.sleep(0) for up to
-        that long first instead of sleeping in epoll, so the response is routed on the loop's next
+        With `spin_wait_s` and a step at the tower, a Spinner keeps the loop busy for up to that
+        long instead of letting it sleep in epoll, so the response is routed on the loop's next
         turn (services.common.aio.Spinner says why; bench/hops.py measures it)."""
         self._wake.clear()
-        if self.spin_wait_s > 0 and self._inflight:
-            loop = asyncio.get_running_loop()
-            until = loop.time() + self.spin_wait_s
-            while not self._wake.is_set() and loop.time() < until:
-                await asyncio.sleep(0)
-            if self._wake.is_set():
-                return
+        spinning = self._spinner is not None and bool(self._inflight)
+        if spinning:
+            self._spinner.start()
         timer = asyncio.get_running_loop().call_later(self.idle_poll_s, self._wake.set)
         try:
             await self._wake.wait()
         finally:
             timer.cancel()
+            if spinning:
+                self._spinner.stop()
 
     def _reap(self) -> None:
         """End cancelled sessions and sessions past their deadline (queued ones too)."""
