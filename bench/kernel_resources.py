@@ -134,14 +134,6 @@ def cases() -> dict:
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                              slot_ptr=_ptr("i64")),
                         dict(TAPS=4, BLOCK=1024, HAS_SLOTS=True, PDL=True), 4, 3, {"C", "stride_x", "stride_o"}),
-        "gdn_decode_step": (gdn._gdn_decode_step_kernel,
-                            dict(proj_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), conv_ptr=_ptr("bf16"),
-                                 A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),
-                                 norm_w_ptr=_ptr("bf16"), y_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32",
-                                 eps="fp32"),
-                            dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, TWO_STRIPES=True, TAPS=4,
-                                 HAS_SLOTS=True, PDL=True),
-                            gdn.FUSED_DECODE_WARPS, 3, {"stride_p", "stride_y", "C"}),
     }
 
 

@@ -7,10 +7,9 @@ tower step (docs/perf.md), more than a launch config changes. Each setting names
 attributes that the kernels read at every call (so graphs captured under a setting keep it):
 
     tuned           as the modules have them (decode_gemm.TUNED of session 21, the split
-                    reduce in its own launch, the GDN decode core in three launches)
+                    reduce in its own launch)
     last-reduces    decode_gemm.LAST_REDUCES: the split reduce in the GEMM launch
     session20       session 20's decode_gemm.TUNED (the tower's down projection only)
-    gdn-fused       gdn.FUSED_DECODE: a decode row's GDN core in one launch (gdn_decode_step)
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ import contextlib
 
 import torch
 
-from services.backbone.kernels import decode_gemm, gdn
+from services.backbone.kernels import decode_gemm
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
-            "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
-            "gdn-fused": {(gdn, "FUSED_DECODE"): True}}
+            "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED}}
 
 
 @contextlib.contextmanager

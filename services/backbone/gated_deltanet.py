@@ -411,10 +411,6 @@ class GatedDeltaNet(nn.Module):
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
         y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
-        if plan.decode and kgdn.FUSED_DECODE:    # DRAMA_GDN_FUSED_DECODE=1: conv, recurrence, gated norm in one launch
-            kgdn.gdn_decode_step(proj, self.conv_weight, cache.conv, self.A_log, self.dt_bias, cache.state,
-                                 self.norm.weight, self.eps, (hk, dk, hv, dv), slots=plan.seg_slots, out=y)
-            return linear(y, self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)

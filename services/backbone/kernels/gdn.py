@@ -11,8 +11,6 @@ channels (2·Hk·K + Hv·V), Kc conv taps. States are [B, Hv, K, V] float32.
     recurrent_gated_delta_rule(q,k,v,g,beta, initial_state)-> (o, S)   fla fused_recurrent on CUDA, else reference
     gdn_decode_inplace(q,k,v,a,b,A_log,dt_bias, state)     -> o [B,Hv,V]: one row, gates fused, state in place
     gated_rms_norm(o [..,V], z [..,V], w [V], eps)         -> RMSNorm(o)·w ⊙ silu(z), bf16
-    gdn_decode_step(proj, conv_w, conv_state, .., state, norm_w) -> y [B, Hv·V]: a decode row's whole
-                                                              core (conv, recurrence, gated norm) in one launch
     naive_recurrent_gated_delta_rule / naive_causal_conv1d / naive_gated_rms_norm: plain loops, float32
 
 q and k go in un-normalised: the l2 norm (eps 1e-6) and the d_k^-1/2 scale are applied inside
@@ -31,8 +29,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from services.common.grpcutil import env_switch
 
 from . import HAS_TRITON, INTERPRET, pdl_args, use_triton
 
@@ -386,72 +382,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 # --------------------------------------------------------------------------------------------
-# a decode row's core in one launch
-# --------------------------------------------------------------------------------------------
-
-# DRAMA_GDN_FUSED_DECODE=1: a decode step's GDN core as gdn_decode_step's one launch per layer
-# instead of three (conv update, recurrence, gated norm). Off until timed on the GPU: built in
-# session 21 after the device time ran out (docs/perf.md). Read once at import.
-FUSED_DECODE = env_switch("DRAMA_GDN_FUSED_DECODE") is True
-FUSED_DECODE_WARPS = 4      # a [K, 64] F32 state stripe is 64 registers a thread at 4 warps
-
-
-def gdn_decode_step(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor,
-                    dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    heads: tuple[int, int, int, int], slots: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, scale: float | None = None, block_v: int = 64) -> torch.Tensor:
-    """One decode row per sequence through §4.3 steps 2-6, conv state and recurrent state updated
-    where they lie: y [B, Hv·V] bf16 = gated_rms_norm(o, z) of o = the recurrence on silu(conv(m)).
-
-    proj [B, c + Hv·V + 2·Hv] = [m | z | b | a], the fused in-projection (unit column stride);
-    conv_weight [c, K_c]; conv_state [S, c, K_c−1] and state [S, Hv, K, V] F32, slot pools
-    (`slots` int [B]: row b's slot; None: row b); heads = (Hk, K, Hv, V).
-
-    The same arithmetic as causal_conv1d_update, gdn_decode_inplace and gated_rms_norm in turn
-    (the conv output and o rounded to proj's dtype, as those store them), which is the reference
-    and runs off CUDA. On CUDA (or Triton's interpreter) one program per row and key head: it
-    owns that head's q and k channels and its Hv/Hk value heads' v channels, so the conv state it
-    shifts is read by no other program, and each value head's state [K, V] whole (in one or two
-    column stripes of `block_v`, at most 2·block_v columns), so the gated norm needs no other
-    program's o. The sums of the recurrence and the norm may be ordered differently from the
-    three kernels' (other tile shapes): last-bit differences, the same for a row alone or in
-    any batch."""
-    hk, dk, hv, dv = heads
-    channels = conv_weight.shape[0]
-    bsz = proj.shape[0]
-    if channels != 2 * hk * dk + hv * dv or proj.shape[1] != channels + hv * dv + 2 * hv:
-        raise ValueError(f"proj [{bsz}, {proj.shape[1]}] does not hold m [{channels}] | z | b | a for heads {heads}")
-    if out is None:
-        out = torch.empty(bsz, hv * dv, dtype=torch.bfloat16, device=proj.device)
-    if not (HAS_TRITON and (proj.is_cuda or INTERPRET)):     # the interpreter runs the kernel on the CPU (tests)
-        mixed = causal_conv1d_update(proj[:, :channels], conv_weight, conv_state, slots=slots)
-        key = hk * dk
-        q = mixed[:, :key].view(bsz, hk, dk)
-        k = mixed[:, key:2 * key].view(bsz, hk, dk)
-        v = mixed[:, 2 * key:].view(bsz, hv, dv)
-        b = proj[:, channels + hv * dv:channels + hv * dv + hv]
-        a = proj[:, channels + hv * dv + hv:]
-        o = gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale=scale, slots=slots)
-        z = proj[:, channels:channels + hv * dv].view(bsz, hv, dv)
-        return out.copy_(gated_rms_norm(o.contiguous(), z, norm_weight, eps).view(bsz, hv * dv))
-    if proj.stride(1) != 1 or not conv_state.is_contiguous() or not conv_weight.is_contiguous():
-        raise ValueError("gdn_decode_step needs proj with unit column stride, a contiguous conv state and weight")
-    if not state.is_contiguous() or state.dtype != torch.float32:
-        raise ValueError("state must be contiguous float32 [S, Hv, K, V]")
-    if hv % hk:
-        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
-    block_v = min(block_v, triton.next_power_of_2(dv))
-    if dv > 2 * block_v:
-        raise ValueError(f"gdn_decode_step takes V <= 2 x block_v, got V {dv}, block_v {block_v}")
-    _gdn_decode_step_kernel[(bsz * hk,)](
-        proj, proj.stride(0), conv_weight, conv_state, A_log, dt_bias, state, norm_weight, out, out.stride(0),
-        slots if slots is not None else out, dk ** -0.5 if scale is None else scale, eps, channels,
-        HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, TWO_STRIPES=dv > block_v,
-        TAPS=conv_weight.shape[1], HAS_SLOTS=slots is not None, num_warps=FUSED_DECODE_WARPS, **pdl_args())
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 
@@ -611,77 +541,3 @@ if HAS_TRITON:
         tl.store(s_base + TAPS - 2, x_new.to(conv_ptr.dtype.element_ty), mask=ok)
         y = acc * tl.sigmoid(acc)
         return y.to(row_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _state_stripe(h_ptr, slot, i_hv, v0, bq, bk, bv, g, beta, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, O_DTYPE: tl.constexpr):
-        """Columns v0..v0+BV of value head i_hv's [K, V] state: the delta-rule update in place
-        (as _gdn_decode_kernel's stripe) and o, rounded to O_DTYPE as gdn_decode_inplace stores
-        it; returns (o in F32, the sum of its squares)."""
-        o_k = tl.arange(0, BK)
-        o_v = v0 + tl.arange(0, BV)
-        mh = (o_k < K)[:, None] & (o_v < V)[None, :]
-        p_h = h_ptr + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        bh = tl.load(p_h, mask=mh, other=0.0) * tl.exp(g)
-        bv = beta * (bv - tl.sum(bh * bk[:, None], 0))
-        bh += bk[:, None] * bv[None, :]
-        tl.store(p_h, bh, mask=mh)
-        o = tl.sum(bh * bq[:, None], 0).to(O_DTYPE).to(tl.float32)
-        return o, tl.sum(o * o)
-
-    @triton.jit
-    def _gdn_decode_step_kernel(proj_ptr, stride_p, w_ptr, conv_ptr, A_log_ptr, dt_bias_ptr, h_ptr, norm_w_ptr,
-                                y_ptr, stride_y, slot_ptr, scale, eps, C,
-                                HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                BK: tl.constexpr, BV: tl.constexpr, TWO_STRIPES: tl.constexpr, TAPS: tl.constexpr,
-                                HAS_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row b, key head h): conv + silu of h's q, k and its value heads' v channels,
-        then per value head the gates, the delta-rule update of its [K, V] state in one or two
-        column stripes of BV (as _gdn_decode_kernel), and the gated RMSNorm of its o (as
-        _gated_norm_kernel) over both stripes."""
-        pdl_prologue(PDL)
-        pid = tl.program_id(0)
-        i_b, i_h = pid // HK, pid % HK
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + i_b).to(tl.int64)
-        else:
-            slot = i_b.to(tl.int64)
-        row_ptr = proj_ptr + i_b.to(tl.int64) * stride_p
-        y_row = y_ptr + i_b.to(tl.int64) * stride_y
-        KD: tl.constexpr = HK * K
-        G: tl.constexpr = HV // HK
-        o_k = tl.arange(0, BK)
-        mk = o_k < K
-        bq = _conv_channels(row_ptr, w_ptr, conv_ptr, slot, C, i_h * K + o_k, mk, TAPS)
-        bk = _conv_channels(row_ptr, w_ptr, conv_ptr, slot, C, KD + i_h * K + o_k, mk, TAPS)
-        bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6) * scale
-        bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
-        va = tl.arange(0, BV)
-        vb = BV + tl.arange(0, BV)
-        for j in tl.static_range(G):
-            i_hv = i_h * G + j
-            x = (tl.load(row_ptr + C + HV * V + HV + i_hv).to(tl.float32)
-                 + tl.load(dt_bias_ptr + i_hv).to(tl.float32))
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-            g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
-            beta = tl.sigmoid(tl.load(row_ptr + C + HV * V + i_hv).to(tl.float32))
-            v_a = _conv_channels(row_ptr, w_ptr, conv_ptr, slot, C, 2 * KD + i_hv * V + va, va < V, TAPS)
-            o_a, squares = _state_stripe(h_ptr, slot, i_hv, 0, bq, bk, v_a, g, beta, HV, K, V, BK, BV,
-                                         row_ptr.dtype.element_ty)
-            if TWO_STRIPES:
-                v_b = _conv_channels(row_ptr, w_ptr, conv_ptr, slot, C, 2 * KD + i_hv * V + vb, vb < V, TAPS)
-                o_b, squares_b = _state_stripe(h_ptr, slot, i_hv, BV, bq, bk, v_b, g, beta, HV, K, V, BK, BV,
-                                               row_ptr.dtype.element_ty)
-                squares += squares_b
-            inv = tl.rsqrt(squares / V + eps)
-            _gated_output(o_a, inv, row_ptr + C + i_hv * V, norm_w_ptr, y_row + i_hv * V, va, V)
-            if TWO_STRIPES:
-                _gated_output(o_b, inv, row_ptr + C + i_hv * V, norm_w_ptr, y_row + i_hv * V, vb, V)
-
-    @triton.jit
-    def _gated_output(o, inv, z_ptr, w_ptr, y_ptr, cols, V):
-        """y[cols] = o · inv · w ⊙ silu(z), bf16 (the gated norm's output, its sum taken)."""
-        ok = cols < V
-        z = tl.load(z_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + cols, (o * inv * w * (z * tl.sigmoid(z))).to(tl.bfloat16), mask=ok)
