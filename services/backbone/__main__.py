@@ -19,8 +19,8 @@ DRAMA_PREFILL_GRAPHS (the prefill pieces of a step as padded pieces replayed fro
 several sessions' pieces packed in one replay: on with the decode graphs, 0 turns them off; read
 by Backbone), DRAMA_FIRST_AUDIO_HOLD_MS (a session sits out the decode steps this long after its
 first frames message, so the codec's first chunk has the GPU: 5 on CUDA, 0 on the CPU),
-DRAMA_SPIN_WAIT_MS (0: while a step is at the tower the scheduler's loop spins this long before it
-sleeps) and DRAMA_GRACE_S (30).
+DRAMA_SPIN_WAIT_MS (while a step is at the tower the scheduler's loop spins this long before it
+sleeps: 10 on CUDA, 0 on the CPU) and DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
@@ -78,7 +78,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         prefill_lane=env_switch("DRAMA_PREFILL_LANE"),
         first_audio_hold_ms=env_default("DRAMA_FIRST_AUDIO_HOLD_MS", None, float),
         load_overlap=env_switch("DRAMA_LOAD_OVERLAP"),
-        spin_wait_ms=env_default("DRAMA_SPIN_WAIT_MS", 0.0, float),
+        spin_wait_ms=env_default("DRAMA_SPIN_WAIT_MS", None, float),
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 

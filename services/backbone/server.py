@@ -31,7 +31,7 @@ from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job
                                          Rows, Sampling, Scheduler, Started, Usage, audio_rows,
                                          text_rows)
 from services.backbone.tower_client import TowerClient
-from services.common import grpcutil
+from services.common import aio, grpcutil
 from services.common.config import DramaConfig, load_config
 from services.common.grpcutil import env_default
 from services.common.tensors import codes_to_wire, codes_from_wire, ids_from_bytes
@@ -315,9 +315,9 @@ class Settings:
     # off); see load_overlap_for.
     load_overlap: bool | None = None
     # while a step is at the tower, the scheduler's loop spins this long before it sleeps, so the
-    # frame is routed without waiting for the loop thread to wake (Scheduler.spin_wait_s). 0: off
-    # (the default until measured on the H200; bench/hops.py).
-    spin_wait_ms: float = 0.0
+    # frame is routed without waiting for the loop thread to wake (Scheduler.spin_wait_s). None:
+    # 10 ms on a CUDA device, off on the CPU (services.common.aio.spin_wait_s); 0: off.
+    spin_wait_ms: float | None = None
     grace_s: float = 30.0
 
 
@@ -527,7 +527,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           step_span_sample=settings.step_span_sample,
                           max_inflight_steps=settings.max_inflight_steps,
                           inline_steps=settings.inline_steps,
-                          spin_wait_s=settings.spin_wait_ms / 1000,
+                          spin_wait_s=aio.spin_wait_s(settings.spin_wait_ms, settings.device),
                           prefix_cache=prefix_cache,
                           model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost

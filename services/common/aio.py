@@ -19,6 +19,22 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
+# The spin wait's default on a CUDA device, ms: a frame's step is ~2-3 ms at each stage, so the
+# next message is due well inside it. On the H200 under MPS (docs/perf.md, session 22) a
+# single-stream frame went 6.55 / 6.45 -> 5.98 / 6.31 ms with it (the hop into the tower 0.47 ->
+# 0.27-0.37 ms, the hop back 0.57 -> 0.47-0.50). Off on the CPU: there the stages share a few
+# cores, and a spinning loop takes them from the compute.
+SPIN_WAIT_MS_CUDA = 10.0
+
+
+def spin_wait_s(spin_wait_ms: float | None, device: str) -> float:
+    """The spin wait in seconds: `spin_wait_ms` if given (0 or less: off), else
+    SPIN_WAIT_MS_CUDA on a CUDA device and 0 elsewhere."""
+    if spin_wait_ms is None:
+        spin_wait_ms = SPIN_WAIT_MS_CUDA if device.startswith("cuda") else 0.0
+    return max(0.0, spin_wait_ms) / 1000
+
+
 class Spinner:
     """Keeps this thread's event loop busy (a task looping on asyncio.sleep(0)) from start() until
     stop() or `max_s` later: while it spins, the loop never sleeps in epoll, so a message that

@@ -6,8 +6,8 @@ Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, 
 the cache pool reads DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each),
 the same variables the backbone sizes its pool with (API.md §3.5), DRAMA_PREFIX_CACHE_MB the
 voice-prefix snapshots (default 64 on the CPU, 1024 on a GPU; 0 turns them off),
-DRAMA_SPIN_WAIT_MS (0: after a response the event loop spins this long while the stream's next
-request is due, instead of sleeping; TowerServicer) and DRAMA_GRACE_S (30) bounds the SIGTERM drain. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of
+DRAMA_SPIN_WAIT_MS (after a response the event loop spins this long while the stream's next
+request is due, instead of sleeping: 10 on CUDA, 0 on the CPU; TowerServicer) and DRAMA_GRACE_S (30) bounds the SIGTERM drain. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of
 the decode step and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on
 with --device cuda; read by TowerEngine, captured during warm-up).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common import random_weights
+from services.common import aio, random_weights
 from services.common.grpcutil import env_default, run_stage, serve_until_signalled
 from services.tower.server import serve
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_sessions = env_default("DRAMA_MAX_ROWS", 64, int)
     args.max_context = env_default("DRAMA_MAX_CONTEXT_TOKENS", 8192, int)
     args.prefix_cache_mb = env_default("DRAMA_PREFIX_CACHE_MB", None, float)
-    args.spin_wait_ms = env_default("DRAMA_SPIN_WAIT_MS", 0.0, float)
+    args.spin_wait_ms = env_default("DRAMA_SPIN_WAIT_MS", None, float)
     args.grace_s = env_default("DRAMA_GRACE_S", 30.0, float)
     return args
 
@@ -48,7 +48,7 @@ async def run(args: argparse.Namespace) -> None:
     server, _, health, servicer = await serve(
         args.checkpoint, host=args.host, port=args.port, device=args.device,
         max_sessions=args.max_sessions, max_context=args.max_context,
-        prefix_cache_mb=args.prefix_cache_mb, spin_wait_s=args.spin_wait_ms / 1000, model=model, cfg=cfg)
+        prefix_cache_mb=args.prefix_cache_mb, spin_wait_s=aio.spin_wait_s(args.spin_wait_ms, args.device), model=model, cfg=cfg)
     await serve_until_signalled(server, health, grace_s=args.grace_s)
     servicer.worker.shutdown(wait=False)
 
