@@ -22,6 +22,9 @@ and reports per round: wall time - both computes = what the two hops cost. Cases
                 awaiting it (its event loop never sleeps in epoll while a frame is due)
     spin-both   as spin-read, and the server's event loop spins too (services.common.aio.Spinner)
                 from a response until the next request arrives
+    spin-writes both sides spin from before their write (its completion comes back through
+                grpc's poller thread too) until the next message is in: what the stages do
+                with DRAMA_SPIN_WAIT_MS (session 22)
 
 Each side's compute is what it measured (the server sends its own back in `tower_us`), so an
 asyncio.sleep's overshoot counts as compute, not as a hop. Whether the H200 host (16 cores) pays
@@ -50,7 +53,7 @@ import grpc  # noqa: E402
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc  # noqa: E402
 from services.common.aio import Spinner  # noqa: E402
 
-CASES = ("bare", "compute", "idle", "spin-read", "spin-both")
+CASES = ("bare", "compute", "idle", "spin-read", "spin-both", "spin-writes")
 HIDDEN = b"\1" * 4096          # one bf16 row of the full preset (H = 2048)
 
 
@@ -78,13 +81,15 @@ class Echo(tower_pb2_grpc.TowerServicer):
         self.case, self.compute_ms, self.how = case, compute_ms, how
 
     async def Step(self, request_iterator, context):
-        spinner = Spinner(max_s=0.05) if self.case == "spin-both" else None
+        spinner = Spinner(max_s=0.05) if self.case in ("spin-both", "spin-writes") else None
         async for request in request_iterator:
             if spinner is not None:
                 spinner.stop()
             started = time.perf_counter()
             await wait_compute(self.compute_ms, self.case, self.how)
             took_us = int((time.perf_counter() - started) * 1e6)    # the client subtracts what it took
+            if spinner is not None and self.case == "spin-writes":
+                spinner.start()
             yield tower_pb2.StepResponse(step_id=request.step_id, codes=b"\0" * 20, stop=[False], tower_us=took_us)
             if spinner is not None:
                 spinner.start()
@@ -104,14 +109,20 @@ async def client(port: int, case: str, compute_ms: float, how: str, rounds: int)
     overshoots by up to a millisecond: that is the timer's, not the hop's)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = tower_pb2_grpc.TowerStub(channel).Step()
+        spinner = Spinner(max_s=0.05) if case == "spin-writes" else None
         overheads = []
         started = time.perf_counter()
         for i in range(rounds + 20):
             computed = time.perf_counter()
             await wait_compute(compute_ms, case, how)
             computed = time.perf_counter() - computed
+            if spinner is not None:
+                spinner.start()
             await call.write(tower_pb2.StepRequest(step_id=i, hidden=HIDDEN))
-            if case in ("spin-read", "spin-both"):
+            if spinner is not None:
+                response = await call.read()
+                spinner.stop()
+            elif case in ("spin-read", "spin-both"):
                 read = asyncio.ensure_future(call.read())
                 while not read.done():
                     await asyncio.sleep(0)

@@ -1060,6 +1060,11 @@ class Scheduler:
         if span is not None:
             propagate.inject(trace_context, context=trace.set_span_in_context(span))
         step = TowerStep(tower_entries, hidden, targets, release, trace_context)
+        if self._spinner is not None:
+            # the write's completion comes back through grpc's poller thread: with the loop
+            # spinning it is seen on the next turn, not after the loop thread wakes up (the
+            # spin then goes on in _sleep while the step is at the tower)
+            self._spinner.start()
         try:
             result = await self.tower.send(step)
             if span is not None:

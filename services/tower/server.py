@@ -148,9 +148,12 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
                 except Exception as exc:   # a bug or a device error: the stream (and its sessions) end
                     log.exception("tower step failed")
                     await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"tower step failed: {exc!r}")
-                yield response
                 if spinner is not None:
+                    # before the yield: grpc.aio resumes this generator only once the response's
+                    # write has completed, and that completion, like the next request, comes
+                    # through grpc's poller thread; spinning, the loop sees both on its next turn
                     spinner.start()
+                yield response
         finally:
             if spinner is not None:
                 spinner.close()
