@@ -124,6 +124,11 @@ def cases() -> dict:
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
         "gemm_split_last_reduces": split_gemm(),
+        "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
+                              dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
+                                   w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
+                              dict(SPLIT=4, HAS_RESIDUAL=True, BH=2048, PDL=True), 8, 3,
+                              {"N", "stride_rm", "stride_om", "stride_um"}),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),

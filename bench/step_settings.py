@@ -10,6 +10,8 @@ attributes that the kernels read at every call (so graphs captured under a setti
                     reduce in its own launch)
     last-reduces    decode_gemm.LAST_REDUCES: the split reduce in the GEMM launch
     session20       session 20's decode_gemm.TUNED (the tower's down projection only)
+    norm-separate   decode_gemm.NORM_IN_REDUCE off: the post-attention norm in its own launch
+                    after the out-projection's split reduce (before session 22)
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from services.backbone.kernels import decode_gemm
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
-            "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED}}
+            "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
+            "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False}}
 
 
 @contextlib.contextmanager

@@ -302,7 +302,51 @@ def test_last_program_reduce_equals_the_reduce_launch(monkeypatch, m, residual):
     assert tickets is not None and int(tickets.abs().sum()) == 0
 
 
+@kernel
+@pytest.mark.parametrize("m,residual", [(1, True), (5, False), (70, True)])
+def test_norm_in_the_reduce_launch(monkeypatch, m, residual):
+    """norm=(w, eps) with K split: the row program of the reduce gives the reduce launch's bits
+    for the output and RMSNorm⁺ of that output (unit-offset gain) within a bf16 rounding; with
+    NORM_IN_REDUCE off, the norm's own launch on the same output."""
+    from services.backbone.kernels import decode_graph
+
+    x, w, r = operands(m, 256, 512, torch.bfloat16, residual, seed=11)
+    gain = (0.3 * torch.randn(256, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16).to(DEVICE)
+    config = dict(BM=64, BN=32, BK=128, SPLIT=4, num_warps=4, num_stages=3)
+    plain = decode_gemm.decode_linear(x, w, r, config=config)
+    out, u = decode_gemm.decode_linear(x, w, r, config=config, norm=(gain, 1e-6))
+    assert torch.equal(out, plain)
+    ref = decode_graph.naive_rms_norm_plus(plain, gain, 1e-6).float()
+    torch.testing.assert_close(u.float(), ref, rtol=8e-3, atol=8e-3)
+    monkeypatch.setattr(decode_gemm, "NORM_IN_REDUCE", False)
+    out2, u2 = decode_gemm.decode_linear(x, w, r, config=config, norm=(gain, 1e-6))
+    assert torch.equal(out2, plain)
+    assert torch.equal(u2, decode_graph.rms_norm_plus(plain, gain, 1e-6))
+    torch.testing.assert_close(u2.float(), ref, rtol=8e-3, atol=8e-3)
+
+
+def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
+    x, w, r = operands(2, 64, 128, torch.bfloat16, True)
+    with pytest.raises(ValueError, match="gain"):
+        decode_gemm.decode_linear(x, w, r, norm=(torch.ones(32, dtype=torch.bfloat16, device=DEVICE), 1e-6))
+    x32, w32, _ = operands(2, 64, 128, torch.float32, False)
+    with pytest.raises(ValueError, match="bf16 output"):
+        decode_gemm.decode_linear(x32, w32, norm=(torch.ones(64, device=DEVICE), 1e-6))
+
+
 # --- GPU only ----------------------------------------------------------------------------------
+
+@gpu
+def test_norm_in_the_reduce_launch_rows_do_not_depend_on_the_batch():
+    """out_proj's real shape with the post-attention norm (the decode step's use): each row alone
+    gives the bits of itself inside 128 rows, output and norm."""
+    x, w, r = operands(128, 2048, 4096, torch.bfloat16, True, seed=5)
+    gain = (0.3 * torch.randn(2048, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16).cuda()
+    out, u = decode_gemm.decode_linear(x, w, r, norm=(gain, 1e-6))
+    for i in (0, 1, 63, 64, 127):
+        alone, u_alone = decode_gemm.decode_linear(x[i:i + 1], w, r[i:i + 1], norm=(gain, 1e-6))
+        assert torch.equal(alone[0], out[i]) and torch.equal(u_alone[0], u[i]), i
+
 
 @gpu
 @pytest.mark.parametrize("name,n,k,dtype,residual", REAL, ids=[s[0] for s in REAL])

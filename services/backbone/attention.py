@@ -220,8 +220,10 @@ class GatedAttention(nn.Module):
         self.o_weight = self.o_proj.dense_weight()
 
     def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: KVCache,
-                        x_owned: bool = False) -> torch.Tensor:
-        """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool."""
+                        x_owned: bool = False, post_norm: tuple[torch.Tensor, float] | None = None):
+        """x + o_proj(attention(u)) [R, H] for u = RMSNorm⁺(x), BF16; writes the rows' k/v into the pool.
+        post_norm (w, eps), on decode steps that take decode_linear: (that, its RMSNorm⁺) from
+        decode_linear's `norm`."""
         plan = batch.plan
         rows, n_q, d = u.shape[0], self.num_heads, self.head_dim
         linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # decode_linear on CUDA decode steps
@@ -249,4 +251,6 @@ class GatedAttention(nn.Module):
             o = torch.cat([attend_segment(q[seg.rows], cache.k[seg.slot], cache.v[seg.slot], seg.start, self.scale)
                            for seg in batch.segments])
             kattn.gate_output(o, gate, out=y.view(rows, n_q, d))
+        if post_norm is not None:      # decode_linear: the next norm in its split reduce's launch
+            return decode_gemm.decode_linear(y, self.o_weight, x, norm=post_norm)
         return linear(y, self.o_weight, x, residual_out=x_owned)        # x + y·W_oᵀ, one rounding

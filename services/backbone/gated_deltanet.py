@@ -399,9 +399,11 @@ class GatedDeltaNet(nn.Module):
         self.out_weight = self.out_proj.dense_weight()
 
     def forward_kernels(self, u: torch.Tensor, x: torch.Tensor, batch: RowBatch, cache: GDNCache,
-                        x_owned: bool = False) -> torch.Tensor:
+                        x_owned: bool = False, post_norm: tuple[torch.Tensor, float] | None = None):
         """x + out_proj(GDN(u)) [R, H_model] for u = RMSNorm⁺(x), BF16; advances the slot pool.
-        x_owned: x is the caller's to give up (the result may be written over it)."""
+        x_owned: x is the caller's to give up (the result may be written over it). post_norm
+        (w, eps), on decode steps that take decode_linear: (that, its RMSNorm⁺) from
+        decode_linear's `norm`."""
         plan = batch.plan
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
@@ -437,6 +439,8 @@ class GatedDeltaNet(nn.Module):
             cache.state.index_copy_(0, plan.seg_slots, state)
         # off CUDA the reference returns a new tensor rather than filling `out`: take what it returns
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
+        if post_norm is not None:      # decode_linear: the next norm in its split reduce's launch
+            return decode_gemm.decode_linear(y.view(rows, hv * dv), self.out_weight, x, norm=post_norm)
         return linear(y.view(rows, hv * dv), self.out_weight, x, residual_out=x_owned)  # x + y·W_outᵀ
 
     def _heads(self, mixed: torch.Tensor):

@@ -46,7 +46,7 @@ from services.common.grpcutil import env_switch
 
 from .attention import GatedAttention, KVCache
 from .gated_deltanet import GatedDeltaNet, GDNCache
-from .kernels import HAS_TRITON
+from .kernels import HAS_TRITON, decode_gemm
 from .kernels import decode_graph as dg
 from .kernels import fp8_moe, moe_decode
 from .layers import Linear, RowBatch, Segment, StepPlan, Weight, per_row, rms_norm_plus
@@ -238,13 +238,20 @@ class DecoderLayer(nn.Module):
         if u is None:
             u = dg.rms_norm_plus(x, self.input_layernorm.weight, self.eps)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        h = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned)
-        # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
-        # the dense decode GEMM (kernels/decode_gemm) is for true decode steps only. Other
-        # steps route on cuBLAS's F32 logits, whose input the norm writes in F32 too (no copy).
-        widened = not batch.plan.decode
-        normed = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=widened)
-        u, u32 = normed if widened else (normed, None)
+        if decode_gemm.enabled(batch.plan.decode, u):
+            # a decode step on the dense decode GEMM: the out-projection's launches give the
+            # post-attention norm too (decode_gemm's `norm`: in its split reduce's launch)
+            h, u = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned,
+                                         post_norm=(self.post_attention_layernorm.weight, self.eps))
+            u32 = None
+        else:
+            h = mixer.forward_kernels(u, x, batch, cache, x_owned=x_owned)
+            # padded prefill pieces take the decode MoE too: no host sync (they are graph-captured);
+            # the dense decode GEMM (kernels/decode_gemm) is for true decode steps only. Other
+            # steps route on cuBLAS's F32 logits, whose input the norm writes in F32 too (no copy).
+            widened = not batch.plan.decode
+            normed = dg.rms_norm_plus(h, self.post_attention_layernorm.weight, self.eps, widened=widened)
+            u, u32 = normed if widened else (normed, None)
         return self.mlp.forward_kernels(u, h, decode=batch.plan.decode or batch.plan.row_mask is not None,
                                         config=batch.plan.moe_config, dense_decode=batch.plan.decode,
                                         gemm_rows=batch.plan.gemm_rows, norm_weight=next_norm, eps=self.eps, u32=u32)

@@ -81,6 +81,16 @@ the GEMM launch. The last program's reduce comes after its own K range, at the t
 the separate launch's 2-µs programs start early under PDL and spread over every SM. Kept, off, for
 other shapes and GPUs.
 
+The norm after an out-projection (`norm=(w, eps)`, NORM_IN_REDUCE, on unless
+`DRAMA_DECODE_GEMM_NORM_IN_REDUCE=0`): the layer's next op is RMSNorm⁺ of the projection's output
+(x + y·W_oᵀ, then the post-attention norm). With SPLIT > 1 the split reduce already goes over
+whole rows of partials, so it runs as one program per row (`_split_reduce_norm_kernel`): the
+partials in range order, the residual, the row rounded and stored, then the norm of the rounded
+row (decode_graph._rms_norm_kernel's arithmetic). That is one launch per layer instead of two,
+40 per backbone decode step. The row's values are the reduce launch's bits; the norm's sum of
+squares may be ordered differently from the norm kernel's (another register layout): last-bit
+differences in u, the same for a row alone or in any batch.
+
 Graph capture: everything is shapes known on the host (the workspace is a torch.empty of
 [SPLIT, M, N]); no sync, no data-dependent allocation.
 
@@ -118,6 +128,7 @@ SMS = 132                   # H200 SMs: tiles_for aims at >= 4 programs per SM
 BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at import
 LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is True   # read once at import; off by default
 TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
+NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   # read once at import
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -278,8 +289,11 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                  config: dict | None = None, tiles: int | None = None, residual_out: bool = False) -> torch.Tensor:
+                  config: dict | None = None, tiles: int | None = None, residual_out: bool = False,
+                  norm: tuple[torch.Tensor, float] | None = None):
     """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
+    With `norm` = (w [N], eps): (that, RMSNorm⁺(that; w) in bf16), the norm in the split reduce's
+    launch where there is one (NORM_IN_REDUCE), else decode_graph.rms_norm_plus after it.
 
     Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
     elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
@@ -288,13 +302,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     own output, with no copy to save). The output is allocated with
     invariant.empty_rows, so a following linear_rows reads it in place."""
     out_dtype = _check(x, weight, residual)
+    if norm is not None and (out_dtype != torch.bfloat16 or norm[0].shape != (weight.shape[0],)):
+        raise ValueError(f"norm takes a bf16 output and a gain of [{weight.shape[0]}], got {out_dtype} and "
+                         f"{tuple(norm[0].shape)}")
     if not (HAS_TRITON and (x.is_cuda or INTERPRET)):
-        return invariant.linear_rows(x.to(weight.dtype), weight, residual)
+        return _normed(invariant.linear_rows(x.to(weight.dtype), weight, residual), norm)
     m, k = x.shape
     n = weight.shape[0]
     out = invariant.empty_rows(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
-        return out
+        return _normed(out, norm)
     x, weight = _rows_contiguous(x), _rows_contiguous(weight)
     residual = None if residual is None else _rows_contiguous(residual)
     plan = launch_plan(m, n, k, weight.dtype, config, tiles)
@@ -313,12 +330,26 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
         res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
         TILES=plan["tiles"], FINAL=splits == 1, HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None,
         DOT=dot, PREC=prec, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
+    if splits > 1 and tickets is None and norm is not None and NORM_IN_REDUCE:
+        u = invariant.empty_rows(m, n, dtype=torch.bfloat16, device=x.device)   # a GEMM input: padded storage
+        _split_reduce_norm_kernel[(m,)](
+            part, res, out, norm[0], u, m, n, res.stride(0), out.stride(0), u.stride(0), norm[1], SPLIT=splits,
+            HAS_RESIDUAL=residual is not None, BH=triton.next_power_of_2(n), num_warps=8, **pdl_args())
+        return out, u
     if splits > 1 and tickets is None:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
-    return out
+    return _normed(out, norm)
+
+
+def _normed(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
+    """out, or (out, RMSNorm⁺(out)) with `norm` = (w, eps), the norm in its own launch."""
+    if norm is None:
+        return out
+    from .decode_graph import rms_norm_plus     # decode_graph's kernels; imported here, not at the top: no cycle
+    return out, rms_norm_plus(out, norm[0], norm[1])
 
 
 if HAS_TRITON:
@@ -461,3 +492,26 @@ if HAS_TRITON:
         if HAS_RESIDUAL:
             acc = acc + tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _split_reduce_norm_kernel(part_ptr, r_ptr, out_ptr, w_ptr, u_ptr, M, N, stride_rm, stride_om, stride_um, eps,
+                                  SPLIT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr,
+                                  PDL: tl.constexpr = False):
+        """Program per row: out = ((p0 + p1) + ..) + residual rounded once (_split_reduce_kernel's
+        arithmetic), then u = RMSNorm⁺ of the rounded row (decode_graph._rms_norm_kernel's)."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BH)
+        ok = offs < N
+        p = part_ptr + row * N + offs
+        acc = tl.load(p, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc = acc + tl.load(p + s * M * N, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            acc = acc + tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0).to(tl.float32)
+        h = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_om + offs, h, mask=ok)
+        x = h.to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps) * (1.0 + w)).to(tl.bfloat16)
+        tl.store(u_ptr + row * stride_um + offs, y, mask=ok)
