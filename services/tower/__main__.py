@@ -6,10 +6,11 @@ Flags left out fall back to DRAMA_CHECKPOINT, DRAMA_RANDOM_WEIGHTS, DRAMA_HOST, 
 the cache pool reads DRAMA_MAX_ROWS (64 sessions) and DRAMA_MAX_CONTEXT_TOKENS (8192 rows each),
 the same variables the backbone sizes its pool with (API.md §3.5), DRAMA_PREFIX_CACHE_MB the
 voice-prefix snapshots (default 64 on the CPU, 1024 on a GPU; 0 turns them off),
-DRAMA_SPIN_WAIT_MS (after a response the event loop spins this long while the stream's next
-request is due, instead of sleeping: 10 on CUDA, 0 on the CPU; TowerServicer) and DRAMA_GRACE_S (30) bounds the SIGTERM drain. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of
-the decode step and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on
-with --device cuda; read by TowerEngine, captured during warm-up).
+DRAMA_SPIN_WAIT_MS (from a response on, the event loop spins this long while the stream's next
+request is due, instead of sleeping: 10 on CUDA, 0 on the CPU; TowerServicer) and DRAMA_GRACE_S
+(30) bounds the SIGTERM drain. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of the decode step
+and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on with --device cuda;
+read by TowerEngine, captured during warm-up).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ async def run(args: argparse.Namespace) -> None:
     server, _, health, servicer = await serve(
         args.checkpoint, host=args.host, port=args.port, device=args.device,
         max_sessions=args.max_sessions, max_context=args.max_context,
-        prefix_cache_mb=args.prefix_cache_mb, spin_wait_s=aio.spin_wait_s(args.spin_wait_ms, args.device), model=model, cfg=cfg)
+        prefix_cache_mb=args.prefix_cache_mb, spin_wait_s=aio.spin_wait_s(args.spin_wait_ms, args.device),
+        model=model, cfg=cfg)
     await serve_until_signalled(server, health, grace_s=args.grace_s)
     servicer.worker.shutdown(wait=False)
 
