@@ -22,6 +22,11 @@
 # commit measured.
 set -uo pipefail
 part=${1:?serving or stages}
+# `BENCH_COMMIT=$(git rev-parse ...)` in the command runs here, on the stale copy: it names an old
+# commit (session 22 runs 7-8 did). Say so rather than let a JSON name the wrong commit silently.
+if [[ -n ${BENCH_COMMIT:-} && ${BENCH_COMMIT} == "$(git rev-parse --short HEAD 2>/dev/null)"* ]]; then
+  echo "WARNING: BENCH_COMMIT=$BENCH_COMMIT is this copy's git HEAD, which may be stale: give the sha literally" >&2
+fi
 OUT=${OUT:?set by the device tool}
 work=/tmp/bench-out
 mkdir -p "$work"
