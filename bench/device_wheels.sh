@@ -21,7 +21,7 @@ wheels=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5 uvicorn==0.54.0
   soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0
-  py-spy==0.4.3 pytest-asyncio==1.5.0
+  py-spy==0.4.3 pytest-asyncio==1.5.0 nvidia-ml-py==13.615.71
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--idle-ms", type=float, default=0.0, help="wait this long before each timed step "
                         "(a served step follows ~5 ms of the other stages' work): does a step after a wait run slower?")
     parser.add_argument("--idle-spin", action="store_true", help="wait --idle-ms spinning, not asleep")
+    parser.add_argument("--clocks", action="store_true",
+                        help="read the GPU's SM clock (NVML: nvidia-ml-py, carried in .whl) after each wait and "
+                        "after each timed step: is a step after --idle-ms slower because the clock dropped?")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -111,6 +114,32 @@ def _idle(seconds: float, spin: bool) -> None:
         time.sleep(seconds)
 
 
+class SmClock:
+    """The SM clock in MHz of the GPU `device` names, through NVML. What a served step follows
+    (the other stages' work, the hops: ~5 ms at batch 1) made the tower's step 2.03 -> 2.37 ms
+    (docs/perf.md, session 19), ~0.2 ms of it on the GPU's side: this says whether the clock is
+    the part that moves. NVML's figure is the driver's latest sample, not an instant reading."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise SystemExit(f"--clocks reads a CUDA GPU's clock; the engine is on {device}")
+        try:
+            import pynvml
+        except ImportError:
+            raise SystemExit("--clocks needs nvidia-ml-py (pynvml): bash bench/device_wheels.sh carries it") from None
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        # NVML numbers the machine's GPUs as CUDA does without CUDA_VISIBLE_DEVICES (the lent machines)
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+
+    def mhz(self) -> int:
+        return self._nvml.nvmlDeviceGetClockInfo(self.handle, self._nvml.NVML_CLOCK_SM)
+
+
+def _median_min(values: list[int]) -> dict:
+    return {"median": statistics.median(values), "min": min(values)}
+
+
 def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generator) -> dict:
     cfg = engine.cfg
     hidden_size, n = engine.model.hidden_size, cfg.num_codebooks
@@ -127,23 +156,30 @@ def bench_batch(engine: TowerEngine, batch: int, args, generator: torch.Generato
     prefill_s = time.perf_counter() - started
 
     times = []
+    clock = SmClock(engine.device) if args.clocks else None
+    mhz_before, mhz_after = [], []
     for step in range(args.warmup + args.steps):
         row = args.context + step
         entries = [StepEntry(f"s{i}", row, 1, draw=True, seed=i, frame_index=step + 1) for i in range(batch)]
         hidden = torch.randn(batch, hidden_size, generator=generator)
         targets = torch.full((batch, n), -1, dtype=torch.int64)
         _idle(args.idle_ms / 1000, args.idle_spin)
+        before = clock.mhz() if clock is not None else 0
         started = time.perf_counter()
         result = engine.step(entries, hidden, targets)   # returns host codes: synchronised
         elapsed = time.perf_counter() - started
         assert not result.row_errors, result.row_errors
         if step >= args.warmup:
             times.append(elapsed * 1000)
+            if clock is not None:
+                mhz_before.append(before)
+                mhz_after.append(clock.mhz())
     times.sort()
     median = statistics.median(times)
+    clocks = {"sm_mhz_before": _median_min(mhz_before), "sm_mhz_after": _median_min(mhz_after)} if clock else {}
     return {"batch": batch, "median_ms": median, "p90_ms": times[int(0.9 * (len(times) - 1))],
             "frames_per_s": batch / median * 1000, "budget_share": median / FRAME_PERIOD_MS,
-            "prefill_rows_per_s": batch * args.context / prefill_s}
+            "prefill_rows_per_s": batch * args.context / prefill_s, **clocks}
 
 
 def bench_prompt(engine: TowerEngine, rows: int, args, generator: torch.Generator) -> dict:
@@ -285,6 +321,10 @@ def _run_one(args, model, cfg, device, kinds, fused, setting, base_mode, results
         results.append(r)
         print(f"{mode:>10} {r['batch']:>5} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['frames_per_s']:>9.1f} "
               f"{r['budget_share']:>10.1%} {r['prefill_rows_per_s']:>15.0f}", flush=True)
+        if args.clocks:
+            b, a = r["sm_mhz_before"], r["sm_mhz_after"]
+            print(f"{'':>10} SM clock MHz before a step: median {b['median']:.0f} (min {b['min']}), "
+                  f"after it: median {a['median']:.0f} (min {a['min']})", flush=True)
     for rows in args.prompt:
         r = {"mode": mode, **bench_prompt(engine, rows, args, generator)}
         results.append(r)
