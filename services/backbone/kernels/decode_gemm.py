@@ -113,7 +113,7 @@ import torch
 from services.common import invariant
 from services.common.grpcutil import env_choice, env_switch
 
-from . import HAS_TRITON, INTERPRET, bf16_dot_args, pdl_args
+from . import HAS_TRITON, INTERPRET, bf16_dot_args, decode_graph, pdl_args
 
 if HAS_TRITON:
     import triton
@@ -348,8 +348,7 @@ def _normed(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
     """out, or (out, RMSNorm⁺(out)) with `norm` = (w, eps), the norm in its own launch."""
     if norm is None:
         return out
-    from .decode_graph import rms_norm_plus     # decode_graph's kernels; imported here, not at the top: no cycle
-    return out, rms_norm_plus(out, norm[0], norm[1])
+    return out, decode_graph.rms_norm_plus(out, norm[0], norm[1])
 
 
 if HAS_TRITON:
