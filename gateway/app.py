@@ -93,13 +93,11 @@ async def lifespan(app: FastAPI):
 
 
 def _setup_tracing(app: FastAPI) -> None:
-    try:
-        from services.common.telemetry import setup_telemetry
-    except ImportError:  # TODO: drop once services.common.telemetry is everywhere
-        setup_telemetry = None
-    if setup_telemetry is not None:
-        setup_telemetry("drama-gateway")
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    from services.common.telemetry import setup_telemetry
+
+    setup_telemetry("drama-gateway")
 
     # No span per ASGI send/receive: a long audio stream would make thousands of them.
     FastAPIInstrumentor.instrument_app(app, excluded_urls="/health,/v1/health,/metrics",
