@@ -412,7 +412,6 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
-        y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
             mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)
@@ -437,6 +436,7 @@ class GatedDeltaNet(nn.Module):
             # index_select / index_copy_ rather than indexing: the same copies, ~0.3-0.7 µs less
             # each for a piece's 2 MB state (H200, bench/prefill_parts.py); the slots are distinct
             cache.state.index_copy_(0, plan.seg_slots, state)
+        y = invariant.empty_rows(rows, hv * dv, dtype=torch.bfloat16, device=u.device)  # out_proj reads it in place
         # off CUDA the reference returns a new tensor rather than filling `out`: take what it returns
         y = kgdn.gated_rms_norm(o.contiguous(), z, self.norm.weight, self.eps, out=y.view(rows, hv, dv))
         if post_norm is not None:      # decode_linear: the next norm in its split reduce's launch

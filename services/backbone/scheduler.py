@@ -434,7 +434,6 @@ class Scheduler:
         self.step_prefill_rows = step_prefill_rows or prefill_chunk_tokens
         self.prefill_interval_s = prefill_interval_s
         self.first_audio_hold_s = first_audio_hold_s
-        self.spin_wait_s = spin_wait_s
         self._spinner = aio.Spinner(spin_wait_s) if spin_wait_s > 0 else None
         self._last_prefill_step = float("-inf")    # time.monotonic() of the last step with prefill
         self.session_buffer_frames = session_buffer_frames

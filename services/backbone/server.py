@@ -315,7 +315,7 @@ class Settings:
     # off); see load_overlap_for.
     load_overlap: bool | None = None
     # while a step is at the tower, the scheduler's loop spins this long before it sleeps, so the
-    # frame is routed without waiting for the loop thread to wake (Scheduler.spin_wait_s). None:
+    # frame is routed without waiting for the loop thread to wake (Scheduler's spin_wait_s). None:
     # 10 ms on a CUDA device, off on the CPU (services.common.aio.spin_wait_s); 0: off.
     spin_wait_ms: float | None = None
     grace_s: float = 30.0

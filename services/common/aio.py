@@ -38,8 +38,8 @@ def spin_wait_s(spin_wait_ms: float | None, device: str) -> float:
 class Spinner:
     """Keeps this thread's event loop busy (a task looping on asyncio.sleep(0)) from start() until
     stop() or `max_s` later: while it spins, the loop never sleeps in epoll, so a message that
-    arrives meanwhile (grpc's poller thread hands it over with call_soon_threadsafe) runs on the
-    loop's next turn instead of after the loop thread wakes up. A stage starts one when a message
+    arrives meanwhile (grpc's poller thread hands it over through a socket the loop watches)
+    runs on the loop's next turn instead of after the loop thread wakes up. A stage starts one when a message
     is due within milliseconds (the tower's next request, the backbone's next frame) and stops it
     when the message is in. It costs a CPU core while it spins, never longer than `max_s`.
 
