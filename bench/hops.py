@@ -25,6 +25,10 @@ and reports per round: wall time - both computes = what the two hops cost. Cases
     spin-writes both sides spin from before their write (its completion comes back through
                 grpc's poller thread too) until the next message is in: what the stages do
                 with DRAMA_SPIN_WAIT_MS (session 22)
+    lane-bare, lane-compute, lane-spin
+                bare, compute and spin-writes over the same-host lane instead of gRPC: the
+                same messages over a Unix socket that each event loop reads itself
+                (services/common/local_lane.py)
 
 Each side's compute is what it measured (the server sends its own back in `tower_us`), so an
 asyncio.sleep's overshoot counts as compute, not as a hop. Whether the H200 host (16 cores) pays
@@ -51,9 +55,13 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc  # noqa: E402
+from services.common import local_lane  # noqa: E402
 from services.common.aio import Spinner  # noqa: E402
 
-CASES = ("bare", "compute", "idle", "spin-read", "spin-both", "spin-writes")
+CASES = ("bare", "compute", "idle", "spin-read", "spin-both", "spin-writes", "lane-bare", "lane-compute",
+         "lane-spin")
+# what each lane case does over gRPC
+_GRPC_CASE = {"lane-bare": "bare", "lane-compute": "compute", "lane-spin": "spin-writes"}
 HIDDEN = b"\1" * 4096          # one bf16 row of the full preset (H = 2048)
 
 
@@ -80,7 +88,7 @@ class Echo(tower_pb2_grpc.TowerServicer):
     def __init__(self, case: str, compute_ms: float, how: str):
         self.case, self.compute_ms, self.how = case, compute_ms, how
 
-    async def Step(self, request_iterator, context):
+    async def Step(self, request_iterator, context=None):
         spinner = Spinner(max_s=0.05) if self.case in ("spin-both", "spin-writes") else None
         async for request in request_iterator:
             if spinner is not None:
@@ -95,7 +103,26 @@ class Echo(tower_pb2_grpc.TowerServicer):
                 spinner.start()
 
 
+def lane_path(port: int) -> str:
+    return f"/tmp/dramaturg-hops-{port}.sock"
+
+
 async def serve(port: int, case: str, compute_ms: float, how: str) -> None:
+    if case in _GRPC_CASE:
+        echo = Echo(_GRPC_CASE[case], compute_ms, how)
+
+        async def handle(reader, writer):
+            async def requests():
+                while (request := await local_lane.read_message(reader, tower_pb2.StepRequest)) is not None:
+                    yield request
+            writer.write(local_lane.encode(tower_pb2.TowerInfo()))     # the hello
+            async for response in echo.Step(requests()):
+                writer.write(local_lane.encode(response))
+            writer.close()
+
+        await local_lane.serve(lane_path(port), handle)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
     server = grpc.aio.server()
     tower_pb2_grpc.add_TowerServicer_to_server(Echo(case, compute_ms, how), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -108,7 +135,12 @@ async def client(port: int, case: str, compute_ms: float, how: str, rounds: int)
     """Per round: wall ms less both sides' compute, as each measured its own (an asyncio.sleep
     overshoots by up to a millisecond: that is the timer's, not the hop's)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = tower_pb2_grpc.TowerStub(channel).Step()
+        if case in _GRPC_CASE:
+            call, _ = await local_lane.connect(lane_path(port), tower_pb2.TowerInfo, tower_pb2.StepResponse,
+                                               timeout_s=5)
+            case = _GRPC_CASE[case]
+        else:
+            call = tower_pb2_grpc.TowerStub(channel).Step()
         spinner = Spinner(max_s=0.05) if case == "spin-writes" else None
         overheads = []
         started = time.perf_counter()
@@ -156,7 +188,7 @@ def run_case(case: str, compute_ms: float, how: str, rounds: int, port: int) -> 
     finally:
         server.kill()
         server.wait()
-    return {"case": case, "compute_ms": 0.0 if case == "bare" else compute_ms, "block": how, "rounds": rounds,
+    return {"case": case, "compute_ms": 0.0 if case.endswith("bare") else compute_ms, "block": how, "rounds": rounds,
             "median_ms": statistics.median(values), "p90_ms": values[int(0.9 * (len(values) - 1))]}
 
 
@@ -174,13 +206,13 @@ def main(argv=None) -> list[dict]:
     if args.serve:
         asyncio.run(serve(args.serve, args.cases[0], args.compute_ms, args.block))
         return []
-    print(f"{'case':>10} {'compute ms':>10} {'block':>6} {'hops ms (median)':>17} {'p90':>7}   "
+    print(f"{'case':>12} {'compute ms':>10} {'block':>6} {'hops ms (median)':>17} {'p90':>7}   "
           f"GRPC_POLL_STRATEGY={os.environ.get('GRPC_POLL_STRATEGY', '(default)')}")
     results = []
     for n, case in enumerate(args.cases):
         r = run_case(case, args.compute_ms, args.block, args.rounds, args.port + n if args.port else free_port())
         results.append(r)
-        print(f"{case:>10} {r['compute_ms']:>10.1f} {r['block']:>6} {r['median_ms']:>17.3f} {r['p90_ms']:>7.3f}",
+        print(f"{case:>12} {r['compute_ms']:>10.1f} {r['block']:>6} {r['median_ms']:>17.3f} {r['p90_ms']:>7.3f}",
               flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
