@@ -193,6 +193,21 @@ def test_environment_names_exist_in_the_code(gpu_compose):
     assert services["gateway"]["environment"]["DRAMA_CODEC_ADDR"] == "codec:50053"
 
 
+def test_tower_and_backbone_share_the_step_lane(gpu_compose, cpu_compose):
+    """The tower's Step lane socket (DRAMA_TOWER_STEP_SOCKET) lies in a volume the backbone mounts
+    at the same path: the path the tower names in TowerInfo.step_socket is the backbone's too."""
+    mps = _merge(gpu_compose, _load("compose.mps.yaml"))
+    for compose in (gpu_compose, cpu_compose, mps):
+        services = compose["services"]
+        socket = services["tower"]["environment"]["DRAMA_TOWER_STEP_SOCKET"]
+        mounts = {stage: {v.split(":")[1]: v.split(":")[0] for v in services[stage]["volumes"]}
+                  for stage in ("tower", "backbone")}
+        directory = socket.rsplit("/", 1)[0]
+        assert mounts["tower"][directory] == mounts["backbone"][directory] == "step-lane"
+        assert "step-lane" in compose["volumes"]
+        assert services["backbone"]["environment"].get("DRAMA_TOWER_LOCAL_LANE", "1") != "0"
+
+
 def test_weights_are_mounted_read_only(gpu_compose):
     for name in APP_SERVICES:
         assert "./models:/models:ro" in gpu_compose["services"][name]["volumes"]

@@ -20,7 +20,9 @@ several sessions' pieces packed in one replay: on with the decode graphs, 0 turn
 by Backbone), DRAMA_FIRST_AUDIO_HOLD_MS (a session sits out the decode steps this long after its
 first frames message, so the codec's first chunk has the GPU: 5 on CUDA, 0 on the CPU),
 DRAMA_SPIN_WAIT_MS (while a step is at the tower the scheduler's loop spins this long before it
-sleeps: 10 on CUDA, 0 on the CPU) and DRAMA_GRACE_S (30).
+sleeps: 10 on CUDA, 0 on the CPU), DRAMA_TOWER_LOCAL_LANE (the Step stream over the tower's
+same-host lane when it names one and it is reachable: on by default, 0 keeps gRPC) and
+DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
 """
@@ -79,6 +81,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         first_audio_hold_ms=env_default("DRAMA_FIRST_AUDIO_HOLD_MS", None, float),
         load_overlap=env_switch("DRAMA_LOAD_OVERLAP"),
         spin_wait_ms=env_default("DRAMA_SPIN_WAIT_MS", None, float),
+        tower_local_lane=env_switch("DRAMA_TOWER_LOCAL_LANE") is not False,
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 

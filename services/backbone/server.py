@@ -318,6 +318,10 @@ class Settings:
     # frame is routed without waiting for the loop thread to wake (Scheduler's spin_wait_s). None:
     # 10 ms on a CUDA device, off on the CPU (services.common.aio.spin_wait_s); 0: off.
     spin_wait_ms: float | None = None
+    # the Step stream over the tower's same-host lane (a Unix socket, TowerInfo.step_socket) when
+    # the tower names one and we reach it: the same messages without grpc's threads, ~0.5 ms a
+    # frame on the H200 host (services/common/local_lane.py); False keeps the gRPC stream.
+    tower_local_lane: bool = True
     grace_s: float = 30.0
 
 
@@ -517,7 +521,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
                         hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
                         max_rows=settings.max_rows, max_context_tokens=max_context,
-                        on_ready=on_tower_ready)
+                        on_ready=on_tower_ready, local_lane=settings.tower_local_lane)
     scheduler = Scheduler(engine, tower, semantic_start_token_id=config.semantic_start_token_id,
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,

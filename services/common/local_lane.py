@@ -27,6 +27,7 @@ import logging
 import os
 import stat
 import struct
+import tempfile
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -78,6 +79,17 @@ async def read_message(reader: asyncio.StreamReader, message_type: type[M], *,
 # --------------------------------------------------------------------------------------------
 # the tower's side
 # --------------------------------------------------------------------------------------------
+
+OFF = ("0", "off", "none", "false", "no")
+
+
+def socket_path(setting: str | None, port: int) -> str:
+    """The lane's socket from a setting: unset -> <tmp>/dramaturg/tower-<port>.sock (the stages
+    on one host, or containers sharing that directory, find each other); 0/off/none -> "" (no
+    lane); anything else is the path."""
+    if setting is None or not setting.strip():
+        return os.path.join(tempfile.gettempdir(), "dramaturg", f"tower-{port}.sock")
+    return "" if setting.strip().lower() in OFF else setting
 
 async def serve(path: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
                 ) -> asyncio.AbstractServer:

@@ -9,6 +9,11 @@ worker, worker back to loop) cost ~0.3 ms of a frame's ~2.3 ms of hops on the CP
 (docs/perf.md, session 5). The engine is touched by this one thread only. Tower state is keyed
 by the stream, and a closed stream frees all of it.
 
+The same Step stream also runs over the same-host lane (services/common/local_lane.py): a Unix
+socket, named in `TowerInfo.step_socket`, carrying the same messages without grpc's threads
+(~0.5 ms a frame on the H200 host). A connection there is a Step stream in every way, and a
+backbone that cannot reach the socket uses the gRPC stream.
+
 Rules a client codes against (API.md §3.5, with our reading where it is silent):
 - an entry's rows all run every layer with their given targets (-1 = none), except that a draw
   entry's last row is the draw row: its target must be -1 and its frame is drawn here;
@@ -25,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -32,7 +38,7 @@ import torch
 from opentelemetry import metrics, trace
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
-from services.common import grpcutil
+from services.common import grpcutil, local_lane
 from services.common.aio import Spinner
 from services.common.telemetry import STEP_SECONDS_BUCKETS, extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
@@ -102,10 +108,15 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
 # the servicer
 # --------------------------------------------------------------------------------------------
 
+class StepFailed(Exception):
+    """A step raised (a bug or a device error): the stream, and its sessions, end."""
+
+
 class TowerServicer(tower_pb2_grpc.TowerServicer):
     """The engine is attached once loaded and warmed; until then calls answer UNAVAILABLE."""
 
-    def __init__(self, *, max_inflight_steps: int = 2, build: str = "", spin_wait_s: float = 0.0):
+    def __init__(self, *, max_inflight_steps: int = 2, build: str = "", spin_wait_s: float = 0.0,
+                 step_socket: str = ""):
         self.engine: TowerEngine | None = None
         # after a response, spin the event loop this long while the stream's next request is due
         # (services.common.aio.Spinner: the request runs on the loop's next turn, not after the
@@ -115,6 +126,10 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
         self.hidden_dtype = ""
         self.max_inflight_steps = max_inflight_steps
         self.build = build
+        # the same-host lane's socket ("" none; serve() listens there once the engine is warm)
+        self.step_socket = step_socket
+        self.instance_id = uuid.uuid4().hex
+        self.lane_server: asyncio.AbstractServer | None = None
         # loads the engine (and warms it up) off the event loop
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tower-load")
 
@@ -127,37 +142,82 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
                                  drama_code="not_ready")
         return self.engine
 
-    async def GetInfo(self, request: tower_pb2.GetInfoRequest, context) -> tower_pb2.TowerInfo:
-        engine = await self._require_engine(context)
+    def info(self, engine: TowerEngine) -> tower_pb2.TowerInfo:
         return tower_pb2.TowerInfo(
             hidden_dim=engine.model.hidden_size, hidden_dtype=self.hidden_dtype,
             codebooks=engine.cfg.num_codebooks, max_rows=engine.max_sessions,
             max_context_tokens=engine.max_context, max_inflight_steps=self.max_inflight_steps,
-            open_sessions=engine.open_sessions, free_slots=engine.free_slots, build=self.build)
+            open_sessions=engine.open_sessions, free_slots=engine.free_slots, build=self.build,
+            step_socket=self.step_socket if self.lane_server is not None else "",
+            instance_id=self.instance_id)
 
-    async def Step(self, request_iterator, context):
-        engine = await self._require_engine(context)
+    async def GetInfo(self, request: tower_pb2.GetInfoRequest, context) -> tower_pb2.TowerInfo:
+        return self.info(await self._require_engine(context))
+
+    async def steps(self, engine: TowerEngine, requests):
+        """One Step stream, over gRPC or the lane: a response per request, in order; the stream's
+        sessions are freed when it ends. Raises StepFailed when a step raises."""
         owner = object()          # this stream's sessions
         spinner = Spinner(self.spin_wait_s) if self.spin_wait_s > 0 else None
         try:
-            async for request in request_iterator:
+            async for request in requests:
                 if spinner is not None:
                     spinner.stop()
                 try:
                     response = run_step(engine, request, self.hidden_dtype, owner)
-                except Exception as exc:   # a bug or a device error: the stream (and its sessions) end
+                except Exception as exc:
                     log.exception("tower step failed")
-                    await grpcutil.abort(context, grpc.StatusCode.INTERNAL, f"tower step failed: {exc!r}")
+                    raise StepFailed(f"tower step failed: {exc!r}") from exc
                 if spinner is not None:
                     # before the yield: grpc.aio resumes this generator only once the response's
                     # write has completed, and that completion, like the next request, comes
                     # through grpc's poller thread; spinning, the loop sees both on its next turn
+                    # (over the lane, the next request on the socket the same way)
                     spinner.start()
                 yield response
         finally:
             if spinner is not None:
                 spinner.close()
             engine.release_owner(owner)
+
+    async def Step(self, request_iterator, context):
+        engine = await self._require_engine(context)
+        responses = self.steps(engine, request_iterator)
+        try:
+            async for response in responses:
+                yield response
+        except StepFailed as exc:
+            await grpcutil.abort(context, grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            await responses.aclose()
+
+    async def lane_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection of the same-host lane: the hello (this TowerInfo), then a Step stream."""
+        engine = self.engine
+
+        async def requests():
+            while (request := await local_lane.read_message(reader, tower_pb2.StepRequest)) is not None:
+                yield request
+
+        responses = self.steps(engine, requests())
+        try:
+            writer.write(local_lane.encode(self.info(engine)))
+            async for response in responses:
+                writer.write(local_lane.encode(response))
+                await writer.drain()          # at once unless the socket's buffer is full
+        except (local_lane.LaneError, StepFailed, ConnectionError) as exc:
+            log.warning("Step lane connection ended: %s", exc)
+        finally:
+            await responses.aclose()
+            writer.close()
+
+    async def start_lane(self) -> None:
+        if self.step_socket and self.engine is not None:
+            self.lane_server = await local_lane.serve(self.step_socket, self.lane_connection)
+
+    def close_lane(self) -> None:
+        local_lane.close_server(self.lane_server, self.step_socket)
+        self.lane_server = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,16 +235,17 @@ def build_string(device: str) -> str:
 
 async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, device: str = "cpu",
                 max_sessions: int = 64, max_context: int = 8192, max_inflight_steps: int = 2,
-                prefix_cache_mb: float | None = None, spin_wait_s: float = 0.0,
+                prefix_cache_mb: float | None = None, spin_wait_s: float = 0.0, step_socket: str = "",
                 ready: asyncio.Event | None = None, model=None, cfg=None):
     """Start listening (NOT_SERVING), load and warm the tower, then SERVING.
 
     Returns (server, port, health, servicer). `model`/`cfg` skip loading from `checkpoint`
     (tests with random weights). `prefix_cache_mb`: the voice-prefix snapshot budget (None: the
-    device's default, 0: off).
+    device's default, 0: off). `step_socket`: the same-host lane's Unix socket ("" none),
+    listening once the engine is warm; `servicer.close_lane()` closes it.
     """
     servicer = TowerServicer(max_inflight_steps=max_inflight_steps, build=build_string(device),
-                             spin_wait_s=spin_wait_s)
+                             spin_wait_s=spin_wait_s, step_socket=step_socket)
     server, bound, health = await grpcutil.start_server(
         add_servicers=[lambda s: tower_pb2_grpc.add_TowerServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME], host=host, port=port, max_message_mb=16)
@@ -206,8 +267,10 @@ async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, 
     engine = await loop.run_in_executor(servicer.worker, load)
     hidden_dtype = DTYPE_NAMES[engine.hidden_dtype]
     servicer.attach(engine, hidden_dtype)
+    await servicer.start_lane()
     await grpcutil.set_serving(health, True)
-    log.info("tower serving on %s:%d (%s, %d sessions x %d rows)", host, bound, device, max_sessions, max_context)
+    log.info("tower serving on %s:%d (%s, %d sessions x %d rows)%s", host, bound, device, max_sessions,
+             max_context, f", Step lane {step_socket}" if servicer.lane_server is not None else "")
     if ready is not None:
         ready.set()
     return server, bound, health, servicer

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64rama/tower/v1/tower.proto\x12\x0e\x64rama.tower.v1\"\x10\n\x0eGetInfoRequest\"\xcc\x01\n\tTowerInfo\x12\x12\n\nhidden_dim\x18\x01 \x01(\x05\x12\x14\n\x0chidden_dtype\x18\x02 \x01(\t\x12\x11\n\tcodebooks\x18\x03 \x01(\x05\x12\x10\n\x08max_rows\x18\x04 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_inflight_steps\x18\x06 \x01(\x05\x12\x15\n\ropen_sessions\x18\x07 \x01(\x05\x12\x12\n\nfree_slots\x18\x08 \x01(\x05\x12\r\n\x05\x62uild\x18\t \x01(\t\"\x94\x02\n\x08RowEntry\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tfirst_row\x18\x02 \x01(\x03\x12\x0e\n\x06n_rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x64raw\x18\x04 \x01(\x08\x12\x12\n\ntake_index\x18\x05 \x01(\x05\x12\x13\n\x0b\x66rame_index\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x12\n\nprefix_key\x18\x0c \x01(\t\x12\x13\n\x0bprefix_rows\x18\r \x01(\x03\x12\x14\n\x0csnapshot_key\x18\x0e \x01(\t\"\xf9\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04rows\x18\x02 \x03(\x0b\x32\x18.drama.tower.v1.RowEntry\x12\x0e\n\x06hidden\x18\x03 \x01(\x0c\x12\x0f\n\x07targets\x18\x04 \x01(\x0c\x12\x0f\n\x07release\x18\x05 \x03(\t\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.drama.tower.v1.StepRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x14\x10\x1e\"<\n\x08RowError\x12\x11\n\trow_index\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"|\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x63odes\x18\x02 \x01(\x0c\x12\x0c\n\x04stop\x18\x03 \x03(\x08\x12,\n\nrow_errors\x18\x04 \x03(\x0b\x32\x18.drama.tower.v1.RowError\x12\x10\n\x08tower_us\x18\x05 \x01(\x03\x32\x94\x01\n\x05Tower\x12\x44\n\x07GetInfo\x12\x1e.drama.tower.v1.GetInfoRequest\x1a\x19.drama.tower.v1.TowerInfo\x12\x45\n\x04Step\x12\x1b.drama.tower.v1.StepRequest\x1a\x1c.drama.tower.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64rama/tower/v1/tower.proto\x12\x0e\x64rama.tower.v1\"\x10\n\x0eGetInfoRequest\"\xf6\x01\n\tTowerInfo\x12\x12\n\nhidden_dim\x18\x01 \x01(\x05\x12\x14\n\x0chidden_dtype\x18\x02 \x01(\t\x12\x11\n\tcodebooks\x18\x03 \x01(\x05\x12\x10\n\x08max_rows\x18\x04 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_inflight_steps\x18\x06 \x01(\x05\x12\x15\n\ropen_sessions\x18\x07 \x01(\x05\x12\x12\n\nfree_slots\x18\x08 \x01(\x05\x12\r\n\x05\x62uild\x18\t \x01(\t\x12\x13\n\x0bstep_socket\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\"\x94\x02\n\x08RowEntry\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tfirst_row\x18\x02 \x01(\x03\x12\x0e\n\x06n_rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x64raw\x18\x04 \x01(\x08\x12\x12\n\ntake_index\x18\x05 \x01(\x05\x12\x13\n\x0b\x66rame_index\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x12\n\nprefix_key\x18\x0c \x01(\t\x12\x13\n\x0bprefix_rows\x18\r \x01(\x03\x12\x14\n\x0csnapshot_key\x18\x0e \x01(\t\"\xf9\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04rows\x18\x02 \x03(\x0b\x32\x18.drama.tower.v1.RowEntry\x12\x0e\n\x06hidden\x18\x03 \x01(\x0c\x12\x0f\n\x07targets\x18\x04 \x01(\x0c\x12\x0f\n\x07release\x18\x05 \x03(\t\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.drama.tower.v1.StepRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x14\x10\x1e\"<\n\x08RowError\x12\x11\n\trow_index\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"|\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x63odes\x18\x02 \x01(\x0c\x12\x0c\n\x04stop\x18\x03 \x03(\x08\x12,\n\nrow_errors\x18\x04 \x03(\x0b\x32\x18.drama.tower.v1.RowError\x12\x10\n\x08tower_us\x18\x05 \x01(\x03\x32\x94\x01\n\x05Tower\x12\x44\n\x07GetInfo\x12\x1e.drama.tower.v1.GetInfoRequest\x1a\x19.drama.tower.v1.TowerInfo\x12\x45\n\x04Step\x12\x1b.drama.tower.v1.StepRequest\x1a\x1c.drama.tower.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=46
   _globals['_GETINFOREQUEST']._serialized_end=62
   _globals['_TOWERINFO']._serialized_start=65
-  _globals['_TOWERINFO']._serialized_end=269
-  _globals['_ROWENTRY']._serialized_start=272
-  _globals['_ROWENTRY']._serialized_end=548
-  _globals['_STEPREQUEST']._serialized_start=551
-  _globals['_STEPREQUEST']._serialized_end=800
-  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=743
-  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=794
-  _globals['_ROWERROR']._serialized_start=802
-  _globals['_ROWERROR']._serialized_end=862
-  _globals['_STEPRESPONSE']._serialized_start=864
-  _globals['_STEPRESPONSE']._serialized_end=988
-  _globals['_TOWER']._serialized_start=991
-  _globals['_TOWER']._serialized_end=1139
+  _globals['_TOWERINFO']._serialized_end=311
+  _globals['_ROWENTRY']._serialized_start=314
+  _globals['_ROWENTRY']._serialized_end=590
+  _globals['_STEPREQUEST']._serialized_start=593
+  _globals['_STEPREQUEST']._serialized_end=842
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=785
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=836
+  _globals['_ROWERROR']._serialized_start=844
+  _globals['_ROWERROR']._serialized_end=904
+  _globals['_STEPRESPONSE']._serialized_start=906
+  _globals['_STEPRESPONSE']._serialized_end=1030
+  _globals['_TOWER']._serialized_start=1033
+  _globals['_TOWER']._serialized_end=1181
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,223 @@
+"""The Step stream's same-host lane (services/common/local_lane.py): the tower's side over a real
+Unix socket, and the backbone's TowerClient choosing it or the gRPC stream. Tiny random weights,
+CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import pytest
+import torch
+
+from drama.tower.v1 import tower_pb2, tower_pb2_grpc
+from services.backbone.scheduler import TowerEntry, TowerStep
+from services.backbone.tower_client import TowerClient
+from services.common import grpcutil, local_lane
+from services.tower.engine import TowerEngine
+from services.tower.server import serve
+from services.tower.weights import random_tower
+from test_tower_model import TINY, _prompt
+from test_tower_server import N, _codes, _expected_frames, _request, _row, _session_plan
+
+SESSIONS, CONTEXT = 4, 64
+
+
+class Tower:
+    """A tower on port 0 with its lane at `socket`, torn down on exit."""
+
+    def __init__(self, socket: str):
+        self.socket = socket
+
+    async def __aenter__(self):
+        self.server, self.port, _, self.servicer = await serve(
+            None, port=0, max_sessions=SESSIONS, max_context=CONTEXT, step_socket=self.socket,
+            model=random_tower(TINY, seed=7), cfg=TINY)
+        self.addr = f"127.0.0.1:{self.port}"
+        self.channel = grpcutil.create_channel(self.addr, traced=False)
+        self.stub = tower_pb2_grpc.TowerStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        self.servicer.close_lane()
+        await self.server.stop(None)
+        self.servicer.worker.shutdown(wait=True)
+
+    async def info(self) -> tower_pb2.TowerInfo:
+        return await self.stub.GetInfo(tower_pb2.GetInfoRequest())
+
+    async def connect(self):
+        return await local_lane.connect(self.socket, tower_pb2.TowerInfo, tower_pb2.StepResponse, timeout_s=5)
+
+
+@pytest.fixture
+def socket_path(tmp_path):
+    return str(tmp_path / "lane" / "tower.sock")     # a directory serve() has to make
+
+
+async def _wait_open_sessions(tower: Tower, want: int) -> int:
+    for _ in range(250):
+        if (got := (await tower.info()).open_sessions) == want:
+            return got
+        await asyncio.sleep(0.02)
+    return got
+
+
+async def test_the_lane_serves_the_engines_frames_and_names_its_tower(socket_path):
+    async with Tower(socket_path) as tower:
+        info = await tower.info()
+        assert info.step_socket == socket_path and len(info.instance_id) == 32
+        call, hello = await tower.connect()
+        assert hello.instance_id == info.instance_id and hello.hidden_dim == 64
+        hidden, targets = _prompt(TINY, 24, seed=9)
+        plan = _session_plan("s", hidden, targets[:18], [10, 8], frames=5)
+        frames = []
+        for step_id, (rows, h, t) in enumerate(plan, start=1):
+            await call.write(_request(step_id, rows, h, t))
+            response = await call.read()
+            assert response.step_id == step_id and not response.row_errors and response.tower_us > 0
+            if rows[-1].draw:
+                frames.append(_codes(response, 1)[0].tolist())
+        assert frames == _expected_frames(plan)
+        assert (await tower.info()).open_sessions == 1
+        call.cancel()                                   # a closed connection frees its sessions
+        assert await _wait_open_sessions(tower, 0) == 0
+
+
+async def test_a_broken_message_ends_only_its_connection(socket_path):
+    async with Tower(socket_path) as tower:
+        keep, _ = await tower.connect()
+        await keep.write(_request(1, [_row("keep", 0, 2)], torch.randn(2, 64), torch.full((2, N), -1)))
+        await keep.read()
+        for bad in (struct.pack("<I", local_lane.DEFAULT_LIMIT_BYTES + 1),     # over the limit
+                    struct.pack("<I", 5) + b"\xff" * 5,                         # not a StepRequest
+                    struct.pack("<I", 100) + b"\0" * 10):                       # cut off
+            reader, writer = await asyncio.open_unix_connection(socket_path)
+            assert await local_lane.read_message(reader, tower_pb2.TowerInfo) is not None   # the hello
+            writer.write(bad)
+            if bad.endswith(b"\0" * 10):
+                writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 5) == b""              # the tower hung up
+            writer.close()
+        # the other connection and its session go on
+        await keep.write(_request(2, [_row("keep", 2, 1, draw=True)], torch.randn(1, 64), torch.full((1, N), -1)))
+        response = await keep.read()
+        assert response.step_id == 2 and not response.row_errors
+        assert (await tower.info()).open_sessions == 1
+        keep.cancel()
+
+
+async def test_a_failing_step_hangs_up_the_lane(socket_path, monkeypatch):
+    async with Tower(socket_path) as tower:
+        call, _ = await tower.connect()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("simulated device error")
+
+        monkeypatch.setattr(TowerEngine, "step", broken)
+        await call.write(_request(1, [_row("z", 0, 1)], torch.randn(1, 64), torch.full((1, N), -1)))
+        assert await asyncio.wait_for(call.read(), 5) is local_lane.grpc.aio.EOF
+
+
+async def test_a_stale_socket_file_is_replaced(socket_path):
+    async with Tower(socket_path):
+        pass                                            # close_lane removed the file...
+    os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+    import socket
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(socket_path)                             # ...so leave one as a killed tower would
+    stale.close()
+    async with Tower(socket_path) as tower:
+        _, hello = await tower.connect()
+        assert hello.instance_id == (await tower.info()).instance_id
+
+
+def test_socket_path_settings():
+    assert local_lane.socket_path(None, 50052).endswith(os.path.join("dramaturg", "tower-50052.sock"))
+    assert local_lane.socket_path("", 7) == local_lane.socket_path(None, 7)
+    assert local_lane.socket_path("off", 7) == local_lane.socket_path("0", 7) == ""
+    assert local_lane.socket_path("/run/dramaturg/tower.sock", 7) == "/run/dramaturg/tower.sock"
+
+
+# --------------------------------------------------------------------------------------------
+# the backbone's side
+# --------------------------------------------------------------------------------------------
+
+def _client(addr: str, **kwargs) -> TowerClient:
+    return TowerClient(addr, hidden_dim=64, hidden_dtype=torch.float32, codebooks=N, max_rows=SESSIONS,
+                       max_context_tokens=CONTEXT, **kwargs)
+
+
+async def _frames(client: TowerClient, session: str) -> tuple[list, list]:
+    """A prompt and four frames through the client's Step stream, and the engine's own."""
+    from services.backbone.scheduler import Sampling
+    hidden, targets = _prompt(TINY, 16, seed=5)
+    plan = _session_plan(session, hidden, targets[:12], [12], frames=4)
+    frames = []
+    for rows, h, t in plan:
+        r = rows[0]
+        entry = TowerEntry(r.session_id, r.first_row, r.n_rows, r.draw, frame_index=r.frame_index,
+                           sampling=Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                             repetition_penalty=r.repetition_penalty, seed=r.seed,
+                                             max_new_tokens=8))
+        result = await client.step(TowerStep([entry], h.float(), t, release=[]))
+        assert not result.row_errors
+        if r.draw:
+            frames.append(result.codes[0].tolist())
+    return frames, _expected_frames(plan)
+
+
+async def test_the_client_takes_the_lane_when_it_reaches_it_and_grpc_otherwise(socket_path, tmp_path):
+    async with Tower(socket_path) as tower, Tower(str(tmp_path / "other.sock")) as other:
+        cases = [
+            ("lane", tower.addr, {}),
+            ("grpc", tower.addr, {"local_lane": False}),          # DRAMA_TOWER_LOCAL_LANE=0
+        ]
+        for want, addr, kwargs in cases:
+            client = _client(addr, **kwargs)
+            client.start()
+            try:
+                assert await client.wait_ready(10), client.last_error
+                assert client.transport == want
+                got, expected = await _frames(client, f"s-{want}")
+                assert got == expected
+            finally:
+                await client.close()
+        # a tower that names a socket another tower listens on (another container sharing the
+        # directory), or one nothing listens on: the gRPC stream
+        for path in (other.socket, str(tmp_path / "nothing.sock")):
+            tower.servicer.step_socket = path
+            client = _client(tower.addr)
+            client.start()
+            try:
+                assert await client.wait_ready(10), client.last_error
+                assert client.transport == "grpc"
+                got, expected = await _frames(client, "fallback")
+                assert got == expected
+            finally:
+                await client.close()
+        tower.servicer.step_socket = socket_path
+
+
+async def test_the_client_reconnects_when_the_lane_breaks(socket_path):
+    """The tower hangs up the lane: outstanding steps fail TowerUnavailable, on_lost fires, and the
+    client is ready again (over the lane) after its backoff."""
+    async with Tower(socket_path) as tower:
+        lost = []
+        client = _client(tower.addr, on_lost=lambda: lost.append(1), backoff_min_s=0.05)
+        client.start()
+        try:
+            assert await client.wait_ready(10)
+            call = client._call
+            call._writer.transport.abort()              # as if the tower's process died
+            for _ in range(200):
+                if lost and client.ready:
+                    break
+                await asyncio.sleep(0.02)
+            assert lost and client.ready and client.transport == "lane" and client._call is not call
+            got, expected = await _frames(client, "again")
+            assert got == expected
+        finally:
+            await client.close()
