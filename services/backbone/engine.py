@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.common import gpu_wait
+
 from .attention import KVCache
 from .layers import Segment
 from .model import Backbone
@@ -76,6 +78,8 @@ class BackboneEngine:
         self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
         self._device = model.device                         # the property costs ~5 µs a read (nn.Module lookups)
         self._cuda = self._device.type == "cuda"
+        # the step's one wait for the GPU polls, the thread awake (services/common/gpu_wait.py)
+        self.spin_gpu_wait = gpu_wait.spin_default(self._device)
         spec = model.audio                                  # _bad_rows' bound per codebook column
         self._code_limits = None if spec is None else np.array(
             [spec.semantic_codebook_size] + [spec.residual_codebook_size] * (spec.num_codebooks - 1), dtype=np.uint64)
@@ -239,7 +243,7 @@ class BackboneEngine:
             if self._cuda:
                 # Done before the slots are let go: a slot released meanwhile may be reset on
                 # another stream as soon as it is free, and the rows go to the host next anyway.
-                torch.cuda.current_stream(device).synchronize()
+                gpu_wait.synchronize(torch.cuda.current_stream(device), self.spin_gpu_wait)
             done = True
         finally:
             with self._lock:

@@ -89,7 +89,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from services.common import cuda_graphs, grpcutil
+from services.common import cuda_graphs, gpu_wait, grpcutil
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)   # 48, 96: steps between powers of two pad less
 ROW_BUCKETS = (32, 128, 256, 512, 1024, 2048)    # StepGraphs' T (each holds T - 1 real rows)
@@ -171,6 +171,8 @@ class DecodeGraphs:
                         for size in bucket_sizes(max_sessions)]
         self.largest = self.buckets[-1].size
         self.replays = 0
+        # the replay's one wait for the GPU polls, the thread awake (services/common/gpu_wait.py)
+        self.spin_gpu_wait = gpu_wait.spin_default(device)
 
     def capture(self, warmup: int = 2) -> None:
         """Warm up on a side stream (Triton compilation, cuBLAS handles), then capture, largest
@@ -209,6 +211,7 @@ class DecodeGraphs:
         else:
             bucket.graph.replay()
             self.replays += 1
+            gpu_wait.synchronize(torch.cuda.current_stream(), self.spin_gpu_wait)
         return bucket.output[:rows].cpu()
 
 

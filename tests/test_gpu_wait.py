@@ -1,0 +1,51 @@
+"""services/common/gpu_wait.py: a stage's wait for its GPU step, polled with the thread awake."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.common import gpu_wait
+
+
+def test_spin_is_for_cuda_devices_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("DRAMA_GPU_WAIT_SPIN", raising=False)
+    assert gpu_wait.spin_default("cuda:0") and gpu_wait.spin_default(torch.device("cuda"))
+    assert not gpu_wait.spin_default("cpu")
+    monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "0")
+    assert not gpu_wait.spin_default("cuda")
+    monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "1")
+    assert gpu_wait.spin_default("cuda") and not gpu_wait.spin_default("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spin", [True, False])
+def test_synchronize_returns_after_the_streams_work_and_lets_other_threads_run(spin):
+    stream = torch.cuda.current_stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    ticks = []
+    stop = threading.Event()
+
+    def other():                              # a Python thread that needs the GIL meanwhile
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        torch.cuda._sleep(200_000_000)        # ~0.1 s of GPU time at ~2 GHz
+        x.add_(1)
+        started = time.perf_counter()
+        gpu_wait.synchronize(stream, spin)
+        waited = time.perf_counter() - started
+        assert x[0].item() == 1.0 and x[-1].item() == 1.0   # the work queued before the wait is done
+        assert waited > 0.02
+        assert sum(started <= t <= started + waited for t in ticks) >= 5, "the other thread starved"
+    finally:
+        stop.set()
+        thread.join()
