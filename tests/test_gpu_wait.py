@@ -35,15 +35,21 @@ def test_synchronize_returns_after_the_streams_work_and_lets_other_threads_run(s
             ticks.append(time.perf_counter())
             time.sleep(0.001)
 
+    torch.cuda._sleep(1000)                   # the kernel's first launch loads its module (and waits)
+    host = torch.zeros(x.shape, pin_memory=True)
+    torch.cuda.synchronize()
     thread = threading.Thread(target=other)
     thread.start()
     try:
         torch.cuda._sleep(200_000_000)        # ~0.1 s of GPU time at ~2 GHz
         x.add_(1)
+        host.copy_(x, non_blocking=True)
         started = time.perf_counter()
         gpu_wait.synchronize(stream, spin)
         waited = time.perf_counter() - started
-        assert x[0].item() == 1.0 and x[-1].item() == 1.0   # the work queued before the wait is done
+        # the work queued before the wait has run: the copy behind it is in host memory, read
+        # with no other wait
+        assert host[0].item() == 1.0 and host[-1].item() == 1.0
         assert waited > 0.02
         assert sum(started <= t <= started + waited for t in ticks) >= 5, "the other thread starved"
     finally:

@@ -146,6 +146,7 @@ class Bucket:
         self.draw_rows = torch.arange(size, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: Tensor | None = None
+        self.host_output: Tensor | None = None     # pinned, the replay's output copied in (CUDA)
 
     def int_field(self, name: str) -> Tensor:
         return self.ints[INT_FIELDS.index(name)]
@@ -182,6 +183,7 @@ class DecodeGraphs:
             bucket.stage_idle(self.scratch_slot)
             bucket.graph, bucket.output = cuda_graphs.capture(lambda: self.step(bucket), pool=pool, stream=stream,
                                                               warmup=warmup)
+            bucket.host_output = torch.empty(bucket.output.shape, dtype=bucket.output.dtype, pin_memory=True)
         torch.cuda.synchronize()
 
     @property
@@ -211,7 +213,12 @@ class DecodeGraphs:
         else:
             bucket.graph.replay()
             self.replays += 1
+            # the codes to pinned memory behind the replay, then the step's one wait (a blocking
+            # .cpu() after a polled wait would wait for the GPU a second time: +0.06 ms a step)
+            host = bucket.host_output[:rows]
+            host.copy_(bucket.output[:rows], non_blocking=True)
             gpu_wait.synchronize(torch.cuda.current_stream(), self.spin_gpu_wait)
+            return host.clone()           # the next replay of this bucket overwrites host_output
         return bucket.output[:rows].cpu()
 
 
