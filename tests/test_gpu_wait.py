@@ -35,8 +35,13 @@ def test_synchronize_returns_after_the_streams_work_and_lets_other_threads_run(s
             ticks.append(time.perf_counter())
             time.sleep(0.001)
 
-    torch.cuda._sleep(1000)                   # the kernel's first launch loads its module (and waits)
     host = torch.zeros(x.shape, pin_memory=True)
+    # every kernel once before the timed part: a kernel's first launch loads its module, and
+    # with lazy loading that launch waits for the running kernels (the sleep below)
+    torch.cuda._sleep(1000)
+    x.add_(1)
+    host.copy_(x, non_blocking=True)
+    x.zero_()
     torch.cuda.synchronize()
     thread = threading.Thread(target=other)
     thread.start()
