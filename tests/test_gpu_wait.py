@@ -11,14 +11,14 @@ import torch
 from services.common import gpu_wait
 
 
-def test_spin_is_for_cuda_devices_unless_turned_off(monkeypatch):
+def test_spin_is_for_cuda_devices_when_turned_on(monkeypatch):
     monkeypatch.delenv("DRAMA_GPU_WAIT_SPIN", raising=False)
+    assert not gpu_wait.spin_default("cuda:0") and not gpu_wait.spin_default("cpu")
+    monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "1")
     assert gpu_wait.spin_default("cuda:0") and gpu_wait.spin_default(torch.device("cuda"))
     assert not gpu_wait.spin_default("cpu")
     monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "0")
     assert not gpu_wait.spin_default("cuda")
-    monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "1")
-    assert gpu_wait.spin_default("cuda") and not gpu_wait.spin_default("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -78,7 +78,7 @@ class BackboneEngine:
         self._ready: dict[int, torch.cuda.Event] = {}      # slot -> event after its open/restore (CUDA)
         self._device = model.device                         # the property costs ~5 µs a read (nn.Module lookups)
         self._cuda = self._device.type == "cuda"
-        # the step's one wait for the GPU polls, the thread awake (services/common/gpu_wait.py)
+        # poll the step's one wait for the GPU, the thread awake? (services/common/gpu_wait.py, off)
         self.spin_gpu_wait = gpu_wait.spin_default(self._device)
         spec = model.audio                                  # _bad_rows' bound per codebook column
         self._code_limits = None if spec is None else np.array(

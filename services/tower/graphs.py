@@ -172,7 +172,7 @@ class DecodeGraphs:
                         for size in bucket_sizes(max_sessions)]
         self.largest = self.buckets[-1].size
         self.replays = 0
-        # the replay's one wait for the GPU polls, the thread awake (services/common/gpu_wait.py)
+        # poll the replay's one wait for the GPU, the thread awake? (services/common/gpu_wait.py, off)
         self.spin_gpu_wait = gpu_wait.spin_default(device)
 
     def capture(self, warmup: int = 2) -> None:
@@ -213,12 +213,13 @@ class DecodeGraphs:
         else:
             bucket.graph.replay()
             self.replays += 1
-            # the codes to pinned memory behind the replay, then the step's one wait (a blocking
-            # .cpu() after a polled wait would wait for the GPU a second time: +0.06 ms a step)
-            host = bucket.host_output[:rows]
-            host.copy_(bucket.output[:rows], non_blocking=True)
-            gpu_wait.synchronize(torch.cuda.current_stream(), self.spin_gpu_wait)
-            return host.clone()           # the next replay of this bucket overwrites host_output
+            if self.spin_gpu_wait:
+                # the codes to pinned memory behind the replay, then the polled wait (a .cpu()
+                # after it would wait for the GPU a second time: +0.06 ms a step)
+                host = bucket.host_output[:rows]
+                host.copy_(bucket.output[:rows], non_blocking=True)
+                gpu_wait.synchronize(torch.cuda.current_stream(), spin=True)
+                return host.clone()       # the next replay of this bucket overwrites host_output
         return bucket.output[:rows].cpu()
 
 
