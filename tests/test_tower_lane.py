@@ -221,3 +221,42 @@ async def test_the_client_reconnects_when_the_lane_breaks(socket_path):
             assert got == expected
         finally:
             await client.close()
+
+
+async def test_a_message_larger_than_the_read_buffer_crosses_whole(tmp_path):
+    """A long prompt piece's message (12 MB here, over the streams' 4 MB buffer limit, under the
+    16 MB message limit) arrives in one piece; one byte over the limit is refused by the reader."""
+    path = str(tmp_path / "echo.sock")
+    got = []
+
+    async def echo(reader, writer):
+        try:
+            while (message := await local_lane.read_message(reader, tower_pb2.StepRequest)) is not None:
+                got.append(len(message.hidden))
+                writer.write(local_lane.encode(tower_pb2.StepResponse(step_id=message.step_id)))
+        except local_lane.LaneError as exc:
+            got.append(str(exc))
+        writer.close()
+
+    server = await local_lane.serve(path, echo)
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+        call = local_lane.LaneCall(reader, writer, tower_pb2.StepResponse)
+        big = bytes(range(256)) * (12 * 1024 * 1024 // 256)
+        await call.write(tower_pb2.StepRequest(step_id=1, hidden=big))
+        assert (await asyncio.wait_for(call.read(), 10)).step_id == 1
+        assert got == [len(big)]
+        try:   # the server hangs up after the header: the write may or may not finish first
+            await call.write(tower_pb2.StepRequest(step_id=2, hidden=b"\0" * local_lane.DEFAULT_LIMIT_BYTES))
+            assert await asyncio.wait_for(call.read(), 10) is local_lane.grpc.aio.EOF
+        except ConnectionResetError:
+            pass
+        for _ in range(100):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert "over the" in got[-1]
+        call.cancel()
+    finally:
+        local_lane.close_server(server, path)
+    assert not os.path.exists(path)
