@@ -69,6 +69,7 @@ async def test_the_lane_serves_the_engines_frames_and_names_its_tower(socket_pat
     async with Tower(socket_path) as tower:
         info = await tower.info()
         assert info.step_socket == socket_path and len(info.instance_id) == 32
+        assert os.stat(os.path.dirname(socket_path)).st_mode & 0o777 == 0o700   # made private
         call, hello = await tower.connect()
         assert hello.instance_id == info.instance_id and hello.hidden_dim == 64
         hidden, targets = _prompt(TINY, 24, seed=9)
@@ -134,8 +135,26 @@ async def test_a_stale_socket_file_is_replaced(socket_path):
         assert hello.instance_id == (await tower.info()).instance_id
 
 
+async def test_a_live_lane_is_not_taken_over_and_other_files_are_left_alone(socket_path, tmp_path):
+    """A second tower configured with the socket a running tower listens on (or a path that is
+    not a socket) serves without a lane; the first tower's lane goes on."""
+    async with Tower(socket_path) as first:
+        async with Tower(socket_path) as second:
+            assert (await second.info()).step_socket == "" and second.servicer.lane_server is None
+            assert (await first.info()).step_socket == socket_path
+            _, hello = await first.connect()
+            assert hello.instance_id == (await first.info()).instance_id
+        assert os.path.exists(socket_path)              # the second one's close left it be
+    plain = tmp_path / "plain-file"
+    plain.write_text("not a socket")
+    async with Tower(str(plain)) as tower:
+        assert (await tower.info()).step_socket == ""
+    assert plain.read_text() == "not a socket"
+
+
 def test_socket_path_settings():
-    assert local_lane.socket_path(None, 50052).endswith(os.path.join("dramaturg", "tower-50052.sock"))
+    default = local_lane.socket_path(None, 50052)
+    assert default.endswith(os.path.join(f"dramaturg-{os.getuid()}", "tower-50052.sock"))
     assert local_lane.socket_path("", 7) == local_lane.socket_path(None, 7)
     assert local_lane.socket_path("off", 7) == local_lane.socket_path("0", 7) == ""
     assert local_lane.socket_path("/run/dramaturg/tower.sock", 7) == "/run/dramaturg/tower.sock"

@@ -84,26 +84,43 @@ OFF = ("0", "off", "none", "false", "no")
 
 
 def socket_path(setting: str | None, port: int) -> str:
-    """The lane's socket from a setting: unset -> <tmp>/dramaturg/tower-<port>.sock (the stages
-    on one host, or containers sharing that directory, find each other); 0/off/none -> "" (no
-    lane); anything else is the path."""
+    """The lane's socket from a setting: unset -> <tmp>/dramaturg-<uid>/tower-<port>.sock (the
+    stages of one user on one host find each other; serve() makes that directory private);
+    0/off/none -> "" (no lane); anything else is the path."""
     if setting is None or not setting.strip():
-        return os.path.join(tempfile.gettempdir(), "dramaturg", f"tower-{port}.sock")
+        return os.path.join(tempfile.gettempdir(), f"dramaturg-{os.getuid()}", f"tower-{port}.sock")
     return "" if setting.strip().lower() in OFF else setting
+
 
 async def serve(path: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
                 ) -> asyncio.AbstractServer:
-    """Listen on the Unix socket `path` (a stale socket file there is replaced; its directory is
-    made). Each connection runs `handle(reader, writer)` on this event loop."""
+    """Listen on the Unix socket `path`; each connection runs `handle(reader, writer)` on this
+    event loop. Its directory is made (private to this user) if missing. A socket file already
+    there is replaced when nothing answers on it (left by a process that is gone); one a live
+    process listens on raises OSError, as does any other file there."""
     directory = os.path.dirname(path)
     if directory:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
     try:
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)                   # left by a process that is gone
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         pass
+    else:
+        if not stat.S_ISSOCK(mode):
+            raise OSError(f"{path} exists and is not a socket")
+        if await _answers(path):
+            raise OSError(f"{path} is in use by a running process")
+        os.unlink(path)
     return await asyncio.start_unix_server(handle, path, limit=_STREAM_LIMIT)
+
+
+async def _answers(path: str) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), 1.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def close_server(server: asyncio.AbstractServer | None, path: str) -> None:

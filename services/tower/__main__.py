@@ -10,7 +10,7 @@ DRAMA_SPIN_WAIT_MS (from a response on, the event loop spins this long while the
 request is due, instead of sleeping: 10 on CUDA, 0 on the CPU; TowerServicer) and DRAMA_GRACE_S
 (30) bounds the SIGTERM drain. DRAMA_TOWER_STEP_SOCKET (--step-socket) is the Unix socket of
 the Step stream's same-host lane (services/common/local_lane.py: the same messages without
-grpc's threads, ~0.5 ms a frame): <tmp>/dramaturg/tower-<port>.sock by default, `off` for none. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of the decode step
+grpc's threads, ~0.5 ms a frame): <tmp>/dramaturg-<uid>/tower-<port>.sock by default, `off` for none. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of the decode step
 and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on with --device cuda;
 read by TowerEngine, captured during warm-up).
 """
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=env_default("DRAMA_DEVICE", "cpu"), help="cpu or cuda[:i]")
     parser.add_argument("--step-socket", default=env_default("DRAMA_TOWER_STEP_SOCKET"),
                         help="the Step lane's Unix socket, or off (DRAMA_TOWER_STEP_SOCKET; default "
-                             "<tmp>/dramaturg/tower-<port>.sock)")
+                             "<tmp>/dramaturg-<uid>/tower-<port>.sock)")
     random_weights.add_argument(parser)
     args = parser.parse_args(argv)
     args.step_socket = local_lane.socket_path(args.step_socket, args.port)

@@ -212,8 +212,13 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
             writer.close()
 
     async def start_lane(self) -> None:
+        """Listen on the lane's socket; if that fails (another tower there, no permission) the
+        tower serves the gRPC stream only, as with no lane (TowerInfo.step_socket stays empty)."""
         if self.step_socket and self.engine is not None:
-            self.lane_server = await local_lane.serve(self.step_socket, self.lane_connection)
+            try:
+                self.lane_server = await local_lane.serve(self.step_socket, self.lane_connection)
+            except OSError as exc:
+                log.warning("no Step lane at %s (%s): the Step stream is gRPC only", self.step_socket, exc)
 
     def close_lane(self) -> None:
         local_lane.close_server(self.lane_server, self.step_socket)
