@@ -491,6 +491,8 @@ async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects
         return (await health.Check(health_pb2.HealthCheckRequest(service=backbone_server.SERVICE_NAME))).status
     try:
         assert await _wait_for(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
+        # `python -m services.tower` on this host: the Step stream runs over its same-host lane
+        assert (await stub.GetInfo(backbone_pb2.GetInfoRequest())).tower_transport == "lane"
         call = stub.Generate(make_request("doomed", **LONG))
         async for message in call:
             if message.WhichOneof("msg") == "frames":
@@ -503,7 +505,8 @@ async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects
 
         async def tower_gone():
             info = await stub.GetInfo(backbone_pb2.GetInfoRequest())
-            return not info.tower_ready and info.open_sessions == 0 and info.free_slots == MAX_ROWS
+            return (not info.tower_ready and info.tower_transport == "" and info.open_sessions == 0
+                    and info.free_slots == MAX_ROWS)
         assert await _wait_for(tower_gone)
         assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -515,6 +518,7 @@ async def test_tower_loss_fails_sessions_unavailable_and_the_backbone_reconnects
         async def tower_back():
             return (await stub.GetInfo(backbone_pb2.GetInfoRequest())).tower_ready
         assert await _wait_for(tower_back, timeout_s=15)
+        assert (await stub.GetInfo(backbone_pb2.GetInfoRequest())).tower_transport == "lane"
         assert await _wait_for(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
         result = await collect(stub, make_request("after", max_new=3))
         assert result.usage is not None and result.codes().shape[1] > 0

@@ -232,6 +232,7 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServicer):
             max_context_tokens=self.max_context_tokens,
             max_speakers=self.config.num_speakers if self.config else 0,
             tower_ready=bool(self.tower and self.tower.ready),
+            tower_transport=self.tower.transport if self.tower is not None else "",
             open_sessions=scheduler.open_sessions if scheduler else 0,
             free_slots=scheduler.engine.free_slots if scheduler else 0,
             queued_sessions=scheduler.queued_sessions if scheduler else 0,

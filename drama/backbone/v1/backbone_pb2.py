@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n drama/backbone/v1/backbone.proto\x12\x11\x64rama.backbone.v1\"\x10\n\x0eGetInfoRequest\"\xf2\x01\n\x0c\x42\x61\x63kboneInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cmax_speakers\x18\x05 \x01(\x05\x12\x13\n\x0btower_ready\x18\x06 \x01(\x08\x12\x15\n\ropen_sessions\x18\x07 \x01(\x05\x12\x12\n\nfree_slots\x18\x08 \x01(\x05\x12\r\n\x05\x62uild\x18\t \x01(\t\x12\x11\n\tcodebooks\x18\n \x01(\x05\x12\x17\n\x0fqueued_sessions\x18\x0b \x01(\x05\"7\n\x07Segment\x12\x10\n\x06tokens\x18\x01 \x01(\x0cH\x00\x12\x0f\n\x05\x63odes\x18\x02 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\";\n\x0bHistoryTake\x12,\n\x08segments\x18\x01 \x03(\x0b\x32\x1a.drama.backbone.v1.Segment\"\x1a\n\x05\x43hunk\x12\x11\n\tuser_turn\x18\x01 \x01(\x0c\"\x7f\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\"<\n\x04\x45mit\x12\x1c\n\x14\x66irst_message_frames\x18\x01 \x01(\x05\x12\x16\n\x0emessage_frames\x18\x02 \x01(\x05\"\xdc\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\x06system\x18\x03 \x03(\x0b\x32\x1a.drama.backbone.v1.Segment\x12/\n\x07history\x18\x04 \x03(\x0b\x32\x1e.drama.backbone.v1.HistoryTake\x12(\n\x06\x63hunks\x18\x05 \x03(\x0b\x32\x18.drama.backbone.v1.Chunk\x12\x16\n\x0e\x61ssistant_open\x18\x06 \x01(\x0c\x12\x17\n\x0f\x61ssistant_close\x18\x07 \x01(\x0c\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.drama.backbone.v1.Sampling\x12%\n\x04\x65mit\x18\t \x01(\x0b\x32\x17.drama.backbone.v1.Emit\x12\x18\n\x10queue_timeout_ms\x18\n \x01(\x05\"Y\n\x07Started\x12\x15\n\rqueue_wait_ms\x18\x01 \x01(\x05\x12\x1a\n\x12prompt_text_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13prompt_audio_frames\x18\x03 \x01(\x05\"Y\n\x06\x46rames\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x05\x12\x19\n\x11\x66irst_frame_index\x18\x02 \x01(\x05\x12\x10\n\x08n_frames\x18\x03 \x01(\x05\x12\r\n\x05\x63odes\x18\x04 \x01(\x0c\"i\n\x08\x43hunkEnd\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x05\x12\x10\n\x08n_frames\x18\x02 \x01(\x05\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.drama.backbone.v1.FinishReason\"I\n\x05Usage\x12\x13\n\x0btext_tokens\x18\x01 \x01(\x05\x12\x14\n\x0c\x61udio_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.drama.backbone.v1.StartedH\x00\x12+\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x19.drama.backbone.v1.FramesH\x00\x12\x30\n\tchunk_end\x18\x03 \x01(\x0b\x32\x1b.drama.backbone.v1.ChunkEndH\x00\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x18.drama.backbone.v1.UsageH\x00\x42\x05\n\x03msg*C\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xb0\x01\n\x08\x42\x61\x63kbone\x12M\n\x07GetInfo\x12!.drama.backbone.v1.GetInfoRequest\x1a\x1f.drama.backbone.v1.BackboneInfo\x12U\n\x08Generate\x12\".drama.backbone.v1.GenerateRequest\x1a#.drama.backbone.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n drama/backbone/v1/backbone.proto\x12\x11\x64rama.backbone.v1\"\x10\n\x0eGetInfoRequest\"\x8b\x02\n\x0c\x42\x61\x63kboneInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cmax_speakers\x18\x05 \x01(\x05\x12\x13\n\x0btower_ready\x18\x06 \x01(\x08\x12\x15\n\ropen_sessions\x18\x07 \x01(\x05\x12\x12\n\nfree_slots\x18\x08 \x01(\x05\x12\r\n\x05\x62uild\x18\t \x01(\t\x12\x11\n\tcodebooks\x18\n \x01(\x05\x12\x17\n\x0fqueued_sessions\x18\x0b \x01(\x05\x12\x17\n\x0ftower_transport\x18\x0c \x01(\t\"7\n\x07Segment\x12\x10\n\x06tokens\x18\x01 \x01(\x0cH\x00\x12\x0f\n\x05\x63odes\x18\x02 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\";\n\x0bHistoryTake\x12,\n\x08segments\x18\x01 \x03(\x0b\x32\x1a.drama.backbone.v1.Segment\"\x1a\n\x05\x43hunk\x12\x11\n\tuser_turn\x18\x01 \x01(\x0c\"\x7f\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\"<\n\x04\x45mit\x12\x1c\n\x14\x66irst_message_frames\x18\x01 \x01(\x05\x12\x16\n\x0emessage_frames\x18\x02 \x01(\x05\"\xdc\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\x06system\x18\x03 \x03(\x0b\x32\x1a.drama.backbone.v1.Segment\x12/\n\x07history\x18\x04 \x03(\x0b\x32\x1e.drama.backbone.v1.HistoryTake\x12(\n\x06\x63hunks\x18\x05 \x03(\x0b\x32\x18.drama.backbone.v1.Chunk\x12\x16\n\x0e\x61ssistant_open\x18\x06 \x01(\x0c\x12\x17\n\x0f\x61ssistant_close\x18\x07 \x01(\x0c\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.drama.backbone.v1.Sampling\x12%\n\x04\x65mit\x18\t \x01(\x0b\x32\x17.drama.backbone.v1.Emit\x12\x18\n\x10queue_timeout_ms\x18\n \x01(\x05\"Y\n\x07Started\x12\x15\n\rqueue_wait_ms\x18\x01 \x01(\x05\x12\x1a\n\x12prompt_text_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13prompt_audio_frames\x18\x03 \x01(\x05\"Y\n\x06\x46rames\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x05\x12\x19\n\x11\x66irst_frame_index\x18\x02 \x01(\x05\x12\x10\n\x08n_frames\x18\x03 \x01(\x05\x12\r\n\x05\x63odes\x18\x04 \x01(\x0c\"i\n\x08\x43hunkEnd\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x05\x12\x10\n\x08n_frames\x18\x02 \x01(\x05\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.drama.backbone.v1.FinishReason\"I\n\x05Usage\x12\x13\n\x0btext_tokens\x18\x01 \x01(\x05\x12\x14\n\x0c\x61udio_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.drama.backbone.v1.StartedH\x00\x12+\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x19.drama.backbone.v1.FramesH\x00\x12\x30\n\tchunk_end\x18\x03 \x01(\x0b\x32\x1b.drama.backbone.v1.ChunkEndH\x00\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x18.drama.backbone.v1.UsageH\x00\x42\x05\n\x03msg*C\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xb0\x01\n\x08\x42\x61\x63kbone\x12M\n\x07GetInfo\x12!.drama.backbone.v1.GetInfoRequest\x1a\x1f.drama.backbone.v1.BackboneInfo\x12U\n\x08Generate\x12\".drama.backbone.v1.GenerateRequest\x1a#.drama.backbone.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'drama.backbone.v1.backbone_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1583
-  _globals['_FINISHREASON']._serialized_end=1650
+  _globals['_FINISHREASON']._serialized_start=1608
+  _globals['_FINISHREASON']._serialized_end=1675
   _globals['_GETINFOREQUEST']._serialized_start=55
   _globals['_GETINFOREQUEST']._serialized_end=71
   _globals['_BACKBONEINFO']._serialized_start=74
-  _globals['_BACKBONEINFO']._serialized_end=316
-  _globals['_SEGMENT']._serialized_start=318
-  _globals['_SEGMENT']._serialized_end=373
-  _globals['_HISTORYTAKE']._serialized_start=375
-  _globals['_HISTORYTAKE']._serialized_end=434
-  _globals['_CHUNK']._serialized_start=436
-  _globals['_CHUNK']._serialized_end=462
-  _globals['_SAMPLING']._serialized_start=464
-  _globals['_SAMPLING']._serialized_end=591
-  _globals['_EMIT']._serialized_start=593
-  _globals['_EMIT']._serialized_end=653
-  _globals['_GENERATEREQUEST']._serialized_start=656
-  _globals['_GENERATEREQUEST']._serialized_end=1004
-  _globals['_STARTED']._serialized_start=1006
-  _globals['_STARTED']._serialized_end=1095
-  _globals['_FRAMES']._serialized_start=1097
-  _globals['_FRAMES']._serialized_end=1186
-  _globals['_CHUNKEND']._serialized_start=1188
-  _globals['_CHUNKEND']._serialized_end=1293
-  _globals['_USAGE']._serialized_start=1295
-  _globals['_USAGE']._serialized_end=1368
-  _globals['_GENERATERESPONSE']._serialized_start=1371
-  _globals['_GENERATERESPONSE']._serialized_end=1581
-  _globals['_BACKBONE']._serialized_start=1653
-  _globals['_BACKBONE']._serialized_end=1829
+  _globals['_BACKBONEINFO']._serialized_end=341
+  _globals['_SEGMENT']._serialized_start=343
+  _globals['_SEGMENT']._serialized_end=398
+  _globals['_HISTORYTAKE']._serialized_start=400
+  _globals['_HISTORYTAKE']._serialized_end=459
+  _globals['_CHUNK']._serialized_start=461
+  _globals['_CHUNK']._serialized_end=487
+  _globals['_SAMPLING']._serialized_start=489
+  _globals['_SAMPLING']._serialized_end=616
+  _globals['_EMIT']._serialized_start=618
+  _globals['_EMIT']._serialized_end=678
+  _globals['_GENERATEREQUEST']._serialized_start=681
+  _globals['_GENERATEREQUEST']._serialized_end=1029
+  _globals['_STARTED']._serialized_start=1031
+  _globals['_STARTED']._serialized_end=1120
+  _globals['_FRAMES']._serialized_start=1122
+  _globals['_FRAMES']._serialized_end=1211
+  _globals['_CHUNKEND']._serialized_start=1213
+  _globals['_CHUNKEND']._serialized_end=1318
+  _globals['_USAGE']._serialized_start=1320
+  _globals['_USAGE']._serialized_end=1393
+  _globals['_GENERATERESPONSE']._serialized_start=1396
+  _globals['_GENERATERESPONSE']._serialized_end=1606
+  _globals['_BACKBONE']._serialized_start=1678
+  _globals['_BACKBONE']._serialized_end=1854
 # @@protoc_insertion_point(module_scope)

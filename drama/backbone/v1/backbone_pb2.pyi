@@ -21,7 +21,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BackboneInfo(_message.Message):
-    __slots__ = ("model_id", "max_rows", "max_queue", "max_context_tokens", "max_speakers", "tower_ready", "open_sessions", "free_slots", "build", "codebooks", "queued_sessions")
+    __slots__ = ("model_id", "max_rows", "max_queue", "max_context_tokens", "max_speakers", "tower_ready", "open_sessions", "free_slots", "build", "codebooks", "queued_sessions", "tower_transport")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class BackboneInfo(_message.Message):
     BUILD_FIELD_NUMBER: _ClassVar[int]
     CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOWER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_rows: int
     max_queue: int
@@ -44,7 +45,8 @@ class BackboneInfo(_message.Message):
     build: str
     codebooks: int
     queued_sessions: int
-    def __init__(self, model_id: _Optional[str] = ..., max_rows: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_speakers: _Optional[int] = ..., tower_ready: _Optional[bool] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., codebooks: _Optional[int] = ..., queued_sessions: _Optional[int] = ...) -> None: ...
+    tower_transport: str
+    def __init__(self, model_id: _Optional[str] = ..., max_rows: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_speakers: _Optional[int] = ..., tower_ready: _Optional[bool] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., codebooks: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., tower_transport: _Optional[str] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("tokens", "codes")
