@@ -10,9 +10,10 @@ DRAMA_SPIN_WAIT_MS (from a response on, the event loop spins this long while the
 request is due, instead of sleeping: 10 on CUDA, 0 on the CPU; TowerServicer) and DRAMA_GRACE_S
 (30) bounds the SIGTERM drain. DRAMA_TOWER_STEP_SOCKET (--step-socket) is the Unix socket of
 the Step stream's same-host lane (services/common/local_lane.py: the same messages without
-grpc's threads, ~0.5 ms a frame): <tmp>/dramaturg-<uid>/tower-<port>.sock by default, `off` for none. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of the decode step
-and of every other step (prompt pieces, mixes; graphs.StepGraphs) (default on with --device cuda;
-read by TowerEngine, captured during warm-up).
+grpc's threads, ~0.5 ms a frame): <tmp>/dramaturg-<uid>/tower-<port>.sock by default, `off` for
+none. DRAMA_TOWER_GRAPHS=0 turns off the CUDA graphs of the decode step and of every other step
+(prompt pieces, mixes; graphs.StepGraphs) (default on with --device cuda; read by TowerEngine,
+captured during warm-up).
 """
 
 from __future__ import annotations
