@@ -18,6 +18,15 @@ Triton cache (its entries are keyed by kernel source).
 
 A switch instead of a commit: `--old . --new-env DRAMA_DECODE_FROM_IDS=1` runs this tree against
 itself, the "new" processes with that variable set (`--new-env` repeats; nothing to carry).
+
+`--bench e2e` runs `python -m bench.e2e <args> --json <json>` in each tree instead: a whole stack
+per run, whose stage processes import that tree too (they start in it). Its rows are a single
+stream's ms per frame and TTFA at 20 and 200 words. The stacks differ by ~0.3 ms per frame with
+the same code (docs/perf.md, session 23), so give it 2-3 runs a tree; under MPS, run ab.py itself
+under bench/with_mps.sh (one daemon for every stack):
+
+    bash bench/with_mps.sh python3 bench/ab.py --bench e2e --runs 3 --timeout 140 -- \
+        --preset full --device cuda --skip-micro
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OLD = ROOT / "_ab" / "old"
-TREE_PARTS = ("services", "drama", "bench")
+TREE_PARTS = ("services", "drama", "bench", "gateway")
+BENCHES = {"backbone": "bench/backbone.py", "e2e": "bench/e2e.py"}
 
 
 def prepare(rev: str, into: Path) -> None:
@@ -50,17 +60,19 @@ def prepare(rev: str, into: Path) -> None:
     print(f"{rev} -> {into}")
 
 
-def run_tree(tree: Path, args: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> dict:
-    """One bench/backbone.py process in `tree` (with `extra_env` added to the environment); its
-    --out JSON (an "error" key when it failed)."""
+def run_tree(tree: Path, args: list[str], timeout: float, extra_env: dict[str, str] | None = None,
+             bench: str = "backbone") -> dict:
+    """One benchmark process in `tree` (with `extra_env` added to the environment): bench/backbone.py
+    or `python -m bench.e2e`; its JSON (an "error" key when it failed)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "backbone.json"
+        out = Path(tmp) / f"{bench}.json"
         env = dict(os.environ, **(extra_env or {}))
         env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                            if p and Path(p).resolve() != ROOT])
+        command = ([sys.executable, "-m", "bench.e2e", *args, "--json", str(out)] if bench == "e2e"
+                   else [sys.executable, str(tree / "bench" / "backbone.py"), *args, "--out", str(out)])
         try:
-            proc = subprocess.run([sys.executable, str(tree / "bench" / "backbone.py"), *args, "--out", str(out)],
-                                  cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         if proc.returncode or not out.exists():
@@ -68,8 +80,18 @@ def run_tree(tree: Path, args: list[str], timeout: float, extra_env: dict[str, s
         return json.loads(out.read_text())
 
 
+# bench.e2e's requests and the figures of each that make a row
+_E2E_ROWS = (("short", "steady_ms_per_frame", "20w ms/frame"), ("long", "steady_ms_per_frame", "200w ms/frame"),
+             ("short", "ttfa_ms", "20w TTFA ms"), ("long", "ttfa_ms", "200w TTFA ms"))
+
+
 def figures(result: dict) -> dict[str, float]:
-    """A run's figures by row name: 'prefill N' (ms), 'decode bN graphs|eager' (median ms)."""
+    """A run's figures by row name. bench/backbone.py: 'prefill N' (ms), 'decode bN graphs|eager'
+    (median ms); bench.e2e: a single stream's ms per frame and TTFA at 20 and 200 words."""
+    if "requests" in result:
+        requests = result["requests"]
+        return {row: requests[name][key] for name, key, row in _E2E_ROWS
+                if requests.get(name, {}).get(key) is not None}
     rows = {f"prefill {r['rows']}" + (f" x{r['sessions']}" if r.get("sessions", 1) != 1 else ""): r["ms"]
             for r in result.get("prefill", [])}
     rows.update({f"decode b{r['batch']} {'graphs' if r.get('graphs') else 'eager'}": r["median_ms"]
@@ -105,6 +127,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", type=int, default=2, help="processes per tree")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per process")
     parser.add_argument("--json", type=Path, help="write the runs and the table here")
+    parser.add_argument("--bench", choices=sorted(BENCHES), default="backbone",
+                        help="bench/backbone.py in-process (default) or bench.e2e's whole stack")
     parser.add_argument("--new-env", action="append", default=[], metavar="VAR=VALUE",
                         help="set VAR in the new tree's processes only (with --old .: a switch A/B)")
     args = parser.parse_args(argv[:split])
@@ -118,13 +142,13 @@ def main(argv=None) -> dict:
     if args.prepare:
         prepare(args.prepare, args.old)
         return {}
-    if not (args.old / "bench" / "backbone.py").exists():
-        sys.exit(f"{args.old} holds no bench/backbone.py: make it with --prepare REV (here, then carry _ab)")
+    if not (args.old / BENCHES[args.bench]).exists():
+        sys.exit(f"{args.old} holds no {BENCHES[args.bench]}: make it with --prepare REV (here, then carry _ab)")
     runs: dict[str, list[dict]] = {"new": [], "old": []}
     for i in range(args.runs):
         for tree in (("new", "old") if i % 2 == 0 else ("old", "new")):
-            result = (run_tree(args.new, bench_args, args.timeout, new_env) if tree == "new"
-                      else run_tree(args.old, bench_args, args.timeout))
+            result = (run_tree(args.new, bench_args, args.timeout, new_env, bench=args.bench) if tree == "new"
+                      else run_tree(args.old, bench_args, args.timeout, bench=args.bench))
             runs[tree].append(result)
             shown = result.get("error") or ", ".join(f"{k} {v:.2f}" for k, v in figures(result).items())
             print(f"run {i + 1} {tree}: {shown}", flush=True)
@@ -134,7 +158,7 @@ def main(argv=None) -> dict:
         cells = [" / ".join("-" if v is None else f"{v:.2f}" for v in entry[t]) for t in ("new", "old")]
         diff = entry["new - old"]
         print(f"{entry['row']:<24} {cells[0]:<28} {cells[1]:<28} {'-' if diff is None else f'{diff:+.2f}':>10}")
-    report = {"runs": runs, "table": rows, "bench_args": bench_args,
+    report = {"runs": runs, "table": rows, "bench": args.bench, "bench_args": bench_args,
               "trees": {"new": str(args.new), "old": str(args.old)}, "new_env": new_env}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
