@@ -567,6 +567,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
                            + (f"; sampler error: {stack.peak_gpu_note}" if stack.peak_gpu_note else ""),
         "start_to_ready_s": stack.ready_s,
         "backbone_memory_report": stack.backbone_memory,
+        "tower_step_stream": stack.tower_stream,
         "requests": requests,
         "frames_note": stack.frames_note,
         "stack_error": stack.error,
@@ -599,6 +600,7 @@ class StackRun:
     peak_gpu_note: str | None = None
     frames_note: str | None = None
     backbone_memory: str | None = None                              # the backbone's own report line
+    tower_stream: str | None = None                                 # "lane" or "grpc" (backbone log)
     error: str | None = None
     pool: dict = field(default_factory=lambda: {k: stage_env()[k] for k in ("DRAMA_MAX_ROWS",
                                                                            "DRAMA_MAX_CONTEXT_TOKENS")})
@@ -645,7 +647,8 @@ def run_attached(args) -> StackRun:
         stop_sampler(sampler, out)
     log = Path(info["log_dir"]) / "backbone.log"
     if log.is_file():
-        out.backbone_memory = memory_line(log.read_text().splitlines())
+        lines = log.read_text().splitlines()
+        out.backbone_memory, out.tower_stream = memory_line(lines), tower_stream(lines)
     return out
 
 
@@ -661,6 +664,17 @@ def memory_line(log_lines: list[str]) -> str | None:
     return next((line for line in log_lines if line.startswith("backbone memory:")), None)
 
 
+def tower_stream(log_lines: list[str]) -> str | None:
+    """How the backbone's Step stream to the tower ran, from its "... Step stream over ..." line
+    (the last connect): "lane" (services/common/local_lane.py) or "grpc"."""
+    for line in reversed(log_lines):
+        if "Step stream over the lane" in line:
+            return "lane"
+        if "Step stream over gRPC" in line:
+            return "grpc"
+    return None
+
+
 def stack_from_json(path: Path) -> StackRun:
     """The stack figures of an earlier `--json` (for --micro-only)."""
     data = json.loads(path.read_text())
@@ -671,7 +685,8 @@ def stack_from_json(path: Path) -> StackRun:
     note = data["peak_gpu_source"].partition("; sampler error: ")[2] or None
     return StackRun(ready_s=data["start_to_ready_s"], requests=requests, peak_gpu_gb=data["peak_gpu_gb"],
                     peak_gpu_note=note, frames_note=data["frames_note"],
-                    backbone_memory=data["backbone_memory_report"], error=data["stack_error"],
+                    backbone_memory=data["backbone_memory_report"], tower_stream=data.get("tower_step_stream"),
+                    error=data["stack_error"],
                     pool={k: data["settings"][k] for k in ("DRAMA_MAX_ROWS", "DRAMA_MAX_CONTEXT_TOKENS")})
 
 
@@ -705,7 +720,8 @@ def run_stack(args) -> StackRun:
         finally:
             stop_sampler(sampler, out)
             stack.stop()
-            out.backbone_memory = memory_line(stack.processes["backbone"].log_tail(200).splitlines())
+            lines = stack.processes["backbone"].log_tail(200).splitlines()
+            out.backbone_memory, out.tower_stream = memory_line(lines), tower_stream(lines)
     return out
 
 

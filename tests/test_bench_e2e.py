@@ -96,7 +96,16 @@ def test_e2e_tiny_cpu_table_and_json(tmp_path):
     assert long["chunks"] > 1                                    # 60 words span several text chunks
     assert 0 < long["frames"] <= long["chunks"] * long["max_new_tokens_per_chunk"]
     assert result["micro_errors"] == {}
+    assert result["tower_step_stream"] == "lane"                 # the stages share this host
     # the gateway's milestones of the 20-word request, in order, ending at the first byte
     phases = result["requests"]["short"]["phases_ms"]
     assert list(phases) == list(e2e.PHASES), phases
     assert all(a <= b for a, b in zip(phases.values(), list(phases.values())[1:])), phases
+
+
+def test_tower_stream_is_read_from_the_backbones_last_connect():
+    lines = ["x", "... tower 127.0.0.1:5 connected (...), Step stream over gRPC",
+             "... tower 127.0.0.1:5 connected (...), Step stream over the lane /tmp/d/tower-5.sock", "y"]
+    assert e2e.tower_stream(lines) == "lane"
+    assert e2e.tower_stream(lines[:2]) == "grpc"
+    assert e2e.tower_stream(["no connect yet"]) is None
