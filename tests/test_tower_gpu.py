@@ -194,15 +194,19 @@ def _pair(cfg, sessions: int, context: int):
 @cuda
 @pytest.mark.parametrize("preset", ["tiny", "full"])
 @pytest.mark.parametrize("decode_gemm", [False, True])
-def test_graphed_decode_equals_eager(preset, decode_gemm, monkeypatch):
+@pytest.mark.parametrize("spin_gpu_wait", [False, True])
+def test_graphed_decode_equals_eager(preset, decode_gemm, spin_gpu_wait, monkeypatch):
     """decode_gemm: the projections through decode_linear (DRAMA_TOWER_DECODE_GEMM=1), whose rows
-    must not depend on the rows beside them either (the padded bucket below)."""
+    must not depend on the rows beside them either (the padded bucket below). spin_gpu_wait: the
+    replay's codes through pinned memory and a polled wait (DRAMA_GPU_WAIT_SPIN=1)."""
     from services.tower import model
 
     monkeypatch.setattr(model, "TOWER_DECODE_GEMM", model.decode_gemm_kinds("1" if decode_gemm else "0"))
+    monkeypatch.setenv("DRAMA_GPU_WAIT_SPIN", "1" if spin_gpu_wait else "0")
     cfg = _preset(preset)
     sessions, prompt, steps = 8, 37, 12
     graphed, eager = _pair(cfg, sessions, prompt + 2 * steps + 1)
+    assert graphed._graphs.spin_gpu_wait == spin_gpu_wait
     d, n = cfg.tower.hidden_size, cfg.num_codebooks
     g = torch.Generator().manual_seed(11)
     none = torch.full((prompt, n), -1, dtype=torch.int64)

@@ -8,6 +8,7 @@ import asyncio
 import os
 import struct
 
+import grpc
 import pytest
 import torch
 
@@ -119,7 +120,7 @@ async def test_a_failing_step_hangs_up_the_lane(socket_path, monkeypatch):
 
         monkeypatch.setattr(TowerEngine, "step", broken)
         await call.write(_request(1, [_row("z", 0, 1)], torch.randn(1, 64), torch.full((1, N), -1)))
-        assert await asyncio.wait_for(call.read(), 5) is local_lane.grpc.aio.EOF
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
 
 
 async def test_a_stale_socket_file_is_replaced(socket_path):
@@ -267,7 +268,7 @@ async def test_a_message_larger_than_the_read_buffer_crosses_whole(tmp_path):
         assert got == [len(big)]
         try:   # the server hangs up after the header: the write may or may not finish first
             await call.write(tower_pb2.StepRequest(step_id=2, hidden=b"\0" * local_lane.DEFAULT_LIMIT_BYTES))
-            assert await asyncio.wait_for(call.read(), 10) is local_lane.grpc.aio.EOF
+            assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
         except ConnectionResetError:
             pass
         for _ in range(100):

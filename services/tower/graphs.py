@@ -146,7 +146,7 @@ class Bucket:
         self.draw_rows = torch.arange(size, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: Tensor | None = None
-        self.host_output: Tensor | None = None     # pinned, the replay's output copied in (CUDA)
+        self.host_output: Tensor | None = None     # pinned, the replay's output copied in (polled waits)
 
     def int_field(self, name: str) -> Tensor:
         return self.ints[INT_FIELDS.index(name)]
@@ -183,7 +183,8 @@ class DecodeGraphs:
             bucket.stage_idle(self.scratch_slot)
             bucket.graph, bucket.output = cuda_graphs.capture(lambda: self.step(bucket), pool=pool, stream=stream,
                                                               warmup=warmup)
-            bucket.host_output = torch.empty(bucket.output.shape, dtype=bucket.output.dtype, pin_memory=True)
+            if self.spin_gpu_wait:        # run()'s pinned copy before the polled wait
+                bucket.host_output = torch.empty(bucket.output.shape, dtype=bucket.output.dtype, pin_memory=True)
         torch.cuda.synchronize()
 
     @property
