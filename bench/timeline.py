@@ -145,6 +145,58 @@ def steady_hops(spans: dict[str, list[dict]], skip_steps: int = STEPS_SHOWN) -> 
     return hops
 
 
+CHUNK_PARTS = ("chunk end -> prompt step starts (the last frame routed, the next chunk opened and planned)",
+               "backbone prompt compute (step start -> computed)", "send (computed -> write returned)",
+               "wire + tower loop (write returned -> tower step starts)", "tower prompt step + first draw",
+               "back (tower step ends -> backbone routes the first frame)",
+               "schedule (routed -> first decode step starts)")
+
+
+def chunk_boundaries(spans: dict[str, list[dict]]) -> tuple[dict[str, list[float]], list[int]]:
+    """A long request's chunk boundaries (MODEL.md §8.3: each chunk after the first opens a fresh
+    timeline whose prompt goes through both stages), cut at their hand-offs: ms per boundary
+    from the last frame of chunk i-1 being routed (its step's end) to chunk i's first decode
+    step, through chunk i's prompt step (one lane piece of the whole prompt, or pieces: the
+    first one's start to the last one's tower step). Also the prompt rows of each boundary."""
+    tower_by_trace = {s["context"]["trace_id"]: s for s in spans.get("tower", []) if s["name"] == "tower.step"}
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for span in spans.get("backbone", []):
+        if span["name"] == "backbone.step" and len(span.get("links", [])) == 1:
+            by_session[span["links"][0]["context"]["trace_id"]].append(span)
+    parts: dict[str, list[float]] = {name: [] for name in CHUNK_PARTS}
+    rows: list[int] = []
+    for steps in by_session.values():
+        steps.sort(key=lambda s: s["start_time"])
+
+        def is_prompt(step: dict) -> bool:
+            attributes = step.get("attributes", {})
+            return bool(attributes.get("drama.step.lane")) or attributes.get("drama.batch.rows", 1) > 1
+
+        for index in range(1, len(steps) - 1):
+            step, before = steps[index], steps[index - 1]
+            # a chunk's prompt after the first: a prompt step right behind a decode step
+            if not is_prompt(step) or is_prompt(before):
+                continue
+            last = index
+            while last + 1 < len(steps) and is_prompt(steps[last + 1]):
+                last += 1
+            if last + 1 >= len(steps):
+                continue
+            first_events = {e["name"]: seconds(e["timestamp"]) for e in step.get("events", [])}
+            final = steps[last]
+            final_events = {e["name"]: seconds(e["timestamp"]) for e in final.get("events", [])}
+            tower = tower_by_trace.get(final["context"]["trace_id"])
+            if tower is None or "computed" not in first_events or "sent" not in final_events:
+                continue
+            marks = [seconds(before["end_time"]), seconds(step["start_time"]), first_events["computed"],
+                     final_events["sent"], seconds(tower["start_time"]), seconds(tower["end_time"]),
+                     seconds(final["end_time"]), seconds(steps[last + 1]["start_time"])]
+            for name, begin, end in zip(CHUNK_PARTS, marks, marks[1:]):
+                parts[name].append((end - begin) * 1000.0)
+            rows.append(sum(s.get("attributes", {}).get("drama.batch.rows", 0) for s in steps[index:last + 1]))
+    return parts, rows
+
+
 def hop_table(hops: dict[str, list[float]]) -> str:
     frames = len(hops[HOPS[0]])          # steady_hops appends one value per part per frame
     if not frames:
@@ -157,6 +209,21 @@ def hop_table(hops: dict[str, list[float]]) -> str:
         total += median
         lines.append(f"| {name} | {median:.3f} | {ordered[int(0.9 * (len(ordered) - 1))]:.3f} |")
     lines.append(f"| **frame (sum of medians; {frames} frames)** | **{total:.3f}** | |")
+    return "\n".join(lines)
+
+
+def chunk_table(parts: dict[str, list[float]], rows: list[int]) -> str:
+    boundaries = len(parts[CHUNK_PARTS[0]])
+    if not boundaries:
+        return "(no chunk boundaries: a request of one text chunk, or its steps were not traced)"
+    lines = ["| a chunk boundary's part | median ms | max ms |", "|---|---:|---:|"]
+    total = 0.0
+    for name, values in parts.items():
+        median = statistics.median(values)
+        total += median
+        lines.append(f"| {name} | {median:.2f} | {max(values):.2f} |")
+    lines.append(f"| **boundary (sum of medians; {boundaries} boundaries, prompts of "
+                 f"{min(rows)}-{max(rows)} rows)** | **{total:.2f}** | |")
     return "\n".join(lines)
 
 
@@ -206,12 +273,15 @@ def measure(url: str, log_dir: Path, requests: int, words: int, frames: int, ski
     spans = read_spans(log_dir)
     timelines = request_timelines(spans)[-requests:]
     hops = steady_hops(spans)
+    boundaries, boundary_rows = chunk_boundaries(spans)
     kept, ttfa = timelines[skip:], [s.ttfa_ms for s in spoken[skip:]]
     rows = summarise(kept)
     return {"requests": len(kept), "words": words, "frames": frames, "client_ttfa_ms": ttfa,
             "points": [{"point": name, "mean_ms": mean, "min_ms": low, "requests": count}
                        for name, mean, low, count in rows],
-            "table": table(rows, ttfa), "hops_ms": hops, "hop_table": hop_table(hops)}
+            "table": table(rows, ttfa), "hops_ms": hops, "hop_table": hop_table(hops),
+            "chunk_boundaries_ms": boundaries, "chunk_boundary_rows": boundary_rows,
+            "chunk_table": chunk_table(boundaries, boundary_rows)}
 
 
 def main(argv=None) -> int:
@@ -257,8 +327,11 @@ def main(argv=None) -> int:
     print("\na decode frame cut at its hand-offs (every traced single-row step after a session's first "
           f"{STEPS_SHOWN}; host clock):")
     print(result["hop_table"])
+    print("\na chunk boundary of a long request (MODEL.md §8.3), cut at its hand-offs (host clock):")
+    print(result["chunk_table"])
     if args.json:
-        args.json.write_text(json.dumps({k: v for k, v in result.items() if k not in ("table", "hop_table")},
+        args.json.write_text(json.dumps({k: v for k, v in result.items()
+                                         if k not in ("table", "hop_table", "chunk_table")},
                                         indent=1))
     return 0
 

@@ -1,6 +1,7 @@
 """bench/timeline.py against a real tiny CPU stack of its own: one request's points, read back from
 the spans every stage exported, must come out in the order causality gives them across the four
-processes (a message is received after it is sent), with the client's first byte last."""
+processes (a message is received after it is sent), with the client's first byte last. Each request
+is two text chunks, so the chunk-boundary table has one boundary per request."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from bench import timeline
 def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "timeline.json"
     assert timeline.main(["--checkpoint", str(tiny_checkpoint), "--requests", "3", "--skip", "1",
-                          "--frames", "8", "--json", str(out)]) == 0
+                          "--words", "40", "--frames", "16", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["requests"] == 2 and len(result["client_ttfa_ms"]) == 2
     at = {p["point"]: p["mean_ms"] for p in result["points"]}
@@ -40,3 +41,15 @@ def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_pat
     compute, send, wire, tower, back, schedule = hops.values()
     for i in range(frames):
         assert compute[i] > 0 and send[i] + wire[i] > 0 and tower[i] > 0 and back[i] > 0 and schedule[i] >= 0
+
+    # the chunk boundaries: one per request (40 words are two chunks of the tiny preset's 128 code
+    # points), each from the last frame of chunk 1 routed to chunk 2's first decode step
+    boundaries, rows = result["chunk_boundaries_ms"], result["chunk_boundary_rows"]
+    assert list(boundaries) == list(timeline.CHUNK_PARTS)
+    assert len(rows) == 3 and all(len(v) == 3 for v in boundaries.values()), (rows, boundaries)
+    # chunk 2's prompt: chunk 1's take (its text and its 8 frames) and chunk 2's own text
+    assert all(r > 8 for r in rows), rows
+    opened, compute, send, wire, tower, back, schedule = boundaries.values()
+    for i in range(3):
+        assert opened[i] >= 0 and compute[i] > 0 and send[i] + wire[i] > 0 and tower[i] > 0 and back[i] > 0
+    assert "| a chunk boundary's part |" in printed
