@@ -935,6 +935,8 @@ class Scheduler:
                     if span is not None:
                         span.end()
                     continue
+                if span is not None:           # bench/timeline.py: a chunk boundary's hand-offs
+                    span.add_event("computed")
                 self._lane_waiting = True
                 try:
                     while True:
