@@ -62,7 +62,7 @@ CASES = ("bare", "compute", "idle", "spin-read", "spin-both", "spin-writes", "la
          "lane-spin")
 # what each lane case does over gRPC
 _GRPC_CASE = {"lane-bare": "bare", "lane-compute": "compute", "lane-spin": "spin-writes"}
-HIDDEN = b"\1" * 4096          # one bf16 row of the full preset (H = 2048)
+ROW_BYTES = 4096               # one bf16 hidden row of the full preset (H = 2048)
 
 
 def block(ms: float, how: str) -> None:
@@ -131,7 +131,7 @@ async def serve(port: int, case: str, compute_ms: float, how: str) -> None:
     await server.wait_for_termination()
 
 
-async def client(port: int, case: str, compute_ms: float, how: str, rounds: int) -> list[float]:
+async def client(port: int, case: str, compute_ms: float, how: str, rounds: int, rows: int = 1) -> list[float]:
     """Per round: wall ms less both sides' compute, as each measured its own (an asyncio.sleep
     overshoots by up to a millisecond: that is the timer's, not the hop's)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -142,6 +142,7 @@ async def client(port: int, case: str, compute_ms: float, how: str, rounds: int)
         else:
             call = tower_pb2_grpc.TowerStub(channel).Step()
         spinner = Spinner(max_s=0.05) if case == "spin-writes" else None
+        hidden = b"\1" * (ROW_BYTES * rows)
         overheads = []
         started = time.perf_counter()
         for i in range(rounds + 20):
@@ -150,7 +151,7 @@ async def client(port: int, case: str, compute_ms: float, how: str, rounds: int)
             computed = time.perf_counter() - computed
             if spinner is not None:
                 spinner.start()
-            await call.write(tower_pb2.StepRequest(step_id=i, hidden=HIDDEN))
+            await call.write(tower_pb2.StepRequest(step_id=i, hidden=hidden))
             if spinner is not None:
                 response = await call.read()
                 spinner.stop()
@@ -176,7 +177,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_case(case: str, compute_ms: float, how: str, rounds: int, port: int) -> dict:
+def run_case(case: str, compute_ms: float, how: str, rounds: int, port: int, rows: int = 1) -> dict:
     """The server in its own process (as the stages are), the client here."""
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--cases", case,
                                "--compute-ms", str(compute_ms), "--block", how],
@@ -184,11 +185,12 @@ def run_case(case: str, compute_ms: float, how: str, rounds: int, port: int) -> 
     try:
         if server.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the echo server for {case} did not start")
-        values = sorted(asyncio.run(client(port, case, compute_ms, how, rounds)))
+        values = sorted(asyncio.run(client(port, case, compute_ms, how, rounds, rows)))
     finally:
         server.kill()
         server.wait()
     return {"case": case, "compute_ms": 0.0 if case.endswith("bare") else compute_ms, "block": how, "rounds": rounds,
+            "rows": rows,
             "median_ms": statistics.median(values), "p90_ms": values[int(0.9 * (len(values) - 1))]}
 
 
@@ -199,6 +201,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--block", choices=["spin", "sleep"], default="spin",
                         help="how a blocking step holds its thread (compute, spin-read)")
     parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1],
+                        help="hidden rows per request (4 KB each): 1 a decode frame; a chunk's prompt of "
+                        "the 200-word request is 308 rows")
     parser.add_argument("--port", type=int, default=0, help="the echo servers' first port (0: free ones)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)   # the echo server
@@ -206,14 +211,15 @@ def main(argv=None) -> list[dict]:
     if args.serve:
         asyncio.run(serve(args.serve, args.cases[0], args.compute_ms, args.block))
         return []
-    print(f"{'case':>12} {'compute ms':>10} {'block':>6} {'hops ms (median)':>17} {'p90':>7}   "
+    print(f"{'case':>12} {'rows':>5} {'compute ms':>10} {'block':>6} {'hops ms (median)':>17} {'p90':>7}   "
           f"GRPC_POLL_STRATEGY={os.environ.get('GRPC_POLL_STRATEGY', '(default)')}")
     results = []
-    for n, case in enumerate(args.cases):
-        r = run_case(case, args.compute_ms, args.block, args.rounds, args.port + n if args.port else free_port())
+    cases = [(case, rows) for rows in args.rows for case in args.cases]
+    for n, (case, rows) in enumerate(cases):
+        r = run_case(case, args.compute_ms, args.block, args.rounds, args.port + n if args.port else free_port(), rows)
         results.append(r)
-        print(f"{case:>12} {r['compute_ms']:>10.1f} {r['block']:>6} {r['median_ms']:>17.3f} {r['p90_ms']:>7.3f}",
-              flush=True)
+        print(f"{case:>12} {rows:>5} {r['compute_ms']:>10.1f} {r['block']:>6} {r['median_ms']:>17.3f} "
+              f"{r['p90_ms']:>7.3f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return results
