@@ -106,6 +106,32 @@ def test_step_to_host_equals_step(model, engine):
     assert other.step_to_host([]).shape == (0, model.config.hidden_size)
 
 
+def test_a_launched_step_holds_its_slots_until_finish(model, engine):
+    """launch_to_host + finish (the scheduler's inline path: host work between the two) give
+    step_to_host's rows; between them the step's slots are busy (another step on one of them is
+    refused, and `open` does not hand out a slot released meanwhile), and a session's length
+    counts the rows only once finished. A launch that fails leaves no slot busy."""
+    tokens, frames = make_prompt(model, 12, seed=5)
+    other = BackboneEngine(model, max_sessions=2, max_context=512)
+    a = engine.open()
+    expected = engine.step_to_host([(a, tokens[:9], frames[:9])])
+    b, c = other.open(), other.open()
+    pending = other.launch_to_host([(b, tokens[:9], frames[:9])])
+    assert other.length(b) == 0
+    with pytest.raises(ValueError, match="another step"):
+        other.launch_to_host([(b, tokens[9:10], frames[9:10])])
+    other.release(b)
+    other.release(c)
+    assert other.free_slots == 1                      # b is busy until its step ends
+    assert torch.equal(other.finish(pending), expected)
+    assert other.free_slots == 2
+    b = other.open()
+    with pytest.raises(ValueError):
+        other.launch_to_host([(b, torch.tensor([model.config.vocab_size]), None)])   # an id out of range
+    assert other.free_slots == 1 and other.length(b) == 0
+    assert other.finish(other.launch_to_host([])).shape == (0, model.config.hidden_size)
+
+
 def test_rows_do_not_depend_on_batch_neighbours_or_slot(model, engine):
     """A session's rows are bit-identical alone (slot 0) and beside two others (slot 2), whose
     pieces have other sizes in the same steps."""

@@ -182,10 +182,10 @@ class Recorder:
     def __getattr__(self, name):   # everything else is the real engine's
         return getattr(self.engine, name)
 
-    def step_to_host(self, work):  # the engine side (on the engine thread)
+    def launch_to_host(self, work):  # the engine side (on the engine thread)
         self.work.append(work)
         self.overlap = max(self.overlap, sum(not f.done() for f in list(self.sent)))
-        return self.engine.step_to_host(work)
+        return self.engine.launch_to_host(work)
 
     async def tower_send(self, step: TowerStep) -> asyncio.Future:
         self.steps.append(step)
@@ -390,8 +390,8 @@ async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_f
     runs = {}
     for inline in (True, False):
         scheduler, rec = await stage(max_inflight_steps=1, inline_steps=inline)
-        threads, engine_step = set(), rec.step_to_host
-        rec.step_to_host = lambda work: (threads.add(threading.current_thread()), engine_step(work))[1]
+        threads, engine_step = set(), rec.launch_to_host
+        rec.launch_to_host = lambda work: (threads.add(threading.current_thread()), engine_step(work))[1]
         sessions = [scheduler.submit(_job(f"i{i}", seed=60 + i, turns=("one", "two"), max_new=5))
                     for i in range(POOL_ROWS)]
         results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])

@@ -105,7 +105,7 @@ def test_step_and_decode_series_count_every_call(metered_stack):
     def so_far(name, field="count"):
         return getattr(read_points(reader)[name], field) - getattr(before.get(name), field, 0)
 
-    backbone_steps = CallCounter(backbone.scheduler.engine, "step_to_host",
+    backbone_steps = CallCounter(backbone.scheduler.engine, "launch_to_host",
                                  lambda work: sum(len(token_ids) for _, token_ids, _ in work))
     tower_steps = CallCounter(tower.servicer.engine, "step")
     chunks = CallCounter(codec.servicer.batcher, "decode", is_async=True)
@@ -154,7 +154,7 @@ class EngineGate:
     released, so the scheduler's state stands still while the gauges are read."""
 
     def __init__(self, engine, passes=0):
-        self.engine, self.real, self.open_ = engine, engine.step_to_host, threading.Event()
+        self.engine, self.real, self.open_ = engine, engine.launch_to_host, threading.Event()
         self.passes = passes
 
         def step(*args, **kwargs):
@@ -163,11 +163,11 @@ class EngineGate:
             else:
                 self.open_.wait(60)
             return self.real(*args, **kwargs)
-        engine.step_to_host = step        # what the scheduler calls
+        engine.launch_to_host = step      # what the scheduler calls (then finish)
 
     def release(self):
         self.open_.set()
-        self.engine.step_to_host = self.real
+        self.engine.launch_to_host = self.real
 
 
 def post_in_threads(stack, n):

@@ -61,6 +61,15 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+@dataclass
+class PendingStep:
+    """A launched step (BackboneEngine.launch_to_host) until its `finish`."""
+    hidden: torch.Tensor                 # its rows, valid once the stream has run the step
+    segments: list[Segment]
+    slots: set[int]                      # busy until finish
+    stream: torch.cuda.Stream | None     # the stream it was queued on (CUDA)
+
+
 class BackboneEngine:
     def __init__(self, model: Backbone, *, max_sessions: int, max_context: int):
         if max_sessions < 1 or max_context < 1:
@@ -202,11 +211,40 @@ class BackboneEngine:
         straight to pinned memory in one asynchronous copy before the step's one wait; `step`'s
         device copy, and the caller's concatenation and copy with a second wait, cost the host
         ~40 µs on the path of every frame."""
+        return self.finish(self.launch_to_host(work))
+
+    def launch_to_host(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> "PendingStep":
+        """`step_to_host` up to its wait: the step is queued on the calling thread's current
+        stream (on CUDA; done at once elsewhere), its slots busy until `finish`, which must
+        follow (on any thread). Why: the caller's host work between the two (the scheduler's
+        frames out) runs while the GPU computes, not before the launch."""
         if not work:
-            return torch.empty(0, self.hidden_size, dtype=self.hidden_dtype)
-        return self._step(work, to_host=True)[0]
+            return PendingStep(torch.empty(0, self.hidden_size, dtype=self.hidden_dtype), [], set(), None)
+        return self._launch(work, to_host=True)
+
+    def finish(self, pending: "PendingStep") -> torch.Tensor:
+        """Wait for a launched step; its rows (see step_to_host). Its slots are free again, and
+        the rows count for their lengths only if the wait returned."""
+        done = False
+        try:
+            if pending.stream is not None:
+                # Before the slots are let go: a slot released meanwhile may be reset on another
+                # stream as soon as it is free, and the rows go to the host next anyway.
+                gpu_wait.synchronize(pending.stream, self.spin_gpu_wait)
+            done = True
+        finally:
+            with self._lock:
+                self._busy.difference_update(pending.slots)
+                for seg in pending.segments if done else ():
+                    if self._open[seg.slot]:       # not released while the step ran
+                        self._lengths[seg.slot] += seg.count
+        return pending.hidden
 
     def _step(self, work, to_host: bool) -> tuple[torch.Tensor, list[Segment]]:
+        pending = self._launch(work, to_host)
+        return self.finish(pending), pending.segments
+
+    def _launch(self, work, to_host: bool) -> "PendingStep":
         counts, all_ids, all_frames = self._check_work(work)
         with self._lock:
             segments, offset, seen = [], 0, set()
@@ -224,7 +262,6 @@ class BackboneEngine:
                 offset += n
             self._busy.update(seen)
             self._wait_ready(seen)
-        done = False
         try:
             device = self._device
             # a decode step replayed from a graph may take the ids as they are (Backbone.decode_from_ids)
@@ -240,18 +277,11 @@ class BackboneEngine:
                 hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True).copy_(hidden, non_blocking=True)
             else:
                 hidden = hidden.clone()
-            if self._cuda:
-                # Done before the slots are let go: a slot released meanwhile may be reset on
-                # another stream as soon as it is free, and the rows go to the host next anyway.
-                gpu_wait.synchronize(torch.cuda.current_stream(device), self.spin_gpu_wait)
-            done = True
-        finally:
+        except BaseException:
             with self._lock:
                 self._busy.difference_update(seen)
-                for seg in segments if done else ():
-                    if self._open[seg.slot]:       # not released while the step ran
-                        self._lengths[seg.slot] += seg.count
-        return hidden, segments
+            raise
+        return PendingStep(hidden, segments, seen, torch.cuda.current_stream(device) if self._cuda else None)
 
     def _mark_ready(self, slot: int) -> None:
         """After queuing a slot's reset or restore (CUDA): its next user, on any stream, waits for it."""

@@ -10,7 +10,8 @@ A step of one group of sessions:
     1. admit queued sessions FIFO while the engine has free slots (each gets its first chunk's rows);
     2. plan: at most one entry per session, decode rows first (one row: the frame the tower just
        drew), then prefill pieces within the step's prefill row budget, at most `max_rows` entries;
-    3. `engine.step_to_host` on the engine thread (the event loop never blocks on the model);
+    3. the engine step on the engine thread (`engine.launch_to_host`, then `finish`); on CUDA with
+       one step in flight on the loop's thread itself, its frames out running between the two;
     4. send one TowerStep with every row (hidden, targets, draws, and the releases so far);
     5. when its StepResponse comes back, route the drawn frames: buffer and emit them, end chunks
        on `stop` (STOP) or at `max_new_tokens` (LENGTH), start the next chunk as a fresh timeline.
@@ -55,8 +56,8 @@ a session restored from the voice prefix has its further pieces wait for the res
 the lane: on the CPU exact path they are bit-identical with it on and off
 (tests/test_prefill_lane.py).
 
-Engine calls: `open` and `release` are made by the coroutines on the event loop; `engine.step_to_host`
-runs on the main engine thread (decode groups) or the lane's thread, never two steps on one slot
+Engine calls: `open` and `release` are made by the coroutines on the event loop; a step
+(`engine.launch_to_host` and `finish`) runs on the main engine thread (decode groups) or the lane's thread, never two steps on one slot
 (engine.py: its lock guards bookkeeping only, so the two steps overlap). `cancel` and the
 tower's loss callback only set flags and wake the loop.
 
@@ -991,8 +992,14 @@ class Scheduler:
         store_slots = [e.session.slot for e in store]
         try:
             if not lane and self._steps_inline():
-                await asyncio.sleep(0)         # what the last routing queued (frames out) goes first
-                hidden, snapshots = self._compute(work, store_slots, lane)
+                pending = self._launch(work)
+                try:
+                    # what the last routing queued (frames out) runs while the GPU computes
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    self._finish_quietly(pending)
+                    raise
+                hidden, snapshots = self._finish(pending, store_slots, lane)
             else:
                 hidden, snapshots = await asyncio.get_running_loop().run_in_executor(
                     executor, self._compute, work, store_slots, lane)
@@ -1091,17 +1098,27 @@ class Scheduler:
     def _compute(self, work, store_slots: list[int], lane: bool):
         """On an engine thread (the main one, or the lane's): the step (timed here), snapshots of
         the slots that just ended a prefix, and the rows copied to the host. On CUDA with the
-        lane each thread runs on its own stream; engine.step_to_host waits for its stream's work, so the
+        lane each thread runs on its own stream; engine.finish waits for its stream's work, so the
         time includes the GPU's."""
+        return self._finish(self._launch(work, lane), store_slots, lane)
+
+    def _launch(self, work, lane: bool = False) -> tuple[PendingStep, float]:
+        """Queue the step on this thread's stream (the lane's or the main one); `_finish` waits."""
         stream = self._lane_stream if lane else self._main_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             started = time.perf_counter()
-            # The rows come back on the host (pinned), copied here, on this thread: the event
+            # The rows come back on the host (pinned), copied on the step's stream: the event
             # loop never waits for a stream, and no other stream ever reads memory this one allocated.
-            hidden = self.engine.step_to_host(work)
-            elapsed = time.perf_counter() - started
+            return self.engine.launch_to_host(work), started
+
+    def _finish(self, launched: tuple[PendingStep, float], store_slots: list[int], lane: bool):
+        pending, started = launched
+        hidden = self.engine.finish(pending)
+        elapsed = time.perf_counter() - started
+        stream = self._lane_stream if lane else self._main_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             snapshots = [self.engine.snapshot(slot) for slot in store_slots]
-        rows = sum(len(token_ids) for _, token_ids, _ in work)
+        rows = sum(seg.count for seg in pending.segments)
         if lane:
             self._lane_step_seconds.record(elapsed)
             self._lane_batch_rows.record(rows)
@@ -1109,6 +1126,13 @@ class Scheduler:
             self._step_seconds.record(elapsed)
             self._batch_rows.record(rows)
         return hidden, snapshots
+
+    def _finish_quietly(self, launched: tuple[PendingStep, float]) -> None:
+        """Wait for a launched step whose caller is cancelled: its slots must not stay busy."""
+        try:
+            self.engine.finish(launched[0])
+        except Exception:
+            log.exception("engine step failed while its caller was cancelled")
 
     def _finish_step(self, step: _InFlight) -> None:
         if step.span is not None:

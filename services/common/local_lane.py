@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 import struct
 import tempfile
@@ -40,6 +41,12 @@ DEFAULT_LIMIT_BYTES = 16 * 1024 * 1024       # the Step stream's gRPC message li
 # full preset is ~1 MB of hidden rows); the reader's buffer grows to this before it pauses.
 _STREAM_LIMIT = 4 * 1024 * 1024
 
+# Each socket's kernel send buffer: a chunk's prompt of the 200-word request is ~1.3 MB of hidden
+# rows, and with Linux's default (~208 KB) its write went out in ~200 KB pieces, each waiting for
+# the reader's loop to take the last one: 3.6 ms for 308 rows on the H200 host (bench/hops.py
+# --rows 308). Capped by the kernel at net.core.wmem_max (4 MB there); never an error.
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
 M = TypeVar("M", bound=Message)
 
 
@@ -50,6 +57,25 @@ class LaneError(Exception):
 def encode(message: Message) -> bytes:
     body = message.SerializeToString()
     return HEADER.pack(len(body)) + body
+
+
+def write(writer: asyncio.StreamWriter, message: Message) -> None:
+    """Queue one message: its header and body as two writes (no copy of a large body to join them)."""
+    body = message.SerializeToString()
+    writer.write(HEADER.pack(len(body)))
+    writer.write(body)
+
+
+def widen(writer: asyncio.StreamWriter) -> None:
+    """Give the connection's socket SOCKET_BUFFER_BYTES of kernel buffer each way."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
 
 
 async def read_message(reader: asyncio.StreamReader, message_type: type[M], *,
@@ -109,7 +135,12 @@ async def serve(path: str, handle: Callable[[asyncio.StreamReader, asyncio.Strea
         if await _answers(path):
             raise OSError(f"{path} is in use by a running process")
         os.unlink(path)
-    return await asyncio.start_unix_server(handle, path, limit=_STREAM_LIMIT)
+
+    async def widened(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        widen(writer)
+        await handle(reader, writer)
+
+    return await asyncio.start_unix_server(widened, path, limit=_STREAM_LIMIT)
 
 
 async def _answers(path: str) -> bool:
@@ -147,7 +178,7 @@ class LaneCall:
     async def write(self, message: Message) -> None:
         if self._writer.is_closing():
             raise ConnectionResetError("the lane is closed")
-        self._writer.write(encode(message))
+        write(self._writer, message)
         # returns at once unless the socket's buffer is over its high-water mark
         await self._writer.drain()
 
@@ -165,6 +196,7 @@ async def connect(path: str, hello_type: type[M], response_type: type[Message], 
     permission), asyncio.TimeoutError or LaneError."""
     reader, writer = await asyncio.wait_for(
         asyncio.open_unix_connection(path, limit=_STREAM_LIMIT), timeout_s)
+    widen(writer)
     try:
         hello = await asyncio.wait_for(read_message(reader, hello_type), timeout_s)
         if hello is None:
