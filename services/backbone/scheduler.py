@@ -57,7 +57,8 @@ the lane: on the CPU exact path they are bit-identical with it on and off
 (tests/test_prefill_lane.py).
 
 Engine calls: `open` and `release` are made by the coroutines on the event loop; a step
-(`engine.launch_to_host` and `finish`) runs on the main engine thread (decode groups) or the lane's thread, never two steps on one slot
+(`engine.launch_to_host` and `finish`) runs on the main engine thread (decode groups; on CUDA with
+one step in flight, the loop's own thread) or the lane's thread, never two steps on one slot
 (engine.py: its lock guards bookkeeping only, so the two steps overlap). `cancel` and the
 tower's loss callback only set flags and wake the loop.
 
@@ -98,6 +99,7 @@ from torch import Tensor
 from services.common import aio
 from services.common.telemetry import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
+from .engine import PendingStep
 from .prefix_cache import PrefixCache, prefix_key
 from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_chunk,  # noqa: F401
                    row_targets, text_rows)
