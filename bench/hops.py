@@ -28,7 +28,8 @@ and reports per round: wall time - both computes = what the two hops cost. Cases
     lane-bare, lane-compute, lane-spin
                 bare, compute and spin-writes over the same-host lane instead of gRPC: the
                 same messages over a Unix socket that each event loop reads itself
-                (services/common/local_lane.py)
+                (services/common/local_lane.py), a request of 64 KB or more through the
+                connection's shared memory as the stages do (--rows 16 and up)
 
 Each side's compute is what it measured (the server sends its own back in `tower_us`), so an
 asyncio.sleep's overshoot counts as compute, not as a hop. Whether the H200 host (16 cores) pays
@@ -112,13 +113,18 @@ async def serve(port: int, case: str, compute_ms: float, how: str) -> None:
         echo = Echo(_GRPC_CASE[case], compute_ms, how)
 
         async def handle(reader, writer):
+            ring = local_lane.Ring(lane_path(port))           # as the tower: large requests come through it
+
             async def requests():
-                while (request := await local_lane.read_message(reader, tower_pb2.StepRequest)) is not None:
+                while (request := await local_lane.read_message(reader, tower_pb2.StepRequest,
+                                                                ring=ring.map)) is not None:
+                    ring.unlink()
                     yield request
-            writer.write(local_lane.encode(tower_pb2.TowerInfo()))     # the hello
+            writer.write(local_lane.encode(tower_pb2.TowerInfo(step_ring=ring.name)))     # the hello
             async for response in echo.Step(requests()):
                 writer.write(local_lane.encode(response))
             writer.close()
+            ring.close()
 
         await local_lane.serve(lane_path(port), handle)
         print("ready", flush=True)

@@ -205,6 +205,8 @@ def test_tower_and_backbone_share_the_step_lane(gpu_compose, cpu_compose):
         directory = socket.rsplit("/", 1)[0]
         assert mounts["tower"][directory] == mounts["backbone"][directory] == "step-lane"
         assert "step-lane" in compose["volumes"]
+        # the lane's shared memory (local_lane.Ring) lives beside the socket: in memory, not on disk
+        assert compose["volumes"]["step-lane"]["driver_opts"]["type"] == "tmpfs"
         assert services["backbone"]["environment"].get("DRAMA_TOWER_LOCAL_LANE", "1") != "0"
 
 

@@ -95,6 +95,7 @@ async def test_a_broken_message_ends_only_its_connection(socket_path):
         await keep.read()
         for bad in (struct.pack("<I", local_lane.DEFAULT_LIMIT_BYTES + 1),     # over the limit
                     struct.pack("<I", 5) + b"\xff" * 5,                         # not a StepRequest
+                    struct.pack("<II", local_lane.RING_FLAG | 10, local_lane.RING_BYTES),  # outside the ring
                     struct.pack("<I", 100) + b"\0" * 10):                       # cut off
             reader, writer = await asyncio.open_unix_connection(socket_path)
             assert await local_lane.read_message(reader, tower_pb2.TowerInfo) is not None   # the hello
@@ -109,6 +110,82 @@ async def test_a_broken_message_ends_only_its_connection(socket_path):
         assert response.step_id == 2 and not response.row_errors
         assert (await tower.info()).open_sessions == 1
         keep.cancel()
+
+
+async def test_requests_through_the_ring_give_the_engines_frames(socket_path, monkeypatch):
+    """Every request through the connection's shared memory (RING_MIN_BYTES 0), in a ring so small
+    that the places wrap around: the same frames as over the socket. The ring's file is gone from
+    the socket's directory once the first request has arrived; the tower's GetInfo names no ring."""
+    monkeypatch.setattr(local_lane, "RING_MIN_BYTES", 0)
+    monkeypatch.setattr(local_lane, "RING_BYTES", 4096)
+    async with Tower(socket_path) as tower:
+        assert (await tower.info()).step_ring == ""
+        call, hello = await tower.connect()
+        ring_file = os.path.join(os.path.dirname(socket_path), hello.step_ring)
+        assert hello.step_ring.startswith("tower.sock.ring-") and os.path.exists(ring_file)
+        assert call.ring is not None and len(call.ring) == 4096
+        hidden, targets = _prompt(TINY, 24, seed=9)
+        plan = _session_plan("s", hidden, targets[:18], [10, 8], frames=5)
+        frames, sizes = [], []
+        for step_id, (rows, h, t) in enumerate(plan, start=1):
+            request = _request(step_id, rows, h, t)
+            sizes.append(request.ByteSize())
+            await call.write(request)
+            response = await call.read()
+            assert not os.path.exists(ring_file)
+            assert response.step_id == step_id and not response.row_errors
+            if rows[-1].draw:
+                frames.append(_codes(response, 1)[0].tolist())
+        assert frames == _expected_frames(plan)
+        assert call.ring_messages == len(plan) and sum(sizes) > 4096      # every one, wrapping
+        call.cancel()
+        assert await _wait_open_sessions(tower, 0) == 0
+
+
+def test_ring_places_follow_the_unanswered_requests():
+    """A request's place in the ring is after the unanswered ones, wraps to the start when the end
+    is taken, and is refused (the request goes through the socket) while nothing fits."""
+    call = local_lane.LaneCall(None, None, tower_pb2.StepResponse, ring=bytearray(100))
+
+    def place(size):
+        got = call._place(size)
+        if got is not None:
+            call._placed.append(got)
+        return got
+
+    def answer():
+        call._placed.popleft()
+
+    assert place(40) == (0, 40) and place(40) == (40, 80)
+    assert place(30) is None and place(101) is None
+    answer()                                    # [0, 40) is free again
+    assert place(30) == (0, 30) and place(10) == (30, 40)
+    assert place(5) is None                     # [40, 80) is still unanswered
+    answer()
+    assert place(5) == (40, 45)
+
+
+async def test_a_ring_the_backbone_cannot_map_leaves_the_requests_on_the_socket(socket_path, tmp_path,
+                                                                             monkeypatch):
+    """map_ring opens only a regular file beside the socket, named as the tower names its rings;
+    otherwise (or when it is gone) the call has no ring and its requests cross the socket."""
+    monkeypatch.setattr(local_lane, "RING_MIN_BYTES", 0)
+    async with Tower(socket_path) as tower:
+        directory = os.path.dirname(socket_path)
+        outside = tmp_path / "tower.sock.ring-outside"
+        outside.write_bytes(b"\0" * local_lane.RING_MIN_BYTES)
+        os.symlink(outside, os.path.join(directory, "tower.sock.ring-link"))
+        for name in ("", "../tower.sock.ring-outside", "other.sock.ring-x", "tower.sock.ring-link",
+                     "tower.sock.ring-missing"):
+            assert local_lane.map_ring(socket_path, name) is None, name
+        call, hello = await tower.connect()
+        assert call.ring is not None
+        call.cancel()
+        call, hello = await local_lane.connect(socket_path, tower_pb2.TowerInfo, tower_pb2.StepResponse,
+                                               timeout_s=5, use_ring=False)
+        await call.write(_request(1, [_row("s", 0, 10)], torch.randn(10, 64), torch.full((10, N), -1)))
+        assert not (await call.read()).row_errors and call.ring is None and call.ring_messages == 0
+        call.cancel()
 
 
 async def test_a_failing_step_hangs_up_the_lane(socket_path, monkeypatch):
@@ -131,7 +208,10 @@ async def test_a_stale_socket_file_is_replaced(socket_path):
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(socket_path)                             # ...so leave one as a killed tower would
     stale.close()
+    stale_ring = socket_path + ".ring-killed"           # and the ring of its connection
+    open(stale_ring, "wb").close()
     async with Tower(socket_path) as tower:
+        assert not os.path.exists(stale_ring)
         _, hello = await tower.connect()
         assert hello.instance_id == (await tower.info()).instance_id
 

@@ -213,7 +213,9 @@ class TowerClient:
                 reader = asyncio.create_task(self._read(self._call), name="tower-reader")
                 self._set_ready(True)
                 log.info("tower %s connected (%s), Step stream over %s", self.addr, _describe(info),
-                         f"the lane {info.step_socket}" if self.transport == "lane" else "gRPC")
+                         "gRPC" if self.transport == "grpc" else f"the lane {info.step_socket}"
+                         + (" (large requests through its shared memory)" if self._call.ring is not None
+                            else " (no shared memory: every request through the socket)"))
                 delay = self.backoff_min_s
                 await self._broken.wait()
                 log.warning("tower %s: Step stream lost", self.addr)

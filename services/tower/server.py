@@ -194,14 +194,25 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
     async def lane_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection of the same-host lane: the hello (this TowerInfo), then a Step stream."""
         engine = self.engine
+        hello = self.info(engine)
+        try:
+            ring = local_lane.Ring(self.step_socket)     # large requests come through it
+            hello.step_ring = ring.name
+        except OSError as exc:
+            log.warning("Step lane: no shared memory for this connection (%s); its requests come "
+                        "through the socket", exc)
+            ring = None
 
         async def requests():
-            while (request := await local_lane.read_message(reader, tower_pb2.StepRequest)) is not None:
+            ring_map = ring.map if ring is not None else None
+            while (request := await local_lane.read_message(reader, tower_pb2.StepRequest, ring=ring_map)) is not None:
+                if ring is not None:
+                    ring.unlink()             # the backbone has mapped it (or will not): off the disk
                 yield request
 
         responses = self.steps(engine, requests())
         try:
-            writer.write(local_lane.encode(self.info(engine)))
+            writer.write(local_lane.encode(hello))
             async for response in responses:
                 writer.write(local_lane.encode(response))
                 await writer.drain()          # at once unless the socket's buffer is full
@@ -210,6 +221,8 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
         finally:
             await responses.aclose()
             writer.close()
+            if ring is not None:
+                ring.close()
 
     async def start_lane(self) -> None:
         """Listen on the lane's socket; if that fails (another tower there, no permission) the

@@ -11,7 +11,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TowerInfo(_message.Message):
-    __slots__ = ("hidden_dim", "hidden_dtype", "codebooks", "max_rows", "max_context_tokens", "max_inflight_steps", "open_sessions", "free_slots", "build", "step_socket", "instance_id")
+    __slots__ = ("hidden_dim", "hidden_dtype", "codebooks", "max_rows", "max_context_tokens", "max_inflight_steps", "open_sessions", "free_slots", "build", "step_socket", "instance_id", "step_ring")
     HIDDEN_DIM_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TowerInfo(_message.Message):
     BUILD_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_RING_FIELD_NUMBER: _ClassVar[int]
     hidden_dim: int
     hidden_dtype: str
     codebooks: int
@@ -34,7 +35,8 @@ class TowerInfo(_message.Message):
     build: str
     step_socket: str
     instance_id: str
-    def __init__(self, hidden_dim: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., codebooks: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    step_ring: str
+    def __init__(self, hidden_dim: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., codebooks: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., step_ring: _Optional[str] = ...) -> None: ...
 
 class RowEntry(_message.Message):
     __slots__ = ("session_id", "first_row", "n_rows", "draw", "take_index", "frame_index", "seed", "temperature", "top_p", "top_k", "repetition_penalty", "prefix_key", "prefix_rows", "snapshot_key")
