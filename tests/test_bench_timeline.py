@@ -10,7 +10,10 @@ import json
 from bench import timeline
 
 
-def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_path, capsys):
+def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    # the backbone's prefill lane, as on CUDA (off by default on the CPU): each chunk's prompt is a
+    # lane step, whose span must carry its `computed` event for the chunk-boundary table
+    monkeypatch.setenv("DRAMA_PREFILL_LANE", "1")
     out = tmp_path / "timeline.json"
     assert timeline.main(["--checkpoint", str(tiny_checkpoint), "--requests", "3", "--skip", "1",
                           "--words", "40", "--frames", "16", "--json", str(out)]) == 0
