@@ -320,10 +320,10 @@ def map_ring(socket_path: str, name: str) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or size < RING_MIN_BYTES:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_size < RING_MIN_BYTES:
             return None
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, found.st_size)
     except OSError:
         return None
     finally:
