@@ -123,6 +123,7 @@ async def test_requests_through_the_ring_give_the_engines_frames(socket_path, mo
         call, hello = await tower.connect()
         ring_file = os.path.join(os.path.dirname(socket_path), hello.step_ring)
         assert hello.step_ring.startswith("tower.sock.ring-") and os.path.exists(ring_file)
+        assert os.stat(ring_file).st_blocks * 512 >= 4096        # its space reserved, not a sparse file
         assert call.ring is not None and len(call.ring) == 4096
         hidden, targets = _prompt(TINY, 24, seed=9)
         plan = _session_plan("s", hidden, targets[:18], [10, 8], frames=5)
@@ -185,6 +186,23 @@ async def test_a_ring_the_backbone_cannot_map_leaves_the_requests_on_the_socket(
                                                timeout_s=5, use_ring=False)
         await call.write(_request(1, [_row("s", 0, 10)], torch.randn(10, 64), torch.full((10, N), -1)))
         assert not (await call.read()).row_errors and call.ring is None and call.ring_messages == 0
+        call.cancel()
+
+
+async def test_a_ring_that_cannot_be_made_leaves_the_lane_on_the_socket(socket_path, monkeypatch):
+    """When the tower cannot reserve a connection's ring (a full file system), its hello names
+    none and the requests cross the socket."""
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    monkeypatch.setattr(local_lane, "RING_MIN_BYTES", 0)
+    async with Tower(socket_path) as tower:
+        call, hello = await tower.connect()
+        assert hello.step_ring == "" and call.ring is None
+        assert [n for n in os.listdir(os.path.dirname(socket_path)) if ".ring-" in n] == []
+        await call.write(_request(1, [_row("s", 0, 10)], torch.randn(10, 64), torch.full((10, N), -1)))
+        assert not (await call.read()).row_errors and call.ring_messages == 0
         call.cancel()
 
 

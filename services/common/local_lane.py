@@ -66,8 +66,8 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # A request of this many bytes or more goes through the connection's ring (a decode step's one
 # row is ~4 KB and stays on the socket: two small writes cost less than a copy into the ring).
 RING_MIN_BYTES = 64 * 1024
-# The ring: two requests of the 16 MB limit in flight at once, and room to wrap. A file the kernel
-# fills in on first touch; it stays at the size of the largest requests it has held.
+# The ring: two requests of the 16 MB limit in flight at once, and room to wrap. Reserved whole when
+# a connection opens (Ring says why): on a tmpfs, 40 MB of memory per backbone connection.
 RING_BYTES = 40 * 1024 * 1024
 RING_FLAG = 0x8000_0000              # in a header: the body is in the ring; its offset follows
 RING_OFFSET = struct.Struct("<I")
@@ -148,14 +148,17 @@ async def _read_from_ring(reader: asyncio.StreamReader, message_type: type[M], s
 class Ring:
     """A connection's shared memory, as the tower makes it: a file beside the socket
     (`<socket>.ring-<random>`, mode 0600), mapped. `unlink` once the backbone has had its chance
-    to map it (its first request); `close` at the connection's end."""
+    to map it (its first request); `close` at the connection's end. Its space is reserved when it
+    is made: a write through a mapping into a page the file system cannot back (a full tmpfs)
+    kills the writer with SIGBUS, so a ring that does not fit is an OSError here instead, and the
+    connection's requests go through the socket."""
 
     def __init__(self, socket_path: str, size: int | None = None):
         size = size or RING_BYTES
         fd, self.path = tempfile.mkstemp(prefix=os.path.basename(socket_path) + ".ring-",
                                          dir=os.path.dirname(socket_path) or ".")
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self.path)
