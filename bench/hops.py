@@ -114,14 +114,8 @@ async def serve(port: int, case: str, compute_ms: float, how: str) -> None:
 
         async def handle(reader, writer):
             ring = local_lane.Ring(lane_path(port))           # as the tower: large requests come through it
-
-            async def requests():
-                while (request := await local_lane.read_message(reader, tower_pb2.StepRequest,
-                                                                ring=ring.map)) is not None:
-                    ring.unlink()
-                    yield request
             writer.write(local_lane.encode(tower_pb2.TowerInfo(step_ring=ring.name)))     # the hello
-            async for response in echo.Step(requests()):
+            async for response in echo.Step(local_lane.read_requests(reader, tower_pb2.StepRequest, ring)):
                 writer.write(local_lane.encode(response))
             writer.close()
             ring.close()

@@ -152,6 +152,12 @@ CHUNK_PARTS = ("chunk end -> prompt step starts (the last frame routed, the next
                "schedule (routed -> first decode step starts)")
 
 
+def is_prompt(step: dict) -> bool:
+    """A backbone step of prompt rows: a prefill lane step, or more than one row."""
+    attributes = step.get("attributes", {})
+    return bool(attributes.get("drama.step.lane")) or attributes.get("drama.batch.rows", 1) > 1
+
+
 def chunk_boundaries(spans: dict[str, list[dict]]) -> tuple[dict[str, list[float]], list[int]]:
     """A long request's chunk boundaries (MODEL.md §8.3: each chunk after the first opens a fresh
     timeline whose prompt goes through both stages), cut at their hand-offs: ms per boundary
@@ -167,11 +173,6 @@ def chunk_boundaries(spans: dict[str, list[dict]]) -> tuple[dict[str, list[float
     rows: list[int] = []
     for steps in by_session.values():
         steps.sort(key=lambda s: s["start_time"])
-
-        def is_prompt(step: dict) -> bool:
-            attributes = step.get("attributes", {})
-            return bool(attributes.get("drama.step.lane")) or attributes.get("drama.batch.rows", 1) > 1
-
         for index in range(1, len(steps) - 1):
             step, before = steps[index], steps[index - 1]
             # a chunk's prompt after the first: a prompt step right behind a decode step

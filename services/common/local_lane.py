@@ -246,6 +246,15 @@ def close_server(server: asyncio.AbstractServer | None, path: str) -> None:
         pass
 
 
+async def read_requests(reader: asyncio.StreamReader, message_type: type[M], ring: Ring | None):
+    """A connection's requests until its clean end, through `ring` where their headers say so.
+    The ring's file goes at the first one: the backbone has mapped it by then, or never will."""
+    while (request := await read_message(reader, message_type, ring=ring.map if ring else None)) is not None:
+        if ring is not None:
+            ring.unlink()
+        yield request
+
+
 # --------------------------------------------------------------------------------------------
 # the backbone's side
 # --------------------------------------------------------------------------------------------

@@ -203,14 +203,7 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
                         "through the socket", exc)
             ring = None
 
-        async def requests():
-            ring_map = ring.map if ring is not None else None
-            while (request := await local_lane.read_message(reader, tower_pb2.StepRequest, ring=ring_map)) is not None:
-                if ring is not None:
-                    ring.unlink()             # the backbone has mapped it (or will not): off the disk
-                yield request
-
-        responses = self.steps(engine, requests())
+        responses = self.steps(engine, local_lane.read_requests(reader, tower_pb2.StepRequest, ring))
         try:
             writer.write(local_lane.encode(hello))
             async for response in responses:
