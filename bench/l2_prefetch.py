@@ -1,0 +1,126 @@
+"""Does a decode GEMM run faster when its weights were asked into L2 during the kernels before it?
+
+    python3 bench/l2_prefetch.py                     every shape, every prefetch size, one table
+    python3 bench/l2_prefetch.py --shapes gdn_in_proj --mb 0 24 48
+
+A batch-1 decode step alternates latency-bound kernels (routing, the GDN recurrence, norms: HBM
+mostly idle) with GEMMs bound by HBM. Each layer here is, in one CUDA graph of `--layers` layers
+with distinct weights (so no weight stays in L2 from the layer before):
+
+    prefetch launch (first MB of this layer's weight, or none) -> `--between` a kernel that streams
+    `--between-mb` MB with few programs (the MoE's expert reads: slow, HBM far from busy) -> the GEMM
+
+and the table gives µs per layer for the whole and, from a second graph without the GEMM, what the
+GEMM adds. The prefetch is one TMA instruction per program (l2_prefetch.prefetch) or one
+`prefetch.global.L2` per 128-byte line (`--lines`). Compare each size against 0 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SHAPES = {"gdn_in_proj": (12352, 2048), "attn_qkv": (9216, 2048), "out_proj": (2048, 4096),
+          "tower_gate_up": (24576, 2048), "tower_down": (2048, 12288)}
+
+if True:  # kernels need triton; this script runs on a GPU only
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_kernel(src_ptr, out_ptr, n_words, per_program, BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr):
+        """Program p sums int32 words [p·per, (p+1)·per): a slow reader of many bytes."""
+        p = tl.program_id(0)
+        start = p.to(tl.int64) * per_program
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for off in range(0, per_program, BLOCK):
+            idx = start + off + tl.arange(0, BLOCK)
+            if EVICT_FIRST:
+                acc += tl.load(src_ptr + idx, mask=idx < n_words, other=0, eviction_policy="evict_first")
+            else:
+                acc += tl.load(src_ptr + idx, mask=idx < n_words, other=0)
+        tl.store(out_ptr + p, tl.sum(acc, axis=0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["gdn_in_proj", "attn_qkv", "out_proj"], choices=SHAPES)
+    parser.add_argument("--mb", type=float, nargs="+", default=[0, 8, 16, 24, 32, 48])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--between-mb", type=float, default=27.0, help="bytes the kernel between streams")
+    parser.add_argument("--between-programs", type=int, default=128)
+    parser.add_argument("--between-block", type=int, default=2048, help="int32 words a program loads at once")
+    parser.add_argument("--evict-first", action="store_true", help="the kernel between reads with evict_first")
+    parser.add_argument("--lines", action="store_true", help="per-line prefetch instead of TMA bulk")
+    parser.add_argument("--no-hint", action="store_true", help="bulk prefetch without the evict_last hint")
+    parser.add_argument("--chunk-kb", type=int, default=256)
+    args = parser.parse_args()
+
+    from services.backbone.kernels import decode_gemm, l2_prefetch
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    n_words = int(args.between_mb * 2**20) // 4
+    between = [torch.randint(0, 100, (n_words,), dtype=torch.int32, device=dev) for _ in range(args.layers)]
+    sink = torch.empty(args.between_programs, dtype=torch.int32, device=dev)
+    per_program = triton.cdiv(n_words, args.between_programs)
+    per_program = triton.cdiv(per_program, args.between_block) * args.between_block
+
+    def stream(i: int) -> None:
+        _stream_kernel[(args.between_programs,)](between[i], sink, n_words, per_program, BLOCK=args.between_block,
+                                                  EVICT_FIRST=args.evict_first, num_warps=4)
+
+    print(f"layers {args.layers}, between: {args.between_mb:.0f} MB by {args.between_programs} programs"
+          f"{' evict_first' if args.evict_first else ''}; prefetch "
+          f"{'lines' if args.lines else 'bulk' + ('' if args.no_hint else ' evict_last')}, "
+          f"{args.chunk_kb} KB a program", flush=True)
+    print(f"{'shape':<14}{'MB of W':>8}{'pref MB':>8}{'layer us':>10}{'GEMM us':>9}{'no-GEMM us':>11}", flush=True)
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(args.layers)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        w_mb = n * k * 2 / 2**20
+        for mb in args.mb:
+            nbytes = int(mb * 2**20)
+
+            def layers(with_gemm: bool) -> None:
+                for i in range(args.layers):
+                    if nbytes:
+                        l2_prefetch.prefetch(weights[i], nbytes, chunk=args.chunk_kb * 1024, lines=args.lines,
+                                             hint=not args.no_hint)
+                    stream(i)
+                    if with_gemm:
+                        decode_gemm.decode_linear(x, weights[i])
+
+            times = []
+            for with_gemm in (True, False):
+                layers(with_gemm)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    layers(with_gemm)
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                reps = []
+                for _ in range(20):
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    reps.append(start.elapsed_time(end) * 1000 / args.layers)
+                times.append(sorted(reps)[len(reps) // 2])
+            print(f"{name:<14}{w_mb:>8.1f}{mb:>8.0f}{times[0]:>10.2f}{times[0] - times[1]:>9.2f}{times[1]:>11.2f}",
+                  flush=True)
+        del weights
+
+
+if __name__ == "__main__":
+    main()
