@@ -33,10 +33,18 @@ if True:  # kernels need triton; this script runs on a GPU only
     import triton
     import triton.language as tl
 
+    from services.backbone.kernels import l2_prefetch
+
     @triton.jit
-    def _stream_kernel(src_ptr, out_ptr, n_words, per_program, BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr):
-        """Program p sums int32 words [p·per, (p+1)·per): a slow reader of many bytes."""
+    def _stream_kernel(src_ptr, out_ptr, n_words, per_program, pf_ptr, pf_chunk, pf_bytes, BLOCK: tl.constexpr,
+                       EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+        """Program p sums int32 words [p·per, (p+1)·per): a slow reader of many bytes. PREFETCH: it
+        first asks for bytes [p·pf_chunk, (p+1)·pf_chunk) of pf (below pf_bytes) in L2."""
         p = tl.program_id(0)
+        if PREFETCH:
+            pf_start = p.to(tl.int64) * pf_chunk
+            if pf_start < pf_bytes:
+                l2_prefetch.prefetch_l2(pf_ptr + pf_start, tl.minimum(pf_bytes - pf_start, pf_chunk).to(tl.int32))
         start = p.to(tl.int64) * per_program
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for off in range(0, per_program, BLOCK):
@@ -60,9 +68,11 @@ def main() -> None:
     parser.add_argument("--lines", action="store_true", help="per-line prefetch instead of TMA bulk")
     parser.add_argument("--no-hint", action="store_true", help="bulk prefetch without the evict_last hint")
     parser.add_argument("--chunk-kb", type=int, default=256)
+    parser.add_argument("--inside", action="store_true",
+                        help="the kernel between asks for the bytes itself (its programs, at their start)")
     args = parser.parse_args()
 
-    from services.backbone.kernels import decode_gemm, l2_prefetch
+    from services.backbone.kernels import decode_gemm
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -72,14 +82,17 @@ def main() -> None:
     per_program = triton.cdiv(n_words, args.between_programs)
     per_program = triton.cdiv(per_program, args.between_block) * args.between_block
 
-    def stream(i: int) -> None:
-        _stream_kernel[(args.between_programs,)](between[i], sink, n_words, per_program, BLOCK=args.between_block,
-                                                  EVICT_FIRST=args.evict_first, num_warps=4)
+    def stream(i: int, prefetch: torch.Tensor | None = None, nbytes: int = 0) -> None:
+        chunk = triton.cdiv(triton.cdiv(nbytes, args.between_programs), 128) * 128
+        pf = sink if prefetch is None else prefetch.view(torch.uint8)
+        _stream_kernel[(args.between_programs,)](between[i], sink, n_words, per_program, pf, chunk, nbytes,
+                                                  BLOCK=args.between_block, EVICT_FIRST=args.evict_first,
+                                                  PREFETCH=prefetch is not None and nbytes > 0, num_warps=4)
 
     print(f"layers {args.layers}, between: {args.between_mb:.0f} MB by {args.between_programs} programs"
           f"{' evict_first' if args.evict_first else ''}; prefetch "
           f"{'lines' if args.lines else 'bulk' + ('' if args.no_hint else ' evict_last')}, "
-          f"{args.chunk_kb} KB a program", flush=True)
+          + ("by the kernel between" if args.inside else f"{args.chunk_kb} KB a program"), flush=True)
     print(f"{'shape':<14}{'MB of W':>8}{'pref MB':>8}{'layer us':>10}{'GEMM us':>9}{'no-GEMM us':>11}", flush=True)
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -91,10 +104,10 @@ def main() -> None:
 
             def layers(with_gemm: bool) -> None:
                 for i in range(args.layers):
-                    if nbytes:
+                    if nbytes and not args.inside:
                         l2_prefetch.prefetch(weights[i], nbytes, chunk=args.chunk_kb * 1024, lines=args.lines,
                                              hint=not args.no_hint)
-                    stream(i)
+                    stream(i, weights[i] if args.inside else None, nbytes)
                     if with_gemm:
                         decode_gemm.decode_linear(x, weights[i])
 
