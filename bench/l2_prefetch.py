@@ -11,8 +11,15 @@ with distinct weights (so no weight stays in L2 from the layer before):
     `--between-mb` MB with few programs (the MoE's expert reads: slow, HBM far from busy) -> the GEMM
 
 and the table gives µs per layer for the whole and, from a second graph without the GEMM, what the
-GEMM adds. The prefetch is one TMA instruction per program (l2_prefetch.prefetch) or one
-`prefetch.global.L2` per 128-byte line (`--lines`). Compare each size against 0 MB.
+GEMM adds. The prefetch is one TMA instruction per program (`cp.async.bulk.prefetch.L2` with an
+`evict_last` hint, `prefetch`), or one `prefetch.global.L2` per 128-byte line (`--lines`), in a
+launch of its own or (`--inside`) by the programs of the kernel between. Compare each size against 0 MB.
+
+H200, session 25 (16 layers, 27 MB between by 128 programs, µs per layer, the whole layer / the
+GEMM's share): the GEMM gains 1-3 µs with its weights asked for, but the kernel that asks (or the
+launch before it) loses more, ~0.2 µs per MB: GDN in_proj 42.0 / 15.0 -> 44.8 / 14.3 (16 MB asked
+by the kernel between), out_proj 34.4 / 6.9 -> 36.6 / 6.1; even all of out_proj from L2 (5.3 µs)
+runs at ~3.2 TB/s, so a decode GEMM's few microseconds of start and drain stay. Not used in serving.
 """
 
 from __future__ import annotations
@@ -26,14 +33,58 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from services.backbone.kernels import HAS_TRITON  # noqa: E402
+
 SHAPES = {"gdn_in_proj": (12352, 2048), "attn_qkv": (9216, 2048), "out_proj": (2048, 4096),
           "tower_gate_up": (24576, 2048), "tower_down": (2048, 12288)}
 
-if True:  # kernels need triton; this script runs on a GPU only
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from services.backbone.kernels import l2_prefetch
+    # thread 0 of the program only: the other threads hold the same scalar operands
+    _BULK = tl.constexpr("""{
+    .reg .pred p; .reg .u32 t; .reg .b64 pol;
+    mov.u32 t, %tid.x;
+    setp.eq.u32 p, t, 0;
+    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;
+    @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;
+    mov.u32 $0, 0;
+    }""")
+    _BULK_PLAIN = tl.constexpr("""{
+    .reg .pred p; .reg .u32 t;
+    mov.u32 t, %tid.x;
+    setp.eq.u32 p, t, 0;
+    @p cp.async.bulk.prefetch.L2.global [$1], $2;
+    mov.u32 $0, 0;
+    }""")
+
+    @triton.jit
+    def prefetch_l2(ptr, nbytes, HINT: tl.constexpr = True):
+        """Ask for bytes [ptr, ptr + nbytes) in L2 (ptr 16-byte aligned, nbytes a multiple of 16),
+        as `evict_last` lines when HINT. Returns at once."""
+        if HINT:
+            tl.inline_asm_elementwise(_BULK, "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_BULK_PLAIN, "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+
+    @triton.jit
+    def prefetch_l2_lines(ptrs):
+        """Ask for each element's line in L2 (`prefetch.global.L2::evict_last`), one per thread element."""
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, LINES: tl.constexpr, HINT: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * CHUNK
+        if start < nbytes:
+            size = tl.minimum(nbytes - start, CHUNK).to(tl.int32)
+            if LINES:
+                offs = start + tl.arange(0, CHUNK // 128).to(tl.int64) * 128
+                prefetch_l2_lines(tl.where(offs < nbytes, ptr + offs, ptr))
+            else:
+                prefetch_l2(ptr + start, size, HINT)
 
     @triton.jit
     def _stream_kernel(src_ptr, out_ptr, n_words, per_program, pf_ptr, pf_chunk, pf_bytes, BLOCK: tl.constexpr,
@@ -44,7 +95,7 @@ if True:  # kernels need triton; this script runs on a GPU only
         if PREFETCH:
             pf_start = p.to(tl.int64) * pf_chunk
             if pf_start < pf_bytes:
-                l2_prefetch.prefetch_l2(pf_ptr + pf_start, tl.minimum(pf_bytes - pf_start, pf_chunk).to(tl.int32))
+                prefetch_l2(pf_ptr + pf_start, tl.minimum(pf_bytes - pf_start, pf_chunk).to(tl.int32))
         start = p.to(tl.int64) * per_program
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for off in range(0, per_program, BLOCK):
@@ -54,6 +105,19 @@ if True:  # kernels need triton; this script runs on a GPU only
             else:
                 acc += tl.load(src_ptr + idx, mask=idx < n_words, other=0)
         tl.store(out_ptr + p, tl.sum(acc, axis=0))
+
+
+def prefetch(weight: torch.Tensor, nbytes: int, chunk: int = 1 << 18, lines: bool = False,
+             hint: bool = True) -> None:
+    """One launch asking for the first `nbytes` of `weight` (contiguous, CUDA) in L2, `chunk`
+    bytes per program (a multiple of 128)."""
+    nbytes = min(nbytes, weight.numel() * weight.element_size())
+    nbytes -= nbytes % 16
+    if nbytes <= 0:
+        return
+    raw = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    _prefetch_kernel[(triton.cdiv(nbytes, chunk),)](raw, nbytes, CHUNK=chunk, LINES=lines, HINT=hint,
+                                                    num_warps=1 if not lines else 4)
 
 
 def main() -> None:
@@ -71,6 +135,8 @@ def main() -> None:
     parser.add_argument("--inside", action="store_true",
                         help="the kernel between asks for the bytes itself (its programs, at their start)")
     args = parser.parse_args()
+    if not (HAS_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        raise SystemExit("bench/l2_prefetch.py needs Triton and a Hopper (sm_90) or later GPU")
 
     from services.backbone.kernels import decode_gemm
 
@@ -105,8 +171,8 @@ def main() -> None:
             def layers(with_gemm: bool) -> None:
                 for i in range(args.layers):
                     if nbytes and not args.inside:
-                        l2_prefetch.prefetch(weights[i], nbytes, chunk=args.chunk_kb * 1024, lines=args.lines,
-                                             hint=not args.no_hint)
+                        prefetch(weights[i], nbytes, chunk=args.chunk_kb * 1024, lines=args.lines,
+                                 hint=not args.no_hint)
                     stream(i, weights[i] if args.inside else None, nbytes)
                     if with_gemm:
                         decode_gemm.decode_linear(x, weights[i])
@@ -132,7 +198,7 @@ def main() -> None:
                 times.append(sorted(reps)[len(reps) // 2])
             print(f"{name:<14}{w_mb:>8.1f}{mb:>8.0f}{times[0]:>10.2f}{times[0] - times[1]:>9.2f}{times[1]:>11.2f}",
                   flush=True)
-        del weights
+        weights.clear()
 
 
 if __name__ == "__main__":
