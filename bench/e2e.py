@@ -16,8 +16,9 @@ What it does, in order:
    resampling), voice `alloy` (seeded, no reference to encode), latency `low`, fixed seed): a
    first request (its one-time costs shown apart), a warm-up request, then a 20-word and a
    200-word request. Random weights rarely end on their own, so `max_new_tokens` caps the frames
-   of each text chunk: the target frame count divided over the chunks the gateway cuts the text
-   into. TTFA = request sent -> first audio byte.
+   of each text chunk: the target frame count (default: FRAMES_PER_WORD per word, the length of
+   the words spoken) divided over the chunks the gateway cuts the text into. TTFA = request sent
+   -> first audio byte.
    RTF = request wall time / audio seconds. E2E ms per frame = (last byte - first byte) / frames
    after the first piece: for the short request (one text chunk) the steady decode, for the long
    one with its text-chunk prefills. With --budget-s, the frame counts shrink when the warm-up
@@ -74,13 +75,23 @@ WORDS = ("the morning train left the station while seven quiet travellers watche
          "about harbours lanterns letters and the long road home").split()
 
 
+# Frames a word takes spoken: a frame is 2048 samples at 44.1 kHz (46.4 ms) and conversational
+# speech runs at ~150-160 words a minute (0.38-0.40 s a word), so 8.1-8.6 frames. Random weights
+# rarely stop on their own, so the requests ask for this many (max_new_tokens): the long request's
+# text chunks then each carry as much audio as they would spoken (until session 24 the default was
+# 100 / 400 frames for 20 / 200 words, 2-4x faster than speech, so every chunk's prompt weighed on
+# a few frames).
+FRAMES_PER_WORD = 8
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", help="cpu or cuda (every process on this one device)")
     parser.add_argument("--words", type=int, nargs=2, default=[20, 200], metavar=("SHORT", "LONG"))
-    parser.add_argument("--frames", type=int, nargs=2, default=[100, 400], metavar=("SHORT", "LONG"),
-                        help="frames to generate for each request (max_new_tokens over its text chunks)")
+    parser.add_argument("--frames", type=int, nargs=2, metavar=("SHORT", "LONG"),
+                        help="frames to generate for each request (max_new_tokens over its text chunks); "
+                             f"default: {FRAMES_PER_WORD} per word, as long as the words take spoken")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="shrink the frame counts when the warm-up predicts more than this for both")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
@@ -100,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--markdown", type=Path, help="write the command and the table here")
     args = parser.parse_args(argv)
+    if args.frames is None:
+        args.frames = [FRAMES_PER_WORD * w for w in args.words]
     cuda = args.device.startswith("cuda")
     args.micro_steps = args.micro_steps or (20 if cuda else 4)
     args.micro_context = args.micro_context or (256 if cuda else 32)

@@ -25,6 +25,13 @@ def test_make_text_has_the_word_count_and_is_stable():
         assert text == e2e.make_text(words)
 
 
+def test_frames_default_to_the_words_spoken():
+    """Each request asks for as many frames as its words take spoken (bench.e2e.FRAMES_PER_WORD,
+    8: a 200-word request is 1600 frames, ~74 s), unless --frames says otherwise."""
+    assert e2e.parse_args(["--words", "20", "200"]).frames == [160, 1600]
+    assert e2e.parse_args(["--words", "20", "60", "--frames", "6", "12"]).frames == [6, 12]
+
+
 def test_plan_frames_shrinks_only_past_the_budget():
     warmup = e2e.Spoken(words=20, chunks=1, max_new_tokens=8, frames=8, audio_s=0.37, ttfa_ms=1000,
                         wall_ms=1800, steady_ms_per_frame=100)
