@@ -1,0 +1,128 @@
+"""services/common/device_handoff.py: a step's rows from the backbone to the tower on the GPU.
+
+The two kernels (publish: rows into a slot, then the flag; receive: wait for the flag, copy the
+slot out) run on a CUDA GPU or in Triton's CPU interpreter:
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_device_handoff.py
+The Mailbox / Inbox pair (cudaMalloc, CUDA IPC between two processes) needs a CUDA GPU; the
+switch (`enabled`) is checked everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.common import device_handoff as dh
+
+INTERPRET = dh.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = dh.HAS_TRITON and torch.cuda.is_available()
+kernel = pytest.mark.skipif(not (CUDA or INTERPRET),
+                            reason="needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 with Triton)")
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def test_enabled_only_on_cuda_and_by_the_switch(monkeypatch):
+    monkeypatch.setenv("DRAMA_DEVICE_HANDOFF", "1")
+    assert not dh.enabled("cpu")                          # never off CUDA, whatever the switch
+    if CUDA:
+        assert dh.enabled("cuda")
+        monkeypatch.setenv("DRAMA_DEVICE_HANDOFF", "0")
+        assert not dh.enabled("cuda")
+        monkeypatch.delenv("DRAMA_DEVICE_HANDOFF")
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent-mps")
+        assert not dh.enabled("cuda")                     # no MPS daemon: no spinning waits
+
+
+def test_buffer_layout():
+    # bf16 rows of 2048: 1024 words each, 64 header words
+    assert dh.buffer_bytes(128, 2048, torch.bfloat16, 4) == 4 * (64 + 4 * 128 * 1024)
+    with pytest.raises(dh.HandoffError, match="whole int32 words"):
+        dh.buffer_bytes(1, 3, torch.bfloat16, 4)
+
+
+@kernel
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_published_rows_come_out_of_their_slot(n_rows):
+    """Steps 1..6 through a buffer of 4 slots (two rounds): each receive gives exactly the rows
+    published under its seq, the flag holds the last seq, the ticket is back to zero."""
+    rows, slots, hidden = 4, 4, 2048
+    words = torch.zeros(dh.buffer_bytes(rows, hidden, torch.bfloat16, slots) // 4, dtype=torch.int32, device=DEVICE)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    for seq in range(1, 7):
+        sent = torch.randn(n_rows, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+        dh.publish_rows(words, rows, slots, seq, sent)
+        out = torch.full((n_rows, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        dh.receive_rows(words, rows, slots, seq, out, status, timeout_ns=10**9)
+        assert torch.equal(out.cpu(), sent.cpu()), seq
+        assert int(words[dh.FLAG_WORD:].view(torch.int64)[0]) == seq
+        assert int(words[dh.TICKET_WORD]) == 0
+        assert int(status[0]) == 0
+
+
+@kernel
+def test_a_wait_for_a_step_never_published_gives_up():
+    rows, slots, hidden = 2, 4, 2048
+    words = torch.zeros(dh.buffer_bytes(rows, hidden, torch.bfloat16, slots) // 4, dtype=torch.int32, device=DEVICE)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(1, hidden, dtype=torch.bfloat16, device=DEVICE)
+    dh.receive_rows(words, rows, slots, 1, out, status, timeout_ns=1_000_000)     # 1 ms
+    assert int(status[0]) == 1
+
+
+def _receiving_process(handle: bytes, rows: int, slots: int, seqs: list[int], n_rows: int, queue) -> None:
+    inbox = dh.Inbox(handle, rows, slots, 2048, torch.bfloat16, "cuda")
+    try:
+        for seq in seqs:
+            queue.put(inbox.receive(seq, n_rows).cpu())
+        torch.cuda.synchronize()
+        queue.put(inbox.timed_out())
+    finally:
+        inbox.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA IPC needs a CUDA GPU")
+def test_mailbox_to_an_inbox_in_another_process():
+    """The Mailbox's rows reach an Inbox that another process opened from its handle."""
+    import torch.multiprocessing as mp
+
+    box = dh.Mailbox(4, 2048, torch.bfloat16, "cuda", slots=4)
+    try:
+        sent = [torch.randn(2, 2048, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        seqs = []
+        for rows in sent:
+            assert box.can_publish(2)
+            seqs.append(box.publish(rows))
+            box.answered(seqs[-1])
+        assert not box.can_publish(5)                    # more rows than a slot holds
+        torch.cuda.synchronize()
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_receiving_process, args=(box.handle, 4, 4, seqs[1:], 2, queue))
+        proc.start()
+        got = [queue.get(timeout=120) for _ in seqs[1:]]
+        timed_out = queue.get(timeout=120)
+        proc.join(60)
+        assert not timed_out
+        for rows, out in zip(sent[1:], got):
+            assert torch.equal(out, rows.cpu())
+    finally:
+        box.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_unanswered_steps_hold_their_slots():
+    box = dh.Mailbox(1, 2048, torch.bfloat16, "cuda", slots=3)
+    try:
+        row = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
+        first = box.publish(row)
+        box.publish(row)
+        assert not box.can_publish(1)                    # two unanswered of three slots
+        with pytest.raises(ValueError, match="unanswered"):
+            box.publish(row)
+        box.answered(first)
+        assert box.can_publish(1)
+    finally:
+        box.close()
