@@ -132,6 +132,21 @@ def test_a_launched_step_holds_its_slots_until_finish(model, engine):
     assert other.finish(other.launch_to_host([])).shape == (0, model.config.hidden_size)
 
 
+def test_a_published_step_hands_its_rows_to_publish(model, engine):
+    """launch_to_host(publish=) calls publish once with the step's rows (the device hand-off's
+    Mailbox.publish), before the wait, and PendingStep.published is what it returned."""
+    tokens, frames = make_prompt(model, 6, seed=8)
+    other = BackboneEngine(model, max_sessions=1, max_context=64)
+    a = engine.open()
+    expected = engine.step_to_host([(a, tokens, frames)])
+    b = other.open()
+    seen = []
+    pending = other.launch_to_host([(b, tokens, frames)], publish=lambda rows: seen.append(rows.clone()) or 7)
+    assert pending.published == 7 and len(seen) == 1 and torch.equal(seen[0], expected)
+    other.finish(pending)
+    assert other.length(b) == 6
+
+
 def test_rows_do_not_depend_on_batch_neighbours_or_slot(model, engine):
     """A session's rows are bit-identical alone (slot 0) and beside two others (slot 2), whose
     pieces have other sizes in the same steps."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -182,10 +183,10 @@ class Recorder:
     def __getattr__(self, name):   # everything else is the real engine's
         return getattr(self.engine, name)
 
-    def launch_to_host(self, work):  # the engine side (on the engine thread)
+    def launch_to_host(self, work, **kwargs):  # the engine side (on the engine thread)
         self.work.append(work)
         self.overlap = max(self.overlap, sum(not f.done() for f in list(self.sent)))
-        return self.engine.launch_to_host(work)
+        return self.engine.launch_to_host(work, **kwargs)
 
     async def tower_send(self, step: TowerStep) -> asyncio.Future:
         self.steps.append(step)
@@ -241,7 +242,7 @@ async def scheduler_factory(backbone_model, tower_addr, tiny_config, *, recorder
                              codebooks=tiny_config.num_codebooks, max_rows=engine.max_sessions,
                              max_context_tokens=max_context)
         recorder = (recorder_cls or Recorder)(engine, client)
-        scheduler = Scheduler(recorder, _TowerSide(recorder),
+        scheduler = Scheduler(recorder, kwargs.pop("tower_side", _TowerSide)(recorder),
                               semantic_start_token_id=tiny_config.semantic_start_token_id,
                               max_rows=engine.max_sessions, **kwargs)
         client.on_lost = scheduler.tower_lost
@@ -413,6 +414,65 @@ async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_f
     scheduler._active.append(types.SimpleNamespace(prefilling=True))
     assert not scheduler._steps_inline()
     scheduler._active.pop()
+
+
+class _HostHandOff:
+    """What the scheduler uses of the device hand-off's Mailbox (can_publish, publish), keeping
+    the published rows on the host: the tower of these tests runs on the CPU, with no GPU memory
+    to share (tests/test_device_handoff.py checks the real one on a GPU)."""
+
+    def __init__(self, rows: int):
+        self.rows, self.seq, self.published = rows, 0, {}
+
+    def can_publish(self, n_rows: int) -> bool:
+        return 0 < n_rows <= self.rows
+
+    def publish(self, hidden: torch.Tensor) -> int:
+        self.seq += 1
+        self.published[self.seq] = hidden.clone()
+        return self.seq
+
+
+class _HandOffTowerSide(_TowerSide):
+    """A tower side with a hand-off: a step sent with `handoff_seq` reaches the real tower with the
+    rows published under that number, as the tower's Inbox would give them to its engine."""
+
+    def __init__(self, recorder):
+        super().__init__(recorder)
+        self.handoff = _HostHandOff(POOL_ROWS)
+        self.handed: list[TowerStep] = []
+
+    async def send(self, step):
+        if step.handoff_seq:
+            self.handed.append(step)
+            assert self.recorder.engine._busy, "sent while its step is still the engine's (before finish)"
+            step = dataclasses.replace(step, hidden=self.handoff.published.pop(step.handoff_seq), handoff_seq=0)
+        return await self.recorder.tower_send(step)
+
+
+async def test_decode_steps_through_a_device_handoff_give_the_same_frames(stage):
+    """With a device hand-off (services/common/device_handoff.py) the main loop's inline decode
+    steps publish their rows and are sent before the step's wait; prompt pieces and steps that
+    do not fit go the usual way; every session gets the frames it gets without one."""
+    runs = {}
+    for handoff in (True, False):
+        kwargs = dict(tower_side=_HandOffTowerSide) if handoff else {}
+        scheduler, rec = await stage(max_inflight_steps=1, inline_steps=True, **kwargs)
+        sessions = [scheduler.submit(_job(f"h{i}", seed=70 + i, turns=("one", "two"), max_new=6))
+                    for i in range(POOL_ROWS)]
+        results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        runs[handoff] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
+        if handoff:
+            side = scheduler.tower
+            assert side.handed and not side.handoff.published          # every published step was sent
+            assert all(e.draw and e.n_rows == 1 for step in side.handed for e in step.entries)
+            # the prompts went with their rows
+            assert any(not step.handoff_seq and any(e.n_rows > 1 for e in step.entries) for step in rec.steps)
+            scheduler.inline_steps = False                             # not inline: never
+            assert scheduler._handoff_for([types.SimpleNamespace(draw=True, rows=[0], store=False,
+                                                                 restore=False)]) is None
+    for handed, plain in zip(runs[True], runs[False]):
+        assert torch.equal(handed, plain)
 
 
 async def test_spinning_while_a_step_is_at_the_tower_changes_no_frame(stage):

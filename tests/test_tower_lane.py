@@ -16,6 +16,7 @@ from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.backbone.scheduler import TowerEntry, TowerStep
 from services.backbone.tower_client import TowerClient
 from services.common import grpcutil, local_lane
+from services.common.tensors import tensor_to_bytes
 from services.tower.engine import TowerEngine
 from services.tower.server import serve
 from services.tower.weights import random_tower
@@ -110,6 +111,33 @@ async def test_a_broken_message_ends_only_its_connection(socket_path):
         assert response.step_id == 2 and not response.row_errors
         assert (await tower.info()).open_sessions == 1
         keep.cancel()
+
+
+async def test_a_device_handoff_is_declined_off_the_gpu_and_its_requests_fail_cleanly(socket_path, monkeypatch):
+    """On the CPU the tower offers no device hand-off (no device_uuid in the hello) and answers a
+    set-up request handoff_ready=False; a request whose rows are said to be in GPU memory fails
+    its entries INVALID_ARGUMENT, and the connection and its sessions go on."""
+    monkeypatch.setenv("DRAMA_DEVICE_HANDOFF", "1")      # asked for, but there is no GPU
+    async with Tower(socket_path) as tower:
+        call, hello = await tower.connect()
+        assert hello.device_uuid == ""
+        await call.write(tower_pb2.StepRequest(step_id=1, handoff_handle=b"\1" * 64, handoff_rows=4,
+                                               handoff_slots=4))
+        response = await call.read()
+        assert response.step_id == 1 and not response.handoff_ready and not response.codes
+        await call.write(_request(2, [_row("s", 0, 2)], torch.randn(2, 64), torch.full((2, N), -1)))
+        assert not (await call.read()).row_errors
+        handed = tower_pb2.StepRequest(step_id=3, rows=[_row("s", 2, 1, draw=True)], handoff_seq=1,
+                                       targets=tensor_to_bytes(torch.full((1, N), -1, dtype=torch.int16)))
+        await call.write(handed)
+        response = await call.read()
+        assert response.step_id == 3 and [e.code for e in response.row_errors] == [
+            grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+        assert "without a device hand-off" in response.row_errors[0].message
+        await call.write(_request(4, [_row("s", 2, 1, draw=True)], torch.randn(1, 64), torch.full((1, N), -1)))
+        response = await call.read()
+        assert response.step_id == 4 and not response.row_errors and _codes(response, 1)[0, 0] >= 0
+        call.cancel()
 
 
 async def test_requests_through_the_ring_give_the_engines_frames(socket_path, monkeypatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,7 @@ class PendingStep:
     segments: list[Segment]
     slots: set[int]                      # busy until finish
     stream: torch.cuda.Stream | None     # the stream it was queued on (CUDA)
+    published: int = 0                   # what `publish` returned (launch_to_host), else 0
 
 
 class BackboneEngine:
@@ -213,14 +215,19 @@ class BackboneEngine:
         ~40 µs on the path of every frame."""
         return self.finish(self.launch_to_host(work))
 
-    def launch_to_host(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> "PendingStep":
+    def launch_to_host(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+                       publish: Callable[[torch.Tensor], int] | None = None) -> "PendingStep":
         """`step_to_host` up to its wait: the step is queued on the calling thread's current
         stream (on CUDA; done at once elsewhere), its slots busy until `finish`, which must
         follow (on any thread). Why: the caller's host work between the two (the scheduler's
-        frames out) runs while the GPU computes, not before the launch."""
+        frames out) runs while the GPU computes, not before the launch.
+        `publish`: called with the step's rows on the device, on that stream, right after the
+        step is queued (device_handoff.Mailbox.publish); its result is PendingStep.published, and
+        the rows then stay on the device (`finish` returns the device tensor, valid until the
+        next step)."""
         if not work:
             return PendingStep(torch.empty(0, self.hidden_size, dtype=self.hidden_dtype), [], set(), None)
-        return self._launch(work, to_host=True)
+        return self._launch(work, to_host=True, publish=publish)
 
     def finish(self, pending: "PendingStep") -> torch.Tensor:
         """Wait for a launched step; its rows (see step_to_host). Its slots are free again, and
@@ -244,7 +251,7 @@ class BackboneEngine:
         pending = self._launch(work, to_host)
         return self.finish(pending), pending.segments
 
-    def _launch(self, work, to_host: bool) -> "PendingStep":
+    def _launch(self, work, to_host: bool, publish: Callable[[torch.Tensor], int] | None = None) -> "PendingStep":
         counts, all_ids, all_frames = self._check_work(work)
         with self._lock:
             segments, offset, seen = [], 0, set()
@@ -271,9 +278,12 @@ class BackboneEngine:
                 token_ids = all_ids.to(device)
                 frames = all_frames.to(device) if self.num_codebooks else None
                 hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
-            # one copy (the kernel path may return a graph's buffer, valid until its next replay);
-            # on the CPU the rows are on the host already
-            if to_host and self._cuda:
+            published = 0
+            if publish is not None:              # the rows go where `publish` puts them
+                published = publish(hidden)
+            # else one copy (the kernel path may return a graph's buffer, valid until its next
+            # replay); on the CPU the rows are on the host already
+            elif to_host and self._cuda:
                 hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True).copy_(hidden, non_blocking=True)
             else:
                 hidden = hidden.clone()
@@ -281,7 +291,8 @@ class BackboneEngine:
             with self._lock:
                 self._busy.difference_update(seen)
             raise
-        return PendingStep(hidden, segments, seen, torch.cuda.current_stream(device) if self._cuda else None)
+        return PendingStep(hidden, segments, seen, torch.cuda.current_stream(device) if self._cuda else None,
+                           published)
 
     def _mark_ready(self, slot: int) -> None:
         """After queuing a slot's reset or restore (CUDA): its next user, on any stream, waits for it."""

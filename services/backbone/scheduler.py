@@ -206,10 +206,11 @@ class TowerEntry:
 @dataclass(frozen=True)
 class TowerStep:
     entries: list[TowerEntry]
-    hidden: Tensor                # [sum n_rows, H], engine dtype
+    hidden: Tensor                # [sum n_rows, H], engine dtype (not read with handoff_seq)
     targets: Tensor               # int64 [sum n_rows, N], -1 = none
     release: list[str]
     trace_context: dict[str, str] = field(default_factory=dict)
+    handoff_seq: int = 0          # > 0: the rows are in the tower client's device hand-off under this number
 
 
 @dataclass(frozen=True)
@@ -907,6 +908,10 @@ class Scheduler:
         span = self._step_span(entries, lane=False)
         self._claimed += 1                    # its place at the tower is taken from now on
         try:
+            mailbox = self._handoff_for(entries)
+            if mailbox is not None:
+                await self._compute_and_hand_off(entries, span, mailbox)
+                return
             if entries:
                 hidden = await self._compute_entries(entries, lane=False)
                 if hidden is None:             # the step failed, its sessions have ended
@@ -920,6 +925,57 @@ class Scheduler:
             await self._send(entries, hidden, span, lane=False)
         finally:
             self._claimed -= 1
+
+    def _handoff_for(self, entries: list[_Entry]):
+        """The tower client's device hand-off (services/common/device_handoff.py), when this
+        main-loop step may use it: an inline step (CUDA, one step in flight) of decode rows only
+        (each entry one row that draws, no voice-prefix work) that fits its buffer; else None."""
+        mailbox = getattr(self.tower, "handoff", None)
+        if (mailbox is None or not entries or not self._steps_inline()
+                or not all(e.draw and len(e.rows) == 1 and not (e.store or e.restore) for e in entries)
+                or not mailbox.can_publish(len(entries))):
+            return None
+        return mailbox
+
+    async def _compute_and_hand_off(self, entries: list[_Entry], span, mailbox) -> None:
+        """An inline decode step through the device hand-off: queue the step and its rows'
+        publish, send the request at once (the tower queues its own step behind a wait for the
+        rows, on its GPU stream), then wait for this step here. The bookkeeping of
+        `_compute_entries` + `_send`, in that order but for the send."""
+        work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
+        slots = {slot for slot, _, _ in work}
+        self._computing |= slots
+        try:
+            pending = self._launch(work, publish=mailbox.publish)
+        except Exception as exc:
+            self._step_failed(entries, slots, exc)
+            return
+        try:
+            await self._send(entries, pending[0].hidden, span, lane=False, handoff_seq=pending[0].published)
+        except asyncio.CancelledError:
+            self._finish_quietly(pending)
+            raise
+        try:
+            self._finish(pending, [], lane=False)
+        except Exception as exc:
+            # sent already: its response is routed to sessions this ends (and so dropped)
+            self._step_failed(entries, slots, exc)
+            return
+        self._computing -= slots
+        self._free_held()
+        for e in entries:
+            self._draw_row_milestone(e.session, "computed")
+        if span is not None:
+            span.add_event("computed")
+
+    def _step_failed(self, entries: list[_Entry], slots: set[int], exc: Exception) -> None:
+        """The engine raised on a step: its sessions end INTERNAL."""
+        log.error("engine step failed", exc_info=exc)
+        self._computing -= slots
+        for e in entries:
+            e.session.in_step = False
+            self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
+        self._free_held()
 
     async def _run_lane(self) -> None:
         """The prefill lane's coroutine: plan a lane step, compute it on the lane's thread, wait
@@ -1008,12 +1064,7 @@ class Scheduler:
         except asyncio.CancelledError:
             raise                              # close(): it waits for the thread, then frees
         except Exception as exc:
-            log.exception("engine step failed")
-            self._computing -= slots
-            for e in entries:
-                e.session.in_step = False
-                self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
-            self._free_held()
+            self._step_failed(entries, slots, exc)
             return None
         self._computing -= slots
         self._free_held()
@@ -1025,10 +1076,13 @@ class Scheduler:
             e.session.store_prefix = False
         return hidden
 
-    async def _send(self, entries: list[_Entry], hidden: Tensor, span, *, lane: bool) -> None:
+    async def _send(self, entries: list[_Entry], hidden: Tensor, span, *, lane: bool, handoff_seq: int = 0) -> None:
         """Send a computed step to the tower (with the releases so far). Entries whose session
-        ended, or moved to a new timeline, while the step was computed are left out."""
-        keep = [e.session.state != "done" and e.timeline == e.session.timeline for e in entries]
+        ended, or moved to a new timeline, while the step was computed are left out, except from
+        a device hand-off (`handoff_seq`): its rows are published whole, and it is sent before
+        any await, so none has."""
+        keep = [handoff_seq > 0 or (e.session.state != "done" and e.timeline == e.session.timeline)
+                for e in entries]
         for e in entries:
             e.session.in_step = False
         if entries and not any(keep):
@@ -1069,7 +1123,7 @@ class Scheduler:
         trace_context: dict[str, str] = {}
         if span is not None:
             propagate.inject(trace_context, context=trace.set_span_in_context(span))
-        step = TowerStep(tower_entries, hidden, targets, release, trace_context)
+        step = TowerStep(tower_entries, hidden, targets, release, trace_context, handoff_seq)
         if self._spinner is not None:
             # the write's completion comes back through grpc's poller thread: with the loop
             # spinning it is seen on the next turn, not after the loop thread wakes up (the
@@ -1104,13 +1158,16 @@ class Scheduler:
         time includes the GPU's."""
         return self._finish(self._launch(work, lane), store_slots, lane)
 
-    def _launch(self, work, lane: bool = False) -> tuple[PendingStep, float]:
-        """Queue the step on this thread's stream (the lane's or the main one); `_finish` waits."""
+    def _launch(self, work, lane: bool = False, publish=None) -> tuple[PendingStep, float]:
+        """Queue the step on this thread's stream (the lane's or the main one); `_finish` waits.
+        `publish`: the device hand-off's (engine.launch_to_host)."""
         stream = self._lane_stream if lane else self._main_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             started = time.perf_counter()
             # The rows come back on the host (pinned), copied on the step's stream: the event
             # loop never waits for a stream, and no other stream ever reads memory this one allocated.
+            if publish is not None:
+                return self.engine.launch_to_host(work, publish=publish), started
             return self.engine.launch_to_host(work), started
 
     def _finish(self, launched: tuple[PendingStep, float], store_slots: list[int], lane: bool):

@@ -522,7 +522,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
     tower = TowerClient(settings.tower_addr, hidden_dim=engine.hidden_size,
                         hidden_dtype=engine.hidden_dtype, codebooks=config.num_codebooks,
                         max_rows=settings.max_rows, max_context_tokens=max_context,
-                        on_ready=on_tower_ready, local_lane=settings.tower_local_lane)
+                        on_ready=on_tower_ready, local_lane=settings.tower_local_lane, device=engine.model.device)
     scheduler = Scheduler(engine, tower, semantic_start_token_id=config.semantic_start_token_id,
                           max_rows=settings.max_rows, max_queue=settings.max_queue,
                           prefill_chunk_tokens=settings.prefill_chunk_tokens,

@@ -16,6 +16,11 @@ the socket there answers with the same `instance_id`, the stream runs over it in
 messages and rules, without grpc's threads (~0.5 ms a frame on the H200 host). A socket that is
 not there (another host, another container) or that belongs to another tower leaves the gRPC
 stream; `transport` says which one is in use.
+
+Over the lane, when both stages are on one GPU under MPS (the hello's `device_uuid` is ours), the
+client also sets up a device hand-off (services/common/device_handoff.py): `handoff` is then the
+Mailbox where the scheduler publishes a decode step's rows, and a TowerStep with `handoff_seq`
+goes out without them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
 from services.backbone.scheduler import GenerateError, TowerResult, TowerStep, TowerUnavailable
-from services.common import grpcutil, local_lane
+from services.common import device_handoff, grpcutil, local_lane
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
 
 log = logging.getLogger(__name__)
@@ -52,9 +57,11 @@ def step_request(step: TowerStep, step_id: int, hidden_dtype: torch.dtype) -> to
             row.temperature, row.top_p, row.top_k = s.temperature, s.top_p, s.top_k
             row.repetition_penalty = s.repetition_penalty
         rows.append(row)
-    request = tower_pb2.StepRequest(
-        step_id=step_id, rows=rows, hidden=tensor_to_bytes(step.hidden, hidden_dtype),
-        targets=tensor_to_bytes(step.targets, torch.int16))
+    request = tower_pb2.StepRequest(step_id=step_id, rows=rows, targets=tensor_to_bytes(step.targets, torch.int16))
+    if step.handoff_seq:
+        request.handoff_seq = step.handoff_seq       # the rows are in the device hand-off's buffer
+    else:
+        request.hidden = tensor_to_bytes(step.hidden, hidden_dtype)
     # set only when there is something to set: an empty map costs ~2 µs a step (most steps have
     # no releases and no trace context)
     if step.release:
@@ -96,7 +103,7 @@ class TowerClient:
                  on_lost: Callable[[], None] | None = None,
                  on_ready: Callable[[bool], None] | None = None,
                  backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0, local_lane: bool = True):
+                 info_timeout_s: float = 5.0, local_lane: bool = True, device: torch.device | str = "cpu"):
         self.addr = addr
         self.hidden_dim, self.hidden_dtype, self.codebooks = hidden_dim, hidden_dtype, codebooks
         self.max_rows, self.max_context_tokens = max_rows, max_context_tokens
@@ -104,14 +111,16 @@ class TowerClient:
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.info_timeout_s = info_timeout_s
         self.use_local_lane = local_lane       # False: always the gRPC Step stream
+        self.device = torch.device(device)     # the backbone's: a device hand-off needs the tower on it
         self.transport = ""                    # "lane" or "grpc" while connected
+        self.handoff: device_handoff.Mailbox | None = None   # set up on a lane connection, if it can be
         self.info: tower_pb2.TowerInfo | None = None
         self.last_error: str | None = None
         self._ready = False
         self._ready_event = asyncio.Event()
         self._call = None
-        # (future, step_id, entries) per outstanding request, in wire order
-        self._pending: collections.deque[tuple[asyncio.Future, int, int]] = collections.deque()
+        # (future, step_id, entries, handoff_seq) per outstanding request, in wire order
+        self._pending: collections.deque[tuple[asyncio.Future, int, int, int]] = collections.deque()
         self._write_lock = asyncio.Lock()
         self._broken = asyncio.Event()
         self._step_id = 0
@@ -173,7 +182,7 @@ class TowerClient:
             # the stream may have broken (and _maintain dropped the call) while we waited
             if call is None or call is not self._call or self._broken.is_set():
                 raise TowerUnavailable("the Step stream broke")
-            self._pending.append((future, request.step_id, len(step.entries)))
+            self._pending.append((future, request.step_id, len(step.entries), step.handoff_seq))
             try:
                 await call.write(request)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, OSError) as exc:
@@ -206,16 +215,19 @@ class TowerClient:
                     raise _Refused(problem)
                 self.info = info
                 self._broken.clear()
-                self._call = await self._open_lane(info)
+                self._call, hello = await self._open_lane(info)
                 self.transport = "grpc" if self._call is None else "lane"
                 if self._call is None:
                     self._call = tower_pb2_grpc.TowerStub(step_channel).Step()
+                else:
+                    self.handoff = await self._set_up_handoff(self._call, hello)
                 reader = asyncio.create_task(self._read(self._call), name="tower-reader")
                 self._set_ready(True)
                 log.info("tower %s connected (%s), Step stream over %s", self.addr, _describe(info),
                          "gRPC" if self.transport == "grpc" else f"the lane {info.step_socket}"
                          + (" (large requests through its shared memory)" if self._call.ring is not None
-                            else " (no shared memory: every request through the socket)"))
+                            else " (no shared memory: every request through the socket)")
+                         + (", decode steps' rows through GPU memory" if self.handoff is not None else ""))
                 delay = self.backoff_min_s
                 await self._broken.wait()
                 log.warning("tower %s: Step stream lost", self.addr)
@@ -234,6 +246,9 @@ class TowerClient:
                 if self._call is not None:
                     self._call.cancel()
                     self._call = None
+                if self.handoff is not None:
+                    self.handoff.close()
+                    self.handoff = None
                 self.transport = ""
                 if was_ready and self.on_lost is not None:
                     self.on_lost()
@@ -242,10 +257,12 @@ class TowerClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max_s)
 
-    async def _open_lane(self, info: tower_pb2.TowerInfo) -> local_lane.LaneCall | None:
-        """The tower's same-host lane, if it names one, we reach it, and it is the same tower."""
+    async def _open_lane(self, info: tower_pb2.TowerInfo
+                         ) -> tuple[local_lane.LaneCall | None, tower_pb2.TowerInfo | None]:
+        """The tower's same-host lane and its hello, if it names one, we reach it, and it is the
+        same tower; else (None, None)."""
         if not self.use_local_lane or not info.step_socket:
-            return None
+            return None, None
         try:
             call, hello = await local_lane.connect(info.step_socket, tower_pb2.TowerInfo,
                                                    tower_pb2.StepResponse, timeout_s=self.info_timeout_s)
@@ -253,12 +270,41 @@ class TowerClient:
             # another host or container: expected, so not a warning
             log.info("tower %s: Step lane %s not reachable (%s), using gRPC", self.addr, info.step_socket,
                      exc if str(exc) else type(exc).__name__)
-            return None
+            return None, None
         if hello.instance_id != info.instance_id:
             log.info("tower %s: %s belongs to another tower, using gRPC", self.addr, info.step_socket)
             call.cancel()
+            return None, None
+        return call, hello
+
+    async def _set_up_handoff(self, call: local_lane.LaneCall,
+                              hello: tower_pb2.TowerInfo) -> device_handoff.Mailbox | None:
+        """A device hand-off with the tower behind `call`, before any step: when both stages say
+        they can (one GPU, under MPS), a Mailbox of max_rows rows, its handle sent in a request
+        with no rows; kept only if the tower answers handoff_ready."""
+        if not hello.device_uuid or not device_handoff.enabled(self.device):
             return None
-        return call
+        if hello.device_uuid != device_handoff.device_uuid(self.device):
+            log.info("tower %s is on another GPU: no device hand-off", self.addr)
+            return None
+        try:
+            mailbox = device_handoff.Mailbox(self.max_rows, self.hidden_dim, self.hidden_dtype, self.device)
+        except device_handoff.HandoffError as exc:
+            log.warning("no device hand-off (%s); decode steps' rows go through the lane", exc)
+            return None
+        self._step_id += 1
+        try:
+            await call.write(tower_pb2.StepRequest(step_id=self._step_id, handoff_handle=mailbox.handle,
+                                                   handoff_rows=mailbox.rows, handoff_slots=mailbox.slots))
+            response = await asyncio.wait_for(call.read(), self.info_timeout_s)
+        except (OSError, asyncio.TimeoutError, local_lane.LaneError) as exc:
+            mailbox.close()
+            raise _Refused(f"the lane broke while setting up the device hand-off: {exc!r}") from None
+        if response is grpc.aio.EOF or response.step_id != self._step_id or not response.handoff_ready:
+            mailbox.close()
+            log.info("tower %s declined the device hand-off; decode steps' rows go through the lane", self.addr)
+            return None
+        return mailbox
 
     async def _read(self, call) -> None:
         try:
@@ -266,7 +312,9 @@ class TowerClient:
                 response = await call.read()
                 if response is grpc.aio.EOF or not self._pending:
                     break
-                future, step_id, n_entries = self._pending.popleft()
+                future, step_id, n_entries, handoff_seq = self._pending.popleft()
+                if handoff_seq and self.handoff is not None:
+                    self.handoff.answered(handoff_seq)
                 try:
                     if response.step_id != step_id:
                         raise TowerUnavailable(f"StepResponse {response.step_id} for request {step_id}")
@@ -291,7 +339,7 @@ class TowerClient:
 
     def _fail_pending(self) -> None:
         while self._pending:
-            future, _, _ = self._pending.popleft()
+            future, _, _, _ = self._pending.popleft()
             if not future.done():
                 future.set_exception(TowerUnavailable("the Step stream broke"))
 

@@ -12,7 +12,9 @@ by the stream, and a closed stream frees all of it.
 The same Step stream also runs over the same-host lane (services/common/local_lane.py): a Unix
 socket, named in `TowerInfo.step_socket`, carrying the same messages without grpc's threads
 (~0.5 ms a frame on the H200 host). A connection there is a Step stream in every way, and a
-backbone that cannot reach the socket uses the gRPC stream.
+backbone that cannot reach the socket uses the gRPC stream. On one GPU under MPS a lane connection
+may also take a decode step's rows through GPU memory (services/common/device_handoff.py): the
+request carries a sequence number instead of the rows, and the step waits for them on the GPU.
 
 Rules a client codes against (API.md §3.5, with our reading where it is silent):
 - an entry's rows all run every layer with their given targets (-1 = none), except that a draw
@@ -38,7 +40,7 @@ import torch
 from opentelemetry import metrics, trace
 
 from drama.tower.v1 import tower_pb2, tower_pb2_grpc
-from services.common import grpcutil, local_lane
+from services.common import device_handoff, grpcutil, local_lane
 from services.common.aio import Spinner
 from services.common.telemetry import STEP_SECONDS_BUCKETS, extract_context
 from services.common.tensors import DTYPE_NAMES, tensor_from_bytes, tensor_to_bytes
@@ -76,14 +78,18 @@ def response_from_result(step_id: int, result: StepResult) -> tower_pb2.StepResp
 
 
 def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: str,
-             owner) -> tower_pb2.StepResponse:
-    """Decode, step, encode (on the event loop's thread: module docstring)."""
+             owner, inbox: device_handoff.Inbox | None = None) -> tower_pb2.StepResponse:
+    """Decode, step, encode (on the event loop's thread: module docstring). `inbox`: the
+    connection's device hand-off, where a request with handoff_seq has its rows."""
     entries = entries_from_request(request)
     rows = sum(max(e.n_rows, 0) for e in entries)
     codebooks = engine.cfg.num_codebooks
     try:
-        hidden = tensor_from_bytes(request.hidden, hidden_dtype, (rows, engine.model.hidden_size))
         targets = tensor_from_bytes(request.targets, "int16", (rows, codebooks))
+        if request.handoff_seq:
+            hidden = _handed_off_rows(request, entries, rows, inbox)
+        else:
+            hidden = tensor_from_bytes(request.hidden, hidden_dtype, (rows, engine.model.hidden_size))
     except ValueError as exc:
         engine.release(request.release, owner)
         result = StepResult.all_failed(len(entries), codebooks, "INVALID_ARGUMENT", f"payload: {exc}")
@@ -101,7 +107,41 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
     # draw is timed with its device work; a prefill-only step returns once its work is queued,
     # and that work shows in the next step's time.
     _step_seconds.record(time.perf_counter() - started)
+    if request.handoff_seq and inbox.timed_out():
+        # the rows never came (the backbone died mid-step?): what ran on them is not a frame
+        result = StepResult.all_failed(len(entries), codebooks, "UNAVAILABLE",
+                                       "the backbone's rows did not arrive through GPU memory")
     return response_from_result(request.step_id, result)
+
+
+def _handed_off_rows(request: tower_pb2.StepRequest, entries: list[StepEntry], rows: int,
+                     inbox: device_handoff.Inbox | None) -> torch.Tensor:
+    """A hand-off request's rows, waited for on the GPU (ValueError: not a valid one). Every
+    entry must draw: its codes come back only after the GPU has run the wait, so the wait's
+    outcome is known before the response, and the backbone may reuse the slot after it."""
+    if inbox is None:
+        raise ValueError("rows in GPU memory on a connection without a device hand-off")
+    if request.hidden:
+        raise ValueError("a hand-off request carries no hidden bytes")
+    if not entries or not all(e.draw for e in entries):
+        raise ValueError("a hand-off request's entries must all draw")
+    return inbox.receive(request.handoff_seq, rows)
+
+
+def set_up_handoff(engine: TowerEngine, request: tower_pb2.StepRequest) -> device_handoff.Inbox | None:
+    """Map the backbone's buffer named in a set-up request; None (logged) if it cannot be."""
+    if request.rows or request.hidden:
+        log.warning("Step lane: a device hand-off set-up with rows in it, refused")
+        return None
+    if not device_handoff.enabled(engine.device):
+        log.info("Step lane: a device hand-off asked for, but this tower is not on a GPU under MPS")
+        return None
+    try:
+        return device_handoff.Inbox(request.handoff_handle, request.handoff_rows, request.handoff_slots,
+                                    engine.model.hidden_size, engine.hidden_dtype, engine.device)
+    except device_handoff.HandoffError as exc:
+        log.warning("Step lane: no device hand-off (%s); rows come in the requests", exc)
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,17 +194,26 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
     async def GetInfo(self, request: tower_pb2.GetInfoRequest, context) -> tower_pb2.TowerInfo:
         return self.info(await self._require_engine(context))
 
-    async def steps(self, engine: TowerEngine, requests):
+    async def steps(self, engine: TowerEngine, requests, *, lane: bool = False):
         """One Step stream, over gRPC or the lane: a response per request, in order; the stream's
-        sessions are freed when it ends. Raises StepFailed when a step raises."""
+        sessions are freed when it ends. Raises StepFailed when a step raises. `lane`: the
+        stream may set up a device hand-off (gRPC's never does: another host, maybe)."""
         owner = object()          # this stream's sessions
         spinner = Spinner(self.spin_wait_s) if self.spin_wait_s > 0 else None
+        inbox: device_handoff.Inbox | None = None
         try:
             async for request in requests:
                 if spinner is not None:
                     spinner.stop()
+                if request.handoff_handle:
+                    if inbox is None and lane:
+                        inbox = set_up_handoff(engine, request)
+                    if spinner is not None:
+                        spinner.start()
+                    yield tower_pb2.StepResponse(step_id=request.step_id, handoff_ready=inbox is not None)
+                    continue
                 try:
-                    response = run_step(engine, request, self.hidden_dtype, owner)
+                    response = run_step(engine, request, self.hidden_dtype, owner, inbox)
                 except Exception as exc:
                     log.exception("tower step failed")
                     raise StepFailed(f"tower step failed: {exc!r}") from exc
@@ -179,6 +228,8 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
             if spinner is not None:
                 spinner.close()
             engine.release_owner(owner)
+            if inbox is not None:
+                inbox.close()
 
     async def Step(self, request_iterator, context):
         engine = await self._require_engine(context)
@@ -195,6 +246,8 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
         """One connection of the same-host lane: the hello (this TowerInfo), then a Step stream."""
         engine = self.engine
         hello = self.info(engine)
+        if device_handoff.enabled(engine.device):
+            hello.device_uuid = device_handoff.device_uuid(engine.device)
         try:
             ring = local_lane.Ring(self.step_socket)     # large requests come through it
             hello.step_ring = ring.name
@@ -203,7 +256,7 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
                         "through the socket", exc)
             ring = None
 
-        responses = self.steps(engine, local_lane.read_requests(reader, tower_pb2.StepRequest, ring))
+        responses = self.steps(engine, local_lane.read_requests(reader, tower_pb2.StepRequest, ring), lane=True)
         try:
             writer.write(local_lane.encode(hello))
             async for response in responses:

@@ -11,7 +11,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TowerInfo(_message.Message):
-    __slots__ = ("hidden_dim", "hidden_dtype", "codebooks", "max_rows", "max_context_tokens", "max_inflight_steps", "open_sessions", "free_slots", "build", "step_socket", "instance_id", "step_ring")
+    __slots__ = ("hidden_dim", "hidden_dtype", "codebooks", "max_rows", "max_context_tokens", "max_inflight_steps", "open_sessions", "free_slots", "build", "step_socket", "instance_id", "step_ring", "device_uuid")
     HIDDEN_DIM_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class TowerInfo(_message.Message):
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_RING_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     hidden_dim: int
     hidden_dtype: str
     codebooks: int
@@ -36,7 +37,8 @@ class TowerInfo(_message.Message):
     step_socket: str
     instance_id: str
     step_ring: str
-    def __init__(self, hidden_dim: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., codebooks: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., step_ring: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, hidden_dim: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., codebooks: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., build: _Optional[str] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., step_ring: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RowEntry(_message.Message):
     __slots__ = ("session_id", "first_row", "n_rows", "draw", "take_index", "frame_index", "seed", "temperature", "top_p", "top_k", "repetition_penalty", "prefix_key", "prefix_rows", "snapshot_key")
@@ -71,7 +73,7 @@ class RowEntry(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., first_row: _Optional[int] = ..., n_rows: _Optional[int] = ..., draw: _Optional[bool] = ..., take_index: _Optional[int] = ..., frame_index: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., prefix_key: _Optional[str] = ..., prefix_rows: _Optional[int] = ..., snapshot_key: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "rows", "hidden", "targets", "release", "trace_context")
+    __slots__ = ("step_id", "rows", "hidden", "targets", "release", "trace_context", "handoff_handle", "handoff_rows", "handoff_slots", "handoff_seq")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,13 +87,21 @@ class StepRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SEQ_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rows: _containers.RepeatedCompositeFieldContainer[RowEntry]
     hidden: bytes
     targets: bytes
     release: _containers.RepeatedScalarFieldContainer[str]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowEntry, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., release: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    handoff_handle: bytes
+    handoff_rows: int
+    handoff_slots: int
+    handoff_seq: int
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowEntry, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., release: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., handoff_handle: _Optional[bytes] = ..., handoff_rows: _Optional[int] = ..., handoff_slots: _Optional[int] = ..., handoff_seq: _Optional[int] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row_index", "code", "message")
@@ -104,15 +114,17 @@ class RowError(_message.Message):
     def __init__(self, row_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "codes", "stop", "row_errors", "tower_us")
+    __slots__ = ("step_id", "codes", "stop", "row_errors", "tower_us", "handoff_ready")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TOWER_US_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_READY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     codes: bytes
     stop: _containers.RepeatedScalarFieldContainer[bool]
     row_errors: _containers.RepeatedCompositeFieldContainer[RowError]
     tower_us: int
-    def __init__(self, step_id: _Optional[int] = ..., codes: _Optional[bytes] = ..., stop: _Optional[_Iterable[bool]] = ..., row_errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., tower_us: _Optional[int] = ...) -> None: ...
+    handoff_ready: bool
+    def __init__(self, step_id: _Optional[int] = ..., codes: _Optional[bytes] = ..., stop: _Optional[_Iterable[bool]] = ..., row_errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., tower_us: _Optional[int] = ..., handoff_ready: _Optional[bool] = ...) -> None: ...
