@@ -35,6 +35,14 @@ def test_enabled_only_on_cuda_and_by_the_switch(monkeypatch):
         assert not dh.enabled("cuda")                     # no MPS daemon: no spinning waits
 
 
+def test_an_ipc_handle_keeps_every_byte():
+    """A CUDA IPC handle is 64 opaque bytes, zeros included, both ways through ctypes (a c_char
+    array would have cut it at its first zero byte: the H200 run that found it, session 25)."""
+    raw = bytes([0, 7, 0, 0, 255]) * 12 + bytes(4)
+    handle = dh._IpcHandle.from_buffer_copy(raw)
+    assert bytes(handle) == raw and len(bytes(handle)) == dh.HANDLE_BYTES
+
+
 def test_buffer_layout():
     # bf16 rows of 2048: 1024 words each, 64 header words
     assert dh.buffer_bytes(128, 2048, torch.bfloat16, 4) == 4 * (64 + 4 * 128 * 1024)

@@ -92,7 +92,8 @@ class HandoffError(Exception):
 # --------------------------------------------------------------------------------------------
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+    # bytes, not c_char: a c_char array reads back as a string cut at its first zero byte
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
 
 
 _CUDART = None
@@ -251,7 +252,7 @@ class Mailbox:
             except HandoffError:
                 lib.cudaFree(ctypes.c_void_p(self._ptr))
                 raise
-        self.handle = bytes(handle.reserved)
+        self.handle = bytes(handle)
         self.words = _words(self._ptr, self.nbytes, self.device)
         self.words.zero_()
         torch.cuda.synchronize(self.device)
@@ -305,7 +306,7 @@ class Inbox:
         lib = _cudart()
         with torch.cuda.device(self.device):
             ptr = ctypes.c_void_p()
-            _check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), _IpcHandle(handle), ctypes.c_uint(1)),
+            _check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle), ctypes.c_uint(1)),
                    "cudaIpcOpenMemHandle")
         self._ptr = ptr.value
         self.words = _words(self._ptr, self.nbytes, self.device)
