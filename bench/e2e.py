@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import io
 import json
 import math
@@ -285,6 +286,8 @@ class Spoken:
     wall_ms: float
     steady_ms_per_frame: float | None
     phases_ms: dict | None = None        # the gateway's milestones of this request, ms from arrival
+    pcm_sha256: str = ""                 # of the audio bytes: a fixed seed gives the same audio, so two
+    # stacks (say, a switch on and off) can be compared request by request
 
     @property
     def rtf(self) -> float:
@@ -299,6 +302,7 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
     body = {"model": "drama-3", "input": text, "voice": VOICE, "response_format": "pcm", "stream": True,
             "sample_rate": sample_rate, "seed": SEED, "max_new_tokens": max_new_tokens, "latency": "low"}
     pieces: list[tuple[float, int]] = []                   # (seconds since sent, bytes)
+    digest = hashlib.sha256()
     before = gateway_phases(client, url)
     started = time.perf_counter()
     with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
@@ -308,6 +312,7 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
         for piece in response.iter_bytes():
             if piece:
                 pieces.append((time.perf_counter() - started, len(piece)))
+                digest.update(piece)
     wall = time.perf_counter() - started
     if not pieces:
         raise RuntimeError(f"{words}-word request returned no audio")
@@ -322,7 +327,7 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
         if count > count0:
             phases[phase] = (total_s - total0) * 1000 / (count - count0)
     return Spoken(words, chunks, max_new_tokens, total / bytes_per_frame, total / 2 / rate,
-                  pieces[0][0] * 1000, wall * 1000, steady, phases or None)
+                  pieces[0][0] * 1000, wall * 1000, steady, phases or None, digest.hexdigest())
 
 
 PHASES = ("admitted", "first_frames", "first_pcm", "first_byte")
@@ -549,7 +554,8 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
     """Every figure by its JSON key (None where it was not measured)."""
     requests = {name: {"words": q.words, "chunks": q.chunks, "max_new_tokens_per_chunk": q.max_new_tokens,
                        "frames": q.frames, "audio_s": q.audio_s, "ttfa_ms": q.ttfa_ms, "wall_ms": q.wall_ms,
-                       "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame, "phases_ms": q.phases_ms}
+                       "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame, "phases_ms": q.phases_ms,
+                       "pcm_sha256": q.pcm_sha256}
                 for name, q in stack.requests.items()}
     short, long = requests.get("short", {}), requests.get("long", {})
     backbone, tower, codec = (micro.get(k) for k in ("backbone_step_ms_b1", "tower_step_ms_b1", "codec_chunk_ms_4f"))
