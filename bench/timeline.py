@@ -140,6 +140,11 @@ def steady_hops(spans: dict[str, list[dict]], skip_steps: int = STEPS_SHOWN) -> 
             marks = [seconds(step["start_time"]), events["computed"], events["sent"],
                      seconds(tower["start_time"]), seconds(tower["end_time"]), seconds(step["end_time"]),
                      seconds(following["start_time"])]
+            if events["sent"] < events["computed"]:
+                # a device hand-off (services/common/device_handoff.py): sent before its wait, the
+                # tower's step queued behind the rows on its GPU; no send or wire of its own, and
+                # the tower's part counted from when the backbone's host saw its step done
+                marks[2:4] = [events["computed"]] * 2
             for name, begin, end in zip(HOPS, marks, marks[1:]):
                 hops[name].append((end - begin) * 1000.0)
     return hops

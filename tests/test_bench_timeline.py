@@ -6,6 +6,7 @@ is two text chunks, so the chunk-boundary table has one boundary per request."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 from bench import timeline
 
@@ -56,3 +57,25 @@ def test_one_request_through_the_stages_in_causal_order(tiny_checkpoint, tmp_pat
     for i in range(3):
         assert opened[i] >= 0 and compute[i] > 0 and send[i] + wire[i] > 0 and tower[i] > 0 and back[i] > 0
     assert "| a chunk boundary's part |" in printed
+
+
+def test_steady_hops_of_a_device_handoff_step():
+    """A step sent before its wait (the device hand-off: `sent` before `computed`) has no send or
+    wire of its own; the tower's part runs from `computed` to the tower step's end."""
+    from bench.timeline import HOPS, steady_hops
+
+    def at(ms: float) -> str:
+        return datetime.fromtimestamp(1_700_000_000 + ms / 1000, tz=timezone.utc).isoformat()
+
+    def step(trace: str, start: float, sent: float, computed: float, end: float) -> dict:
+        return {"name": "backbone.step", "attributes": {"drama.batch.rows": 1},
+                "links": [{"context": {"trace_id": "session"}}], "context": {"trace_id": trace},
+                "start_time": at(start), "end_time": at(end),
+                "events": [{"name": "sent", "timestamp": at(sent)}, {"name": "computed", "timestamp": at(computed)}]}
+
+    spans = {"backbone": [step("a", 0.0, 0.1, 2.5, 4.6), step("b", 4.8, 4.9, 7.3, 9.4)],
+             "tower": [{"name": "tower.step", "context": {"trace_id": "a"}, "start_time": at(0.3),
+                        "end_time": at(4.3)}]}
+    hops = steady_hops(spans, skip_steps=0)
+    got = [round(hops[name][0], 3) for name in HOPS]
+    assert got == [2.5, 0.0, 0.0, 1.8, 0.3, 0.2]
