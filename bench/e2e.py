@@ -286,8 +286,9 @@ class Spoken:
     wall_ms: float
     steady_ms_per_frame: float | None
     phases_ms: dict | None = None        # the gateway's milestones of this request, ms from arrival
-    pcm_sha256: str = ""                 # of the audio bytes: a fixed seed gives the same audio, so two
-    # stacks (say, a switch on and off) can be compared request by request
+    pcm_sha256: str = ""                 # of the audio bytes
+    codes_sha256: str = ""               # of the take's codes (GET /v1/takes/{id}): a fixed seed gives the
+    # same codes, so two stacks (say, a switch on and off) can be compared request by request
 
     @property
     def rtf(self) -> float:
@@ -313,9 +314,15 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
             if piece:
                 pieces.append((time.perf_counter() - started, len(piece)))
                 digest.update(piece)
+        take_id = response.headers.get("x-take-id")
     wall = time.perf_counter() - started
     if not pieces:
         raise RuntimeError(f"{words}-word request returned no audio")
+    codes_digest = ""
+    if take_id:               # the take's codes (the seed contract is about these, not the PCM)
+        take = client.get(f"{url}/v1/takes/{take_id}")
+        if take.status_code == 200:
+            codes_digest = hashlib.sha256(json.dumps(take.json()["vq_codes"]).encode()).hexdigest()
     total = sum(n for _, n in pieces)
     bytes_per_frame = 2 * frame_samples * rate / sample_rate     # int16 mono at the response's rate
     later = (total - pieces[0][1]) / bytes_per_frame
@@ -327,7 +334,7 @@ def speak(client, url: str, words: int, frames: int, chunk_size: int, frame_samp
         if count > count0:
             phases[phase] = (total_s - total0) * 1000 / (count - count0)
     return Spoken(words, chunks, max_new_tokens, total / bytes_per_frame, total / 2 / rate,
-                  pieces[0][0] * 1000, wall * 1000, steady, phases or None, digest.hexdigest())
+                  pieces[0][0] * 1000, wall * 1000, steady, phases or None, digest.hexdigest(), codes_digest)
 
 
 PHASES = ("admitted", "first_frames", "first_pcm", "first_byte")
@@ -555,7 +562,7 @@ def summarise(args, stack: StackRun, micro: dict) -> dict:
     requests = {name: {"words": q.words, "chunks": q.chunks, "max_new_tokens_per_chunk": q.max_new_tokens,
                        "frames": q.frames, "audio_s": q.audio_s, "ttfa_ms": q.ttfa_ms, "wall_ms": q.wall_ms,
                        "rtf": q.rtf, "steady_ms_per_frame": q.steady_ms_per_frame, "phases_ms": q.phases_ms,
-                       "pcm_sha256": q.pcm_sha256}
+                       "pcm_sha256": q.pcm_sha256, "codes_sha256": q.codes_sha256}
                 for name, q in stack.requests.items()}
     short, long = requests.get("short", {}), requests.get("long", {})
     backbone, tower, codec = (micro.get(k) for k in ("backbone_step_ms_b1", "tower_step_ms_b1", "codec_chunk_ms_4f"))

@@ -102,6 +102,7 @@ def test_e2e_tiny_cpu_table_and_json(tmp_path):
     long = result["requests"]["long"]
     assert long["chunks"] > 1                                    # 60 words span several text chunks
     assert 0 < long["frames"] <= long["chunks"] * long["max_new_tokens_per_chunk"]
+    assert all(len(r["codes_sha256"]) == 64 and len(r["pcm_sha256"]) == 64 for r in result["requests"].values())
     assert result["micro_errors"] == {}
     assert result["tower_step_stream"] == "lane"                 # the stages share this host
     # the gateway's milestones of the 20-word request, in order, ending at the first byte

@@ -83,8 +83,8 @@ def test_a_wait_for_a_step_never_published_gives_up():
 def _receiving_process(handle: bytes, rows: int, slots: int, seqs: list[int], n_rows: int, queue) -> None:
     inbox = dh.Inbox(handle, rows, slots, 2048, torch.bfloat16, "cuda")
     try:
-        for seq in seqs:
-            queue.put(inbox.receive(seq, n_rows).cpu())
+        for seq in seqs:       # as bytes: a tensor through the queue needs this process alive to be read
+            queue.put(inbox.receive(seq, n_rows).cpu().view(torch.int16).numpy().tobytes())
         torch.cuda.synchronize()
         queue.put(inbox.timed_out())
     finally:
@@ -115,7 +115,7 @@ def test_mailbox_to_an_inbox_in_another_process():
         proc.join(60)
         assert not timed_out
         for rows, out in zip(sent[1:], got):
-            assert torch.equal(out, rows.cpu())
+            assert out == rows.cpu().view(torch.int16).numpy().tobytes()
     finally:
         box.close()
 
