@@ -952,7 +952,8 @@ class Scheduler:
             return
         try:
             await self._send(entries, pending[0].hidden, span, lane=False, handoff_seq=pending[0].published)
-        except asyncio.CancelledError:
+        except BaseException:                  # cancelled (close()), or a bug: no slot stays busy
+            self._computing -= slots
             self._finish_quietly(pending)
             raise
         try:

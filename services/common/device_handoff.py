@@ -229,35 +229,64 @@ def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int) ->
 # the two ends
 # --------------------------------------------------------------------------------------------
 
-class Mailbox:
+class _SharedRows:
+    """What both ends know of the buffer: its geometry, its int32 words once mapped, and how each
+    lets it go (`_release`)."""
+
+    def __init__(self, rows: int, slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+        if not (1 <= rows and 2 <= slots <= 64):
+            raise HandoffError(f"a buffer of {rows} rows x {slots} slots")
+        self.rows, self.slots, self.hidden_size, self.dtype = rows, slots, hidden_size, dtype
+        self.device = torch.device(device)
+        self.nbytes = buffer_bytes(rows, hidden_size, dtype, slots)
+        if self.nbytes > MAX_BUFFER_BYTES:
+            raise HandoffError(f"a buffer of {self.nbytes} bytes is over {MAX_BUFFER_BYTES}")
+        self._ptr = 0
+        self.words: torch.Tensor | None = None
+
+    def _map(self, ptr: int) -> None:
+        self._ptr = ptr
+        self.words = _words(ptr, self.nbytes, self.device)
+
+    def _release(self, ptr: ctypes.c_void_p) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let the buffer go once this device's queued work is done (idempotent)."""
+        if self._ptr:
+            torch.cuda.synchronize(self.device)
+            self.words = None
+            self._release(ctypes.c_void_p(self._ptr))
+            self._ptr = 0
+
+
+class Mailbox(_SharedRows):
     """The backbone's end: a buffer of `slots` x `rows` hidden rows in its GPU memory, which the
     tower maps. `publish` queues a step's rows there on the current stream and returns its
     sequence number; `answered` tells it a step's response came back."""
 
     def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
                  slots: int = SLOTS):
-        self.rows, self.hidden_size, self.dtype, self.slots = rows, hidden_size, dtype, slots
-        self.device = torch.device(device)
-        self.row_words = _row_words(hidden_size, dtype)
-        self.nbytes = buffer_bytes(rows, hidden_size, dtype, slots)
+        super().__init__(rows, slots, hidden_size, dtype, device)
         lib = _cudart()
         with torch.cuda.device(self.device):
             ptr = ctypes.c_void_p()
             _check(lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.nbytes)), "cudaMalloc")
-            self._ptr = ptr.value
+            handle = _IpcHandle()
             try:
-                handle = _IpcHandle()
-                _check(lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(self._ptr)),
-                       "cudaIpcGetMemHandle")
+                _check(lib.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
             except HandoffError:
-                lib.cudaFree(ctypes.c_void_p(self._ptr))
+                lib.cudaFree(ptr)
                 raise
         self.handle = bytes(handle)
-        self.words = _words(self._ptr, self.nbytes, self.device)
+        self._map(ptr.value)
         self.words.zero_()
         torch.cuda.synchronize(self.device)
         self.seq = 0
         self._unanswered: collections.deque[int] = collections.deque()
+
+    def _release(self, ptr: ctypes.c_void_p) -> None:
+        _cudart().cudaFree(ptr)
 
     def can_publish(self, n_rows: int) -> bool:
         """Room for a step of n_rows now: it fits a slot, and its slot's last rows are answered."""
@@ -279,15 +308,8 @@ class Mailbox:
         while self._unanswered and self._unanswered[0] <= seq:
             self._unanswered.popleft()
 
-    def close(self) -> None:
-        if self._ptr:
-            torch.cuda.synchronize(self.device)
-            self.words = None
-            _cudart().cudaFree(ctypes.c_void_p(self._ptr))
-            self._ptr = 0
 
-
-class Inbox:
+class Inbox(_SharedRows):
     """The tower's end: the backbone's buffer mapped from its IPC handle; `receive` queues the
     wait and the copy of a published step's rows on the current stream."""
 
@@ -295,25 +317,20 @@ class Inbox:
                  device: torch.device | str):
         if len(handle) != HANDLE_BYTES:
             raise HandoffError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
-        if not (1 <= rows and 2 <= slots <= 64):
-            raise HandoffError(f"a buffer of {rows} rows x {slots} slots")
-        self.rows, self.slots, self.hidden_size, self.dtype = rows, slots, hidden_size, dtype
-        self.device = torch.device(device)
-        self.row_words = _row_words(hidden_size, dtype)
-        self.nbytes = buffer_bytes(rows, hidden_size, dtype, slots)
-        if self.nbytes > MAX_BUFFER_BYTES:
-            raise HandoffError(f"a buffer of {self.nbytes} bytes is over {MAX_BUFFER_BYTES}")
+        super().__init__(rows, slots, hidden_size, dtype, device)
         lib = _cudart()
         with torch.cuda.device(self.device):
             ptr = ctypes.c_void_p()
             _check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle), ctypes.c_uint(1)),
                    "cudaIpcOpenMemHandle")
-        self._ptr = ptr.value
-        self.words = _words(self._ptr, self.nbytes, self.device)
+        self._map(ptr.value)
         self.received = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.timeout_ns = int(RECEIVE_TIMEOUT_S * 1e9)
+
+    def _release(self, ptr: ctypes.c_void_p) -> None:
+        _cudart().cudaIpcCloseMemHandle(ptr)
 
     def receive(self, seq: int, n_rows: int) -> torch.Tensor:
         """Queue the wait for step `seq` and the copy of its n_rows rows; the rows [n, H] (valid
@@ -333,10 +350,3 @@ class Inbox:
             self._status_host.zero_()
             return True
         return False
-
-    def close(self) -> None:
-        if self._ptr:
-            torch.cuda.synchronize(self.device)
-            self.words = None
-            _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(self._ptr))
-            self._ptr = 0
