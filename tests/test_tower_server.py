@@ -303,3 +303,64 @@ async def test_a_failing_step_ends_the_stream_with_internal(tower, monkeypatch):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call.read()
     assert info.value.code() == grpc.StatusCode.INTERNAL
+
+
+class _HostInbox:
+    """The device hand-off's Inbox as run_step uses it (receive, timed_out), with the rows on the
+    host: there is no GPU memory to share on the CPU (tests/test_device_handoff.py has the real one)."""
+
+    def __init__(self):
+        self.published: dict[int, torch.Tensor] = {}
+        self.late = False
+
+    def receive(self, seq: int, n_rows: int) -> torch.Tensor:
+        return self.published[seq][:n_rows]
+
+    def timed_out(self) -> bool:
+        return self.late
+
+
+def test_run_step_takes_a_hand_off_requests_rows_from_its_inbox():
+    """A request with handoff_seq: its rows come from the connection's inbox (the frames are
+    those of the same rows in `hidden`); without an inbox, with hidden bytes too, or with an entry
+    that does not draw, its entries fail INVALID_ARGUMENT; a wait that gave up fails them
+    UNAVAILABLE."""
+    from services.tower.server import run_step
+
+    engine = TowerEngine(random_tower(TINY, seed=7), TINY, max_sessions=SESSIONS, max_context=CONTEXT)
+    hidden, targets = _prompt(TINY, 12, seed=4)
+    plan = _session_plan("h", hidden, targets[:8], [8], frames=4)
+    inbox, owner, frames = _HostInbox(), object(), []
+    for step_id, (rows, h, t) in enumerate(plan, start=1):
+        request = _request(step_id, rows, h, t)
+        if step_id > 1:                                  # the frame steps through the inbox
+            inbox.published[step_id] = h.float()
+            request.ClearField("hidden")
+            request.handoff_seq = step_id
+        response = run_step(engine, request, "float32", owner, inbox)
+        assert not response.row_errors, response.row_errors
+        frames.append(_codes(response, 1)[0].tolist())
+    assert frames == _expected_frames(plan)
+
+    def failed(request, inbox) -> tuple[list[int], str]:
+        response = run_step(engine, request, "float32", owner, inbox)
+        return [e.code for e in response.row_errors], response.row_errors[0].message if response.row_errors else ""
+
+    row = _row("h", 12, 1, draw=True, frame_index=5)
+    handed = tower_pb2.StepRequest(step_id=9, rows=[row], handoff_seq=9,
+                                   targets=tensor_to_bytes(torch.full((1, N), -1, dtype=torch.int16)))
+    inbox.published[9] = hidden[11:12].float()
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    codes, message = failed(handed, None)
+    assert codes == [invalid] and "without a device hand-off" in message
+    with_bytes = tower_pb2.StepRequest()
+    with_bytes.CopyFrom(handed)
+    with_bytes.hidden = tensor_to_bytes(hidden[11:12].float())
+    assert failed(with_bytes, inbox)[0] == [invalid]
+    no_draw = tower_pb2.StepRequest()
+    no_draw.CopyFrom(handed)
+    no_draw.rows[0].draw = False
+    assert failed(no_draw, inbox)[0] == [invalid]
+    inbox.late = True
+    codes, message = failed(handed, inbox)
+    assert codes == [grpc.StatusCode.UNAVAILABLE.value[0]] and "did not arrive" in message
