@@ -115,3 +115,28 @@ def test_padded_rows_write_only_the_scratch_slot(rows):
         assert torch.equal(after[:, :, :2], before[:, :, :2])                   # prompts untouched
         assert torch.equal(after[rows:, :, 2:], before[rows:, :, 2:])          # idle sessions untouched
         assert not torch.equal(after[:rows, :, 2], before[:rows, :, 2])         # the real rows wrote
+
+
+def test_a_decode_step_with_a_rejected_entry_gathers_the_other_rows(one_intra_op_thread):
+    """The decode graph takes the accepted entries' rows: all of them in order without a gather
+    (engine._run_graph), the others gathered when an entry in the middle is refused."""
+    d, n, prompt = TINY.tower.hidden_size, TINY.num_codebooks, 5
+    staged = TowerEngine(random_tower(TINY, seed=5), TINY, max_sessions=3, max_context=40, graphs=True)
+    eager = TowerEngine(random_tower(TINY, seed=5), TINY, max_sessions=3, max_context=40, graphs=False)
+    g = torch.Generator().manual_seed(3)
+    none = torch.full((prompt, n), -1, dtype=torch.int64)
+    for i in range(3):
+        hidden = torch.randn(prompt, d, generator=g)
+        for engine in (staged, eager):
+            assert not engine.step([StepEntry(f"s{i}", 0, prompt, draw=True, seed=i, **_params(i))],
+                                   hidden, none).row_errors
+    hidden = torch.randn(3, d, generator=g)
+    entries = [StepEntry(f"s{i}", prompt + (7 if i == 1 else 0), 1, draw=True, seed=i, frame_index=1,
+                         **_params(i)) for i in range(3)]                  # s1's first_row is wrong
+    replays, run = [], staged._graphs.run
+    staged._graphs.run = lambda ints, floats, rows: replays.append(rows.clone()) or run(ints, floats, rows)
+    got = staged.step(entries, hidden, none[:3])
+    assert len(replays) == 1 and torch.equal(replays[0], hidden[[0, 2]])
+    assert [e.row_index for e in got.row_errors] == [1]
+    want = eager.step([entries[0], entries[2]], hidden[[0, 2]], none[:2])
+    assert torch.equal(got.codes[[0, 2]], want.codes) and [got.stop[0], got.stop[2]] == want.stop

@@ -382,8 +382,17 @@ class TowerEngine:
 
     def _run_graph(self, accepted, hidden: Tensor) -> tuple[Tensor, list[bool]]:
         ints, floats = _draw_columns(accepted)
-        index = torch.tensor([offset for _, _, _, offset in accepted], dtype=torch.int64)
-        rows = hidden.index_select(0, index.to(hidden.device))
+        offsets = [offset for _, _, _, offset in accepted]
+        if offsets == list(range(len(offsets))):
+            # every row of the request draws, in order (a decode step): no gather. Rows on the GPU
+            # (the device hand-off's) would otherwise take a blocking copy of the index, which waits
+            # for the rows themselves: the step's launch would wait until they land.
+            rows = hidden[:len(offsets)]
+        else:
+            index = torch.tensor(offsets, dtype=torch.int64)
+            if hidden.is_cuda:
+                index = index.pin_memory().to(hidden.device, non_blocking=True)
+            rows = hidden.index_select(0, index)
         out = self._graphs.run(ints, floats, rows)
         n = self.cfg.num_codebooks
         return out[:, :n], out[:, n].bool().tolist()
