@@ -123,6 +123,8 @@ def test_a_decode_step_with_a_rejected_entry_gathers_the_other_rows(one_intra_op
     d, n, prompt = TINY.tower.hidden_size, TINY.num_codebooks, 5
     staged = TowerEngine(random_tower(TINY, seed=5), TINY, max_sessions=3, max_context=40, graphs=True)
     eager = TowerEngine(random_tower(TINY, seed=5), TINY, max_sessions=3, max_context=40, graphs=False)
+    staged.warm_up()
+    eager.warm_up()
     g = torch.Generator().manual_seed(3)
     none = torch.full((prompt, n), -1, dtype=torch.int64)
     for i in range(3):
