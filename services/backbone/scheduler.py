@@ -106,8 +106,9 @@ from .rows import (GenerateError, Prompt, Rows, audio_rows, check_context, plan_
 
 # The milestones of drama_backbone_first_audio_seconds, in the order a session meets them:
 # admitted (Started queued), the step holding its last prompt row computed and handed to the
-# tower, the first frame back, the row of that frame computed and sent, the second frame back,
-# the first frames message queued for the Generate stream.
+# tower, the first frame back, the row of that frame computed and sent (sent first, through the
+# device hand-off: the request goes before the step's wait), the second frame back, the first
+# frames message queued for the Generate stream.
 FIRST_AUDIO_PHASES = ("admitted", "prompt_computed", "prompt_sent", "first_frame", "first_decode_computed",
                       "first_decode_sent", "second_frame", "first_message")
 
