@@ -51,11 +51,12 @@ def test_buffer_layout():
 
 
 @kernel
-@pytest.mark.parametrize("n_rows", [1, 3])
+@pytest.mark.parametrize("n_rows", [1, 3, dh.MAX_WAITERS + 3])
 def test_published_rows_come_out_of_their_slot(n_rows):
     """Steps 1..6 through a buffer of 4 slots (two rounds): each receive gives exactly the rows
-    published under its seq, the flag holds the last seq, the ticket is back to zero."""
-    rows, slots, hidden = 4, 4, 2048
+    published under its seq (more rows than the receive has programs too), the flag holds the
+    last seq, the ticket is back to zero."""
+    rows, slots, hidden = 16, 4, 2048
     words = torch.zeros(dh.buffer_bytes(rows, hidden, torch.bfloat16, slots) // 4, dtype=torch.int32, device=DEVICE)
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(0)

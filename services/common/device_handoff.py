@@ -60,7 +60,11 @@ SLOTS = 4                          # rows of this many published steps live at o
 RECEIVE_TIMEOUT_S = 2.0            # a waiter gives up after this (a decode step takes ~3-25 ms)
 HEADER_WORDS = 64                  # int32 words before the slots: the flag (int64) and the ticket,
 FLAG_WORD, TICKET_WORD = 0, 32     # each on a 128-byte line of its own
-ROW_WORDS_PER_PROGRAM = 1024       # a program copies 4 KB (one bf16 row of 2048)
+ROW_WORDS_PER_PROGRAM = 1024       # a program copies 4 KB (one bf16 row of 2048) at a time
+# Programs of the receive kernel, each spinning while the backbone computes: a decode step of many
+# rows must not hold many SMs' issue slots for the whole backbone step (a 128-row step: ~20 ms).
+# One spinner beside 80 decode GEMMs cost them nothing measurable (bench/device_handoff.py).
+MAX_WAITERS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -173,8 +177,9 @@ if HAS_TRITON:
     def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns,
                         BLOCK: tl.constexpr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq (acquire, system scope), then copy n_words src -> dst
-        (from L2: `.cg`, never a line this SM's L1 kept from the slot's last use). Past timeout_ns
-        (TIMER; else after one look, for the interpreter): status = 1, and copy anyway."""
+        (from L2: `.cg`, never a line this SM's L1 kept from the slot's last use), BLOCK words at
+        a time, program p taking blocks p, p + programs, ... Past timeout_ns (TIMER; else after
+        one look, for the interpreter): status = 1, and copy anyway."""
         want = seq.to(tl.int64)
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         if TIMER:
@@ -185,9 +190,10 @@ if HAS_TRITON:
                 now = _now(TIMER)
         if seen < want:
             tl.store(status_ptr, 1)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n_words
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, cache_modifier=".cg"), mask=ok)
+        for block in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n_words
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, cache_modifier=".cg"), mask=ok)
 
 
 def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: torch.Tensor) -> None:
@@ -209,7 +215,7 @@ def receive_rows(words: torch.Tensor, rows: int, slots: int, seq: int, out: torc
     row_words = _row_words(out.shape[1], out.dtype)
     n_words = out.shape[0] * row_words
     first = HEADER_WORDS + (seq % slots) * rows * row_words
-    _receive_kernel[(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM),)](
+    _receive_kernel[(min(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM), MAX_WAITERS),)](
         words[FLAG_WORD:].view(torch.int64), seq, words[first:], out.view(torch.int32).reshape(-1), n_words,
         status, timeout_ns, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
 
