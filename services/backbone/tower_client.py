@@ -280,15 +280,16 @@ class TowerClient:
     async def _set_up_handoff(self, call: local_lane.LaneCall,
                               hello: tower_pb2.TowerInfo) -> device_handoff.Mailbox | None:
         """A device hand-off with the tower behind `call`, before any step: when both stages say
-        they can (one GPU, under MPS), a Mailbox of max_rows rows, its handle sent in a request
-        with no rows; kept only if the tower answers handoff_ready."""
+        they can (one GPU, under MPS), a Mailbox of up to device_handoff.MAX_ROWS rows a step, its
+        handle sent in a request with no rows; kept only if the tower answers handoff_ready."""
         if not hello.device_uuid or not device_handoff.enabled(self.device):
             return None
         if hello.device_uuid != device_handoff.device_uuid(self.device):
             log.info("tower %s is on another GPU: no device hand-off", self.addr)
             return None
         try:
-            mailbox = device_handoff.Mailbox(self.max_rows, self.hidden_dim, self.hidden_dtype, self.device)
+            mailbox = device_handoff.Mailbox(min(self.max_rows, device_handoff.MAX_ROWS), self.hidden_dim,
+                                             self.hidden_dtype, self.device)
         except device_handoff.HandoffError as exc:
             log.warning("no device hand-off (%s); decode steps' rows go through the lane", exc)
             return None

@@ -65,6 +65,10 @@ ROW_WORDS_PER_PROGRAM = 1024       # a program copies 4 KB (one bf16 row of 2048
 # rows must not hold many SMs' issue slots for the whole backbone step (a 128-row step: ~20 ms).
 # One spinner beside 80 decode GEMMs cost them nothing measurable (bench/device_handoff.py).
 MAX_WAITERS = 8
+# Steps of at most this many rows take the hand-off (the Mailbox's slot size): the single-stream
+# latency it was built and measured for (session 25). Larger decode steps (many streams) keep the
+# lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
+MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
