@@ -31,6 +31,8 @@ Rules that keep it safe:
 - A slot is written again only `slots` publishes later, and only steps whose response waits for
   the tower's GPU (every entry draws) use it, and no more than `slots - 1` of them unanswered:
   the rows have been copied out before their slot comes round.
+- Only steps of up to MAX_ROWS rows, with at most MAX_WAITERS programs spinning: the single-stream
+  case it was measured for; many streams' large steps keep the lane.
 
 The buffer is allocated with cudaMalloc (not torch's caching allocator): an IPC handle maps a whole
 allocation, so the rows must start at its base.
