@@ -392,7 +392,7 @@ async def test_inline_steps_run_on_the_loop_thread_and_give_the_engine_threads_f
     for inline in (True, False):
         scheduler, rec = await stage(max_inflight_steps=1, inline_steps=inline)
         threads, engine_step = set(), rec.launch_to_host
-        rec.launch_to_host = lambda work: (threads.add(threading.current_thread()), engine_step(work))[1]
+        rec.launch_to_host = lambda work, **kw: (threads.add(threading.current_thread()), engine_step(work, **kw))[1]
         sessions = [scheduler.submit(_job(f"i{i}", seed=60 + i, turns=("one", "two"), max_new=5))
                     for i in range(POOL_ROWS)]
         results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])

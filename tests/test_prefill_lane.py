@@ -176,13 +176,13 @@ class _LaneRecorder(Recorder):
         self.hold_if = lambda work: False
         self.holding, self.go = threading.Event(), threading.Event()
 
-    def launch_to_host(self, work):
+    def launch_to_host(self, work, **kwargs):
         lane = threading.current_thread().name.startswith(LANE)
         started = time.monotonic()
         if lane and self.hold_if(work):
             self.holding.set()
             assert self.go.wait(60)
-        out = super().launch_to_host(work)
+        out = super().launch_to_host(work, **kwargs)
         self.calls.append((lane, work, started, time.monotonic()))
         return out
 

@@ -106,7 +106,7 @@ def test_step_and_decode_series_count_every_call(metered_stack):
         return getattr(read_points(reader)[name], field) - getattr(before.get(name), field, 0)
 
     backbone_steps = CallCounter(backbone.scheduler.engine, "launch_to_host",
-                                 lambda work: sum(len(token_ids) for _, token_ids, _ in work))
+                                 lambda work, **_: sum(len(token_ids) for _, token_ids, _ in work))
     tower_steps = CallCounter(tower.servicer.engine, "step")
     chunks = CallCounter(codec.servicer.batcher, "decode", is_async=True)
     codec_calls_before = codec.servicer.batcher.batches

@@ -1168,9 +1168,7 @@ class Scheduler:
             started = time.perf_counter()
             # The rows come back on the host (pinned), copied on the step's stream: the event
             # loop never waits for a stream, and no other stream ever reads memory this one allocated.
-            if publish is not None:
-                return self.engine.launch_to_host(work, publish=publish), started
-            return self.engine.launch_to_host(work), started
+            return self.engine.launch_to_host(work, publish=publish), started
 
     def _finish(self, launched: tuple[PendingStep, float], store_slots: list[int], lane: bool):
         pending, started = launched
@@ -1189,7 +1187,7 @@ class Scheduler:
         return hidden, snapshots
 
     def _finish_quietly(self, launched: tuple[PendingStep, float]) -> None:
-        """Wait for a launched step whose caller is cancelled: its slots must not stay busy."""
+        """Wait for a launched step whose caller was cancelled or failed: its slots must not stay busy."""
         try:
             self.engine.finish(launched[0])
         except Exception:

@@ -76,7 +76,7 @@ MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
 
 def enabled(device: torch.device | str) -> bool:
-    """Use the device hand-off on `device`? CUDA (sm_70+, Triton) under MPS, unless
+    """Use the device hand-off on `device`? CUDA (with Triton) under MPS, unless
     DRAMA_DEVICE_HANDOFF says otherwise (0: never; 1: also without a visible MPS daemon)."""
     device = torch.device(device)
     if device.type != "cuda" or not HAS_TRITON or not torch.cuda.is_available():
@@ -157,11 +157,9 @@ def _words(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _now(TIMER: tl.constexpr):
-        if TIMER:
-            return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                             is_pure=False, pack=1)
-        return tl.zeros([], dtype=tl.int64)
+    def _now():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
 
     # seq is never specialised: a value of 1 or a multiple of 16 would otherwise compile a kernel of its own
     @triton.jit(do_not_specialize=["seq"])
@@ -189,11 +187,11 @@ if HAS_TRITON:
         want = seq.to(tl.int64)
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         if TIMER:
-            start = _now(TIMER)
+            start = _now()
             now = start
             while (seen < want) & (now - start < timeout_ns):
                 seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-                now = _now(TIMER)
+                now = _now()
         if seen < want:
             tl.store(status_ptr, 1)
         for block in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
@@ -202,15 +200,20 @@ if HAS_TRITON:
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, cache_modifier=".cg"), mask=ok)
 
 
+def _slot(words: torch.Tensor, rows: int, slots: int, seq: int, step_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the words from slot seq % slots on, the words of step_rows [n, H]) in a buffer of int32
+    `words`: HEADER_WORDS, then slots x rows rows."""
+    row_words = _row_words(step_rows.shape[1], step_rows.dtype)
+    return words[HEADER_WORDS + (seq % slots) * rows * row_words:], step_rows.shape[0] * row_words
+
+
 def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: torch.Tensor) -> None:
     """Queue hidden [n, H] into slot seq % slots of a buffer of int32 `words` (HEADER_WORDS, then
     slots x rows rows), then seq into its flag (the Mailbox's launch)."""
-    row_words = _row_words(hidden.shape[1], hidden.dtype)
-    n_words = hidden.shape[0] * row_words
-    first = HEADER_WORDS + (seq % slots) * rows * row_words
+    slot, n_words = _slot(words, rows, slots, seq, hidden)
     src = hidden.contiguous().view(torch.int32).reshape(-1)
     _publish_kernel[(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM),)](
-        src, words[first:], n_words, words[TICKET_WORD:], words[FLAG_WORD:].view(torch.int64), seq,
+        src, slot, n_words, words[TICKET_WORD:], words[FLAG_WORD:].view(torch.int64), seq,
         BLOCK=ROW_WORDS_PER_PROGRAM, num_warps=4)
 
 
@@ -218,16 +221,14 @@ def receive_rows(words: torch.Tensor, rows: int, slots: int, seq: int, out: torc
                  timeout_ns: int) -> None:
     """Queue the wait for seq in a buffer's flag and the copy of slot seq % slots into out [n, H]
     (status [1] int32 := 1 if the wait gave up; the Inbox's launch)."""
-    row_words = _row_words(out.shape[1], out.dtype)
-    n_words = out.shape[0] * row_words
-    first = HEADER_WORDS + (seq % slots) * rows * row_words
+    slot, n_words = _slot(words, rows, slots, seq, out)
     _receive_kernel[(min(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM), MAX_WAITERS),)](
-        words[FLAG_WORD:].view(torch.int64), seq, words[first:], out.view(torch.int32).reshape(-1), n_words,
+        words[FLAG_WORD:].view(torch.int64), seq, slot, out.view(torch.int32).reshape(-1), n_words,
         status, timeout_ns, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
 
 
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
-    nbytes = hidden_size * torch.tensor([], dtype=dtype).element_size()
+    nbytes = hidden_size * dtype.itemsize
     if nbytes % 4:
         raise HandoffError(f"a hidden row of {nbytes} bytes is not whole int32 words")
     return nbytes // 4
