@@ -147,6 +147,31 @@ def test_a_published_step_hands_its_rows_to_publish(model, engine):
     assert other.length(b) == 6
 
 
+def test_a_filled_step_takes_its_rows_from_fill(model, engine):
+    """launch_to_host(fill=): a decode step whose rows' ids and codes fill writes on the device
+    (the device hand-off's chained step, Mailbox.fill) gives the rows of the step given those
+    ids and codes, whatever stood in for them, and leaves the stand-ins as they were; a step
+    with an entry of more than one row refuses it."""
+    tokens, frames = make_prompt(model, 12, seed=9)
+    other = BackboneEngine(model, max_sessions=2, max_context=64)
+    a, b = engine.open(), engine.open()
+    c, d = other.open(), other.open()
+    engine.step([(a, tokens[:8], frames[:8]), (b, tokens[:6], frames[:6])])
+    other.step([(c, tokens[:8], frames[:8]), (d, tokens[:6], frames[:6])])
+    want = engine.step_to_host([(a, tokens[9:10], frames[9:10]), (b, tokens[10:11], frames[10:11])])
+    stand_in = [(c, tokens[3:4].clone(), frames[3:4].clone()), (d, tokens[4:5].clone(), frames[4:5].clone())]
+    kept = [(t.clone(), f.clone()) for _, t, f in stand_in]
+
+    def fill(ids, codes):
+        ids.copy_(tokens[9:11])
+        codes.copy_(frames[9:11])
+    got = other.finish(other.launch_to_host(stand_in, fill=fill))
+    assert torch.equal(got, want)
+    assert all(torch.equal(t, kt) and torch.equal(f, kf) for (_, t, f), (kt, kf) in zip(stand_in, kept))
+    with pytest.raises(ValueError, match="one row an entry"):
+        other.launch_to_host([(c, tokens[:2], frames[:2])], fill=fill)
+
+
 def test_rows_do_not_depend_on_batch_neighbours_or_slot(model, engine):
     """A session's rows are bit-identical alone (slot 0) and beside two others (slot 2), whose
     pieces have other sizes in the same steps."""

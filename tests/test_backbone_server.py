@@ -7,6 +7,7 @@ The end-to-end Generate tests over gRPC are in test_generate_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import os
@@ -473,6 +474,108 @@ async def test_decode_steps_through_a_device_handoff_give_the_same_frames(stage)
                                                                  restore=False)]) is None
     for handed, plain in zip(runs[True], runs[False]):
         assert torch.equal(handed, plain)
+
+
+class _HostChain(_HostHandOff):
+    """_HostHandOff with the way back (frames_ready, fill), on the host: the frames of a step sent
+    through it are kept under its seq, and `fill` turns them into the next step's ids and codes
+    as device_handoff._fill_kernel does (a stopped or out-of-range frame: a padding row)."""
+
+    frames_ready = True
+
+    def __init__(self, rows: int):
+        super().__init__(rows)
+        self.frames: dict[int, torch.Tensor] = {}
+        self.filled: list[int] = []
+
+    def fill(self, seq, ids, codes, token_offset, semantic_codes, residual_codes) -> None:
+        self.filled.append(seq)
+        for r, frame in enumerate(self.frames[seq][:len(ids)].tolist()):
+            c, stop = frame[:-1], frame[-1]
+            bad = stop or not 0 <= c[0] < semantic_codes or any(not 0 <= x < residual_codes for x in c[1:])
+            ids[r] = 0 if bad else token_offset + c[0]
+            codes[r] = torch.tensor([-1] * len(c) if bad else c)
+
+    def fill_timed_out(self) -> bool:
+        return False
+
+
+class _ChainTowerSide(_HandOffTowerSide):
+    """A hand-off tower side that passes frames back: a hand-off step's answer is awaited here
+    (on the CPU a chained step computes at its launch, so its frames must be known by then) and
+    handed to the scheduler one loop turn later, as if still at the tower when the loop plans."""
+
+    def __init__(self, recorder):
+        super().__init__(recorder)
+        self.handoff = _HostChain(POOL_ROWS)
+
+    async def send(self, step):
+        seq = step.handoff_seq
+        future = await super().send(step)
+        if not seq:
+            return future
+        result = await future
+        self.handoff.frames[seq] = torch.cat([result.codes, torch.tensor(result.stop, dtype=torch.int64)[:, None]], 1)
+        later = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(later.set_result, result)
+        return later
+
+
+async def test_chained_steps_give_the_same_frames(stage):
+    """chain_steps: with a hand-off that passes frames back, the main loop queues a group's next
+    decode step on the frames of the step still at the tower (Mailbox.fill); every session gets
+    the frames it gets without chaining and without any hand-off; a chained request's frame index
+    runs on from its predecessor's; prompt steps and sessions joining break the chain."""
+    runs, chained = {}, {}
+    for name, kwargs in (("chain", dict(tower_side=_ChainTowerSide)),
+                         ("no-chain", dict(tower_side=_ChainTowerSide, chain_steps=False)),
+                         ("plain", {})):
+        scheduler, rec = await stage(max_inflight_steps=1, inline_steps=True, **kwargs)
+        sessions = [scheduler.submit(_job(f"c{i}", seed=80 + i, turns=("one", "two"), max_new=7))
+                    for i in range(2)]
+        results = await asyncio.gather(*[_run(scheduler, s) for s in sessions])
+        runs[name] = [torch.cat([e.codes for e in r if isinstance(e, FramesOut)]) for r in results]
+        chained[name] = scheduler.chained_steps
+        if name == "chain":
+            side = scheduler.tower
+            assert side.handoff.filled and set(side.handoff.filled) <= set(side.handoff.frames)
+            # frame indices never repeat within a take
+            indices = collections.Counter((e.session_id, e.take_index, e.frame_index)
+                                          for step in rec.steps for e in step.entries if e.draw)
+            assert max(indices.values()) == 1, indices
+        assert not scheduler._active and scheduler.engine.free_slots == POOL_ROWS
+    assert chained["chain"] > 4 and chained["no-chain"] == chained["plain"] == 0
+    for a, b, c in zip(runs["chain"], runs["no-chain"], runs["plain"]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+async def test_a_chained_step_after_a_frame_that_stops_is_dropped(stage):
+    """EOS on a frame whose successor is already chained: the chunk ends there (STOP) with the
+    frames it has, the chained step's answer is dropped with the old timeline, the next chunk
+    and the session go on as without chaining; nothing stays held."""
+    runs = {}
+    for chain in (True, False):
+        scheduler, rec = await stage(max_inflight_steps=1, inline_steps=True, tower_side=_ChainTowerSide,
+                                     chain_steps=chain)
+        draws = collections.Counter()
+
+        def stop_fourth(step, result):
+            stop = list(result.stop)
+            for i, e in enumerate(step.entries):
+                if e.draw and e.take_index == 0:
+                    draws[e.session_id] += 1
+                    if e.frame_index == 3:
+                        stop[i] = True
+            return dataclasses.replace(result, stop=stop)
+        rec.inject = stop_fourth
+        events = await _run(scheduler, scheduler.submit(_job("eos", seed=90, turns=("one", "two"), max_new=7)))
+        ends = [(e.chunk_index, e.n_frames, e.finish_reason) for e in events if isinstance(e, ChunkEnd)]
+        assert ends[0] == (0, 3, "STOP") and isinstance(events[-1], Usage), ends
+        runs[chain] = [e.codes for e in events if isinstance(e, FramesOut)]
+        if chain:
+            assert scheduler.chained_steps > 0 and draws["eos"] == 5      # frame 4 was chained on frame 3
+        assert scheduler.engine.free_slots == POOL_ROWS
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False])) and len(runs[True]) == len(runs[False])
 
 
 async def test_spinning_while_a_step_is_at_the_tower_changes_no_frame(stage):

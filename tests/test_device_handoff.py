@@ -48,6 +48,62 @@ def test_buffer_layout():
     assert dh.buffer_bytes(128, 2048, torch.bfloat16, 4) == 4 * (64 + 4 * 128 * 1024)
     with pytest.raises(dh.HandoffError, match="whole int32 words"):
         dh.buffer_bytes(1, 3, torch.bfloat16, 4)
+    # frames after the rows, from a 128-byte line on: 64 header words, then int64 columns
+    # (rows of 12 bf16: 6 words; 64 + 4 x 2 x 6 = 112 words -> 128)
+    assert dh.buffer_bytes(2, 12, torch.bfloat16, 4, code_columns=11) == 4 * (128 + 64 + 4 * 2 * 22)
+
+
+# frames as the tower publishes them: N = 10 codes (semantic < 4096, residual < 1024), then stop
+N, SEMANTIC, RESIDUAL, OFFSET = 10, 4096, 1024, 151_000
+
+
+def _frames_buffer(rows: int, slots: int) -> torch.Tensor:
+    return torch.zeros(dh.buffer_bytes(rows, 2048, torch.bfloat16, slots, N + 1) // 4, dtype=torch.int32,
+                       device=DEVICE)[dh._rows_region_words(rows, 2048, torch.bfloat16, slots):]
+
+
+def _frame(gen, stop: int = 0) -> list[int]:
+    return ([int(torch.randint(SEMANTIC, (1,), generator=gen))]
+            + torch.randint(RESIDUAL, (N - 1,), generator=gen).tolist() + [stop])
+
+
+@kernel
+@pytest.mark.parametrize("n_rows", [1, 3, 8])
+def test_published_frames_fill_the_next_steps_inputs(n_rows):
+    """Steps 1..6 through 4 slots: each fill gives every row the id token_offset + c_0 and the
+    codes published under its seq; a stopped row and rows with a code out of range (either
+    side of either codebook) become padding rows (id 0, codes -1); the ticket is back to zero."""
+    rows, slots = 8, 4
+    words = _frames_buffer(rows, slots)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    for seq in range(1, 7):
+        frames = [_frame(gen) for _ in range(n_rows)]
+        if n_rows > 1:
+            frames[-1][N] = 1                                         # stopped
+            frames[0][0] = SEMANTIC if seq % 2 else -1                # semantic code out of range
+        if n_rows > 2:
+            frames[1][N - 1] = RESIDUAL if seq % 3 else -5            # a residual code out of range
+        dh.publish_rows(words, rows, slots, seq, torch.tensor(frames, dtype=torch.int64, device=DEVICE))
+        ids = torch.full((n_rows,), 77, dtype=torch.int64, device=DEVICE)
+        codes = torch.full((n_rows, N), 77, dtype=torch.int64, device=DEVICE)
+        dh.fill_frames(words, rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9)
+        for r, frame in enumerate(frames):
+            bad = frame[N] != 0 or not 0 <= frame[0] < SEMANTIC or any(not 0 <= c < RESIDUAL for c in frame[1:N])
+            assert bad == (n_rows > 1 and r in (0, 1, n_rows - 1)), (seq, r)
+            want_id, want_codes = (0, [-1] * N) if bad else (OFFSET + frame[0], frame[:N])
+            assert int(ids[r]) == want_id and codes[r].tolist() == want_codes, (seq, r)
+        assert int(words[dh.TICKET_WORD]) == 0 and int(status[0]) == 0
+
+
+@kernel
+def test_a_fill_for_frames_never_published_gives_up():
+    words = _frames_buffer(2, 4)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    codes = torch.zeros(1, N, dtype=torch.int64, device=DEVICE)
+    dh.fill_frames(words, 2, 4, 1, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 1_000_000)     # 1 ms
+    assert int(status[0]) == 1
 
 
 @kernel

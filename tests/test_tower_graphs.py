@@ -136,9 +136,36 @@ def test_a_decode_step_with_a_rejected_entry_gathers_the_other_rows(one_intra_op
     entries = [StepEntry(f"s{i}", prompt + (7 if i == 1 else 0), 1, draw=True, seed=i, frame_index=1,
                          **_params(i)) for i in range(3)]                  # s1's first_row is wrong
     replays, run = [], staged._graphs.run
-    staged._graphs.run = lambda ints, floats, rows: replays.append(rows.clone()) or run(ints, floats, rows)
-    got = staged.step(entries, hidden, none[:3])
+    staged._graphs.run = lambda ints, floats, rows, *rest: replays.append(rows.clone()) or run(ints, floats, rows, *rest)
+    published = []
+    got = staged.step(entries, hidden, none[:3], publish=published.append)
     assert len(replays) == 1 and torch.equal(replays[0], hidden[[0, 2]])
+    assert published == []                  # an entry refused: no frames on the device's way back
     assert [e.row_index for e in got.row_errors] == [1]
     want = eager.step([entries[0], entries[2]], hidden[[0, 2]], none[:2])
     assert torch.equal(got.codes[[0, 2]], want.codes) and [got.stop[0], got.stop[2]] == want.stop
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_decode_step_publishes_its_frames_before_it_returns(graphs, one_intra_op_thread):
+    """engine.step(publish=): the device hand-off's way back gets the step's frames, int64
+    [entries, N + 1] (codes, then the stop flag), once, from the decode graph's output or the
+    eager step's, the same as the result; a step that is not all draws publishes nothing."""
+    d, n, prompt = TINY.tower.hidden_size, TINY.num_codebooks, 4
+    engine = TowerEngine(random_tower(TINY, seed=6), TINY, max_sessions=2, max_context=40, graphs=graphs)
+    engine.warm_up()
+    g = torch.Generator().manual_seed(4)
+    none = torch.full((prompt, n), -1, dtype=torch.int64)
+    published = []
+    for i in range(2):
+        engine.step([StepEntry(f"s{i}", 0, prompt, draw=False, seed=i)], torch.randn(prompt, d, generator=g),
+                    none, publish=published.append)
+    assert published == []                                       # no draw
+    for step in range(4):
+        entries = [StepEntry(f"s{i}", prompt + step, 1, draw=True, seed=i, frame_index=step, **_params(i))
+                   for i in range(2)]
+        result = engine.step(entries, torch.randn(2, d, generator=g), none[:2], publish=published.append)
+        assert len(published) == 1
+        frames = published.pop()
+        assert frames.dtype == torch.int64 and frames.shape == (2, n + 1)
+        assert torch.equal(frames[:, :n], result.codes) and frames[:, n].tolist() == [int(s) for s in result.stop]

@@ -306,18 +306,25 @@ async def test_a_failing_step_ends_the_stream_with_internal(tower, monkeypatch):
 
 
 class _HostInbox:
-    """The device hand-off's Inbox as run_step uses it (receive, timed_out), with the rows on the
-    host: there is no GPU memory to share on the CPU (tests/test_device_handoff.py has the real one)."""
+    """The device hand-off's Inbox as run_step uses it (receive, timed_out, publish_frames), with
+    the rows and frames on the host: there is no GPU memory to share on the CPU
+    (tests/test_device_handoff.py has the real one)."""
 
-    def __init__(self):
+    def __init__(self, frames_ready: bool = True):
         self.published: dict[int, torch.Tensor] = {}
+        self.frames: dict[int, torch.Tensor] = {}        # what publish_frames got, by seq
         self.late = False
+        self.frames_ready, self.rows, self.device = frames_ready, 8, torch.device("cpu")
 
     def receive(self, seq: int, n_rows: int) -> torch.Tensor:
         return self.published[seq][:n_rows]
 
     def timed_out(self) -> bool:
         return self.late
+
+    def publish_frames(self, seq: int, frames: torch.Tensor) -> None:
+        assert seq not in self.frames and frames.dtype == torch.int64 and frames.shape[1] == N + 1
+        self.frames[seq] = frames.clone()
 
 
 def test_run_step_takes_a_hand_off_requests_rows_from_its_inbox():
@@ -340,10 +347,15 @@ def test_run_step_takes_a_hand_off_requests_rows_from_its_inbox():
         response = run_step(engine, request, "float32", owner, inbox)
         assert not response.row_errors, response.row_errors
         frames.append(_codes(response, 1)[0].tolist())
-    assert frames == _expected_frames(plan)
+        if step_id > 1:      # the way back: the frame and its stop flag, before the response
+            assert inbox.frames.pop(step_id).tolist() == [frames[-1] + [int(response.stop[0])]]
+    assert frames == _expected_frames(plan) and not inbox.frames
 
     def failed(request, inbox) -> tuple[list[int], str]:
         response = run_step(engine, request, "float32", owner, inbox)
+        if inbox is not None:   # a hand-off step that never ran still publishes frames: rows of -1, stopped
+            published = inbox.frames.pop(request.handoff_seq).tolist()
+            assert inbox.late or published == [[-1] * N + [1]]     # late: what it drew from whatever came
         return [e.code for e in response.row_errors], response.row_errors[0].message if response.row_errors else ""
 
     row = _row("h", 12, 1, draw=True, frame_index=5)
@@ -364,3 +376,7 @@ def test_run_step_takes_a_hand_off_requests_rows_from_its_inbox():
     inbox.late = True
     codes, message = failed(handed, inbox)
     assert codes == [grpc.StatusCode.UNAVAILABLE.value[0]] and "did not arrive" in message
+    rows_only = _HostInbox(frames_ready=False)           # a hand-off without the way back: no frames
+    rows_only.published[9] = hidden[11:12].float()
+    run_step(engine, handed, "float32", owner, rows_only)
+    assert not rows_only.frames

@@ -21,7 +21,9 @@ by Backbone), DRAMA_FIRST_AUDIO_HOLD_MS (a session sits out the decode steps thi
 first frames message, so the codec's first chunk has the GPU: 5 on CUDA, 0 on the CPU),
 DRAMA_SPIN_WAIT_MS (while a step is at the tower the scheduler's loop spins this long before it
 sleeps: 10 on CUDA, 0 on the CPU), DRAMA_TOWER_LOCAL_LANE (the Step stream over the tower's
-same-host lane when it names one and it is reachable: on by default, 0 keeps gRPC) and
+same-host lane when it names one and it is reachable: on by default, 0 keeps gRPC),
+DRAMA_CHAIN_STEPS (with a device hand-off that passes frames back, a decode step queued behind a
+GPU wait for the frames of the step at the tower: on by default, 0 waits for each response) and
 DRAMA_GRACE_S (30).
 Prints the memory figures at start and refuses to start when weights + cache pool exceed the
 budget. SIGTERM drains gracefully.
@@ -82,6 +84,7 @@ def parse_args_and_preset(argv: list[str] | None = None) -> tuple[Settings, str 
         load_overlap=env_switch("DRAMA_LOAD_OVERLAP"),
         spin_wait_ms=env_default("DRAMA_SPIN_WAIT_MS", None, float),
         tower_local_lane=env_switch("DRAMA_TOWER_LOCAL_LANE") is not False,
+        chain_steps=env_switch("DRAMA_CHAIN_STEPS") is not False,
         grace_s=env_default("DRAMA_GRACE_S", 30.0, float)), args.random_weights
 
 

@@ -94,6 +94,8 @@ class BackboneEngine:
         spec = model.audio                                  # _bad_rows' bound per codebook column
         self._code_limits = None if spec is None else np.array(
             [spec.semantic_codebook_size] + [spec.residual_codebook_size] * (spec.num_codebooks - 1), dtype=np.uint64)
+        # (semantic, residual) codebook sizes: a device fill's range check (launch_to_host)
+        self.code_sizes = (0, 0) if spec is None else (spec.semantic_codebook_size, spec.residual_codebook_size)
         self._lock = threading.Lock()
         if not getattr(model, "kernels", False):
             # The exact and batched paths look rotary angles up in a table that grows on demand;
@@ -216,7 +218,8 @@ class BackboneEngine:
         return self.finish(self.launch_to_host(work))
 
     def launch_to_host(self, work: list[tuple[int, torch.Tensor, torch.Tensor | None]],
-                       publish: Callable[[torch.Tensor], int] | None = None) -> "PendingStep":
+                       publish: Callable[[torch.Tensor], int] | None = None,
+                       fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> "PendingStep":
         """`step_to_host` up to its wait: the step is queued on the calling thread's current
         stream (on CUDA; done at once elsewhere), its slots busy until `finish`, which must
         follow (on any thread). Why: the caller's host work between the two (the scheduler's
@@ -224,10 +227,14 @@ class BackboneEngine:
         `publish`: called with the step's rows on the device, on that stream, right after the
         step is queued (device_handoff.Mailbox.publish); its result is PendingStep.published, and
         the rows then stay on the device (`finish` returns the device tensor, valid until the
-        next step)."""
+        next step).
+        `fill(ids [R], codes [R, N])`: a decode step (every entry one audio row) whose rows' ids
+        and codes are written on the device, queued on that stream before the step reads them
+        (device_handoff.Mailbox.fill: the frames the tower published); the work's rows, checked
+        as ever, only stand in for them."""
         if not work:
             return PendingStep(torch.empty(0, self.hidden_size, dtype=self.hidden_dtype), [], set(), None)
-        return self._launch(work, to_host=True, publish=publish)
+        return self._launch(work, to_host=True, publish=publish, fill=fill)
 
     def finish(self, pending: "PendingStep") -> torch.Tensor:
         """Wait for a launched step; its rows (see step_to_host). Its slots are free again, and
@@ -251,8 +258,11 @@ class BackboneEngine:
         pending = self._launch(work, to_host)
         return self.finish(pending), pending.segments
 
-    def _launch(self, work, to_host: bool, publish: Callable[[torch.Tensor], int] | None = None) -> "PendingStep":
+    def _launch(self, work, to_host: bool, publish: Callable[[torch.Tensor], int] | None = None,
+                fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> "PendingStep":
         counts, all_ids, all_frames = self._check_work(work)
+        if fill is not None and (not self.num_codebooks or any(n != 1 for n in counts)):
+            raise ValueError("only a decode step of audio rows (one row an entry) takes its rows from the device")
         with self._lock:
             segments, offset, seen = [], 0, set()
             for index, ((slot, _, _), n) in enumerate(zip(work, counts)):
@@ -273,10 +283,13 @@ class BackboneEngine:
             device = self._device
             # a decode step replayed from a graph may take the ids as they are (Backbone.decode_from_ids)
             hidden = self.model.decode_from_ids(all_ids, all_frames if self.num_codebooks else None,
-                                                segments, self.caches)
+                                                segments, self.caches, fill=fill)
             if hidden is None:
                 token_ids = all_ids.to(device)
                 frames = all_frames.to(device) if self.num_codebooks else None
+                if fill is not None:             # written in place: never the caller's tensors
+                    token_ids, frames = token_ids.clone(), frames.clone()
+                    fill(token_ids, frames)
                 hidden = self.model.forward_rows(self.model.embed(token_ids, frames), segments, self.caches)
             published = 0
             if publish is not None:              # the rows go where `publish` puts them

@@ -580,7 +580,7 @@ class Backbone(nn.Module):
 
     @torch.inference_mode()       # as forward_rows: the graphs' static tensors are inference tensors
     def decode_from_ids(self, token_ids: torch.Tensor, frames: torch.Tensor | None, segments: list[Segment],
-                        caches: BackboneCaches) -> torch.Tensor | None:
+                        caches: BackboneCaches, fill=None) -> torch.Tensor | None:
         """A decode step from its rows' ids on the host (BackboneEngine.step): final-norm hidden
         [R, H] (a view of the graph's output, valid until the next replay), or None when the
         decode graphs do not serve it (a segment of more than one row, graphs off or not on CUDA,
@@ -596,7 +596,12 @@ class Backbone(nn.Module):
         outputs are dropped, their writes go to the spare slot). On unless DRAMA_DECODE_FROM_IDS=0
         (`decode_from_ids_on`): the host's time before the replay went 0.2 -> 0.05 ms on the H200
         (docs/perf.md, session 16). `_graph_device` off CUDA is for tests: the same staging before
-        the graph's function run eagerly."""
+        the graph's function run eagerly.
+
+        `fill(ids [R], codes [R, N])`, int64 views of the staged inputs on the device: queued after
+        they are staged and before the embedding, to write the rows' ids and codes on the GPU
+        (the device hand-off's chained step, BackboneEngine.launch_to_host); token_ids and frames
+        then only stand in for them."""
         if not (self.decode_from_ids_on and self.kernels and self.decode_graphs and self._graph_device()
                 and 0 < len(segments) <= DECODE_BUCKETS[-1] and all(s.count == 1 for s in segments)):
             return None
@@ -616,6 +621,9 @@ class Backbone(nn.Module):
         # The step's end syncs its stream (BackboneEngine._step), so the next step never refills `host`
         # while this copy may still read it.
         graphs.inputs.copy_(graphs.host, non_blocking=True)
+        if fill is not None:
+            fill(graphs.inputs[2 * bucket:2 * bucket + rows],
+                 graphs.inputs[3 * bucket:3 * bucket + rows * width].view(rows, width))
         graphs.embedding.replay()              # the embedding of the staged rows into graphs.rows
         self.graph_replays += 1
         return graphs.layers.replay()[:rows]

@@ -84,6 +84,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -267,6 +268,7 @@ class Session:
     store_prefix: bool = False             # cut a piece at the prefix and store both stages' state
     awaiting_restore: bool = False         # a restore entry is at the tower, not answered yet
     in_step: bool = False                  # planned into a step not yet sent (no planner takes it)
+    chained: bool = False                  # its frame at the tower is already a chained step's input
     text_tokens: int = 0
     audio_tokens: int = 0
     output_tokens: int = 0
@@ -296,6 +298,7 @@ class _Entry:
     timeline: int
     restore: bool = False          # the tower starts this session from the prefix snapshot
     store: bool = False            # both stages store their state after this entry
+    chained: bool = False          # its row is the session's frame still at the tower (a chained step)
 
 
 @dataclass
@@ -306,6 +309,7 @@ class _InFlight:
     result: asyncio.Future
     span: object | None
     lane: bool = False             # a prefill lane step
+    handoff: tuple[object, int] | None = None   # (Mailbox, seq) of a step sent through the device hand-off
 
 
 class _StageMetrics:
@@ -388,7 +392,7 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None, model_identity: str = "",
                  prefill_interval_s: float = 0.0, prefill_lane: bool = False,
                  first_audio_hold_s: float = 0.0, inline_steps: bool | None = None,
-                 spin_wait_s: float = 0.0):
+                 spin_wait_s: float = 0.0, chain_steps: bool = True):
         """prefix_cache: the voice-prefix cache of engine snapshots (None: off); model_identity
         goes into its keys, so snapshots of different weights or numerics never mix.
 
@@ -427,7 +431,16 @@ class Scheduler:
         the engine thread; so does a step while the prefill lane has prompts to prefill (the
         lane plans each piece on the loop), and every step on the CPU, where a step is the
         compute itself (seconds for a real-size model: health checks, new requests and cancels
-        would wait that long). The lane always computes on its own thread."""
+        would wait that long). The lane always computes on its own thread.
+
+        chain_steps: with a device hand-off that passes frames back too (Mailbox.frames_ready),
+        queue a group's next decode step behind a GPU wait for the frames of the step still at
+        the tower, before its response is read (`_plan_chained` says when). Why: otherwise a
+        frame's way back goes tower GPU -> tower host -> lane -> backbone host -> the next launch
+        (~0.5 ms of a ~4.8 ms single-stream frame on the H200, session 25), with the backbone's
+        GPU idle meanwhile; chained, the next step starts as soon as the frames land. Its cost:
+        when a frame ends its chunk (EOS), the step chained on it was computed for nothing, and
+        its answer is dropped (the chunk's slots are discarded, as at any chunk end)."""
         self.engine = engine
         self.tower = tower
         self.semantic_start_token_id = semantic_start_token_id
@@ -446,6 +459,8 @@ class Scheduler:
         self.max_inflight_steps = max_inflight_steps
         self.inline_steps = inline_steps
         self.idle_poll_s = idle_poll_s
+        self.chain_steps = chain_steps
+        self.chained_steps = 0                     # decode steps queued behind the tower's frames
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.model_identity = model_identity
         self.prefix_rows_skipped = 0               # prompt rows restored instead of prefilled
@@ -625,6 +640,10 @@ class Scheduler:
                     if entries or (self._release and not self._inflight):
                         await self._start_step(entries)
                         continue
+                chained = self._plan_chained()
+                if chained is not None:
+                    await self._start_step(chained[0], fill_from=chained[1])
+                    continue
                 await self._sleep()
             except asyncio.CancelledError:
                 raise
@@ -737,7 +756,7 @@ class Scheduler:
         the cache holds it, else empty (then the prefix is stored on the way, when cacheable)."""
         session.timeline += 1
         session.sent = 0
-        session.restore_prefix = session.store_prefix = session.awaiting_restore = False
+        session.restore_prefix = session.store_prefix = session.awaiting_restore = session.chained = False
         prefix = self._cacheable_prefix(session)
         if prefix is not None:
             key, rows = prefix
@@ -901,14 +920,57 @@ class Scheduler:
             self._last_prefill_step = now
         return entries
 
+    def _plan_chained(self) -> tuple[list[_Entry], tuple[object, int]] | None:
+        """The next decode step of the group at the tower, chained on its frames (chain_steps),
+        and the (Mailbox, seq) its inputs come from; None when it may not be. It may when:
+        - the tower client's hand-off passes frames back, the tower takes a second request, and
+          this is the loop's only step in flight: an inline step (one step at a time otherwise)
+          sent through that same hand-off, with no other place claimed;
+        - its sessions are all the active ones, and none is queued: anyone else (a prompt to
+          prefill, a session paused or held) waits for the group's next planned step, which
+          comes only once a chain breaks;
+        - each of its sessions goes on past that frame whatever it is: still on the entry's
+          timeline, not chained already, room for two more frames within max_new_tokens and
+          its buffer, no first-audio hold. Only an EOS can end its chunk there; then this step's
+          answer is dropped with the old timeline (`_route`)."""
+        if (not self.chain_steps or len(self._inflight) != 1 or self._claimed or self._lane_waiting
+                or self._queue or not self.tower.ready or self.tower.max_inflight_steps < 2):
+            return None
+        last = self._inflight[0]
+        mailbox = getattr(self.tower, "handoff", None)
+        if (last.handoff is None or last.handoff[0] is not mailbox or not getattr(mailbox, "frames_ready", False)
+                or last.result.done() or len(last.entries) != len(self._active) or not self._steps_inline()
+                or not mailbox.can_publish(len(last.entries))):
+            return None
+        now = time.monotonic()
+        for e in last.entries:
+            s = e.session
+            if (s.state != "active" or s.cancelled or e.timeline != s.timeline or s.chained or s.in_step
+                    or s.paused or s.held_until > now or s.slot in self._computing
+                    or len(s.chunk_frames) + 2 > s.job.sampling.max_new_tokens
+                    or s.buffered_frames + len(s.pending) + 2 >= self.session_buffer_frames):
+                return None
+        if len({id(e.session) for e in last.entries}) != len(self._active):
+            return None
+        entries = []
+        for e in last.entries:
+            e.session.in_step = e.session.chained = True
+            # the last entry's rows only stand in for the frame (engine.launch_to_host's fill)
+            entries.append(_Entry(e.session, e.rows, self._no_targets, draw=True, timeline=e.timeline, chained=True))
+        return entries, last.handoff
+
     # ---- steps ------------------------------------------------------------------------------
 
-    async def _start_step(self, entries: list[_Entry]) -> None:
+    async def _start_step(self, entries: list[_Entry], fill_from: tuple[object, int] | None = None) -> None:
         """A main-loop step: compute the group's hidden rows and send them to the tower;
-        `_finish_step` routes the response when it comes."""
+        `_finish_step` routes the response when it comes. `fill_from`: a chained step's
+        (Mailbox, seq), see `_plan_chained`."""
         span = self._step_span(entries, lane=False)
         self._claimed += 1                    # its place at the tower is taken from now on
         try:
+            if fill_from is not None:
+                await self._compute_and_hand_off(entries, span, fill_from[0], fill_from[1])
+                return
             mailbox = self._handoff_for(entries)
             if mailbox is not None:
                 await self._compute_and_hand_off(entries, span, mailbox)
@@ -938,16 +1000,23 @@ class Scheduler:
             return None
         return mailbox
 
-    async def _compute_and_hand_off(self, entries: list[_Entry], span, mailbox) -> None:
+    async def _compute_and_hand_off(self, entries: list[_Entry], span, mailbox, fill_seq: int = 0) -> None:
         """An inline decode step through the device hand-off: queue the step and its rows'
         publish, send the request at once (the tower queues its own step behind a wait for the
         rows, on its GPU stream), then wait for this step here. The bookkeeping of
-        `_compute_entries` + `_send`, in that order but for the send."""
+        `_compute_entries` + `_send`, in that order but for the send. `fill_seq`: a chained
+        step, whose rows' ids and codes come from the frames of step fill_seq (Mailbox.fill)."""
         work = [(e.session.slot, e.rows.token_ids, e.rows.frames) for e in entries]
         slots = {slot for slot, _, _ in work}
         self._computing |= slots
+        fill = None
+        if fill_seq:
+            semantic_codes, residual_codes = self.engine.code_sizes
+            fill = functools.partial(mailbox.fill, fill_seq, token_offset=self.semantic_start_token_id,
+                                     semantic_codes=semantic_codes, residual_codes=residual_codes)
+            self.chained_steps += 1
         try:
-            pending = self._launch(work, publish=mailbox.publish)
+            pending = self._launch(work, publish=mailbox.publish, fill=fill)
         except Exception as exc:
             self._step_failed(entries, slots, exc)
             return
@@ -959,6 +1028,8 @@ class Scheduler:
             raise
         try:
             self._finish(pending, [], lane=False)
+            if fill is not None and mailbox.fill_timed_out():
+                raise TowerUnavailable("the tower's frames did not arrive through GPU memory")
         except Exception as exc:
             # sent already: its response is routed to sessions this ends (and so dropped)
             self._step_failed(entries, slots, exc)
@@ -966,17 +1037,19 @@ class Scheduler:
         self._computing -= slots
         self._free_held()
         for e in entries:
-            self._draw_row_milestone(e.session, "computed")
+            self._draw_row_milestone(e.session, "computed", ahead=e.chained)
         if span is not None:
             span.add_event("computed")
 
     def _step_failed(self, entries: list[_Entry], slots: set[int], exc: Exception) -> None:
-        """The engine raised on a step: its sessions end INTERNAL."""
+        """The engine raised on a step: its sessions end INTERNAL (UNAVAILABLE when the tower's
+        frames never came)."""
         log.error("engine step failed", exc_info=exc)
         self._computing -= slots
+        code = "UNAVAILABLE" if isinstance(exc, TowerUnavailable) else "INTERNAL"
         for e in entries:
             e.session.in_step = False
-            self._end(e.session, GenerateError("INTERNAL", f"backbone step failed: {exc}"))
+            self._end(e.session, GenerateError(code, f"backbone step failed: {exc}"))
         self._free_held()
 
     async def _run_lane(self) -> None:
@@ -1105,14 +1178,14 @@ class Scheduler:
             key, rows = s.prefix if e.restore or e.store else ("", 0)
             tower_entries.append(TowerEntry(
                 s.id, first_row=s.sent, n_rows=len(e.rows), draw=e.draw, take_index=s.chunk_index,
-                frame_index=len(s.chunk_frames), sampling=s.job.sampling,
+                frame_index=len(s.chunk_frames) + e.chained, sampling=s.job.sampling,
                 prefix_key=key if e.restore else "", prefix_rows=rows if e.restore else 0,
                 snapshot_key=key if e.store else ""))
             s.sent += len(e.rows)
             s.next_row = None
             s.tower_open = True
             if e.draw:
-                self._draw_row_milestone(s, "sent")
+                self._draw_row_milestone(s, "sent", ahead=e.chained)
             if e.restore:
                 s.awaiting_restore = True
         if len(entries) == 1:
@@ -1146,7 +1219,8 @@ class Scheduler:
             result = asyncio.get_running_loop().create_future()
             result.set_exception(exc)
         result.add_done_callback(self._result_done)
-        self._inflight.append(_InFlight(entries, result, span, lane))
+        handoff = (self.tower.handoff, handoff_seq) if handoff_seq else None
+        self._inflight.append(_InFlight(entries, result, span, lane, handoff))
         self.lane_steps += lane
         self._lane_wake.set()                  # sessions sent on: the lane may plan their next piece
 
@@ -1160,15 +1234,15 @@ class Scheduler:
         time includes the GPU's."""
         return self._finish(self._launch(work, lane), store_slots, lane)
 
-    def _launch(self, work, lane: bool = False, publish=None) -> tuple[PendingStep, float]:
+    def _launch(self, work, lane: bool = False, publish=None, fill=None) -> tuple[PendingStep, float]:
         """Queue the step on this thread's stream (the lane's or the main one); `_finish` waits.
-        `publish`: the device hand-off's (engine.launch_to_host)."""
+        `publish`, `fill`: the device hand-off's (engine.launch_to_host)."""
         stream = self._lane_stream if lane else self._main_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             started = time.perf_counter()
             # The rows come back on the host (pinned), copied on the step's stream: the event
             # loop never waits for a stream, and no other stream ever reads memory this one allocated.
-            return self.engine.launch_to_host(work, publish=publish), started
+            return self.engine.launch_to_host(work, publish=publish, fill=fill), started
 
     def _finish(self, launched: tuple[PendingStep, float], store_slots: list[int], lane: bool):
         pending, started = launched
@@ -1245,6 +1319,8 @@ class Scheduler:
             self._buffer(session, frame)
             if len(session.chunk_frames) >= session.job.sampling.max_new_tokens:
                 self._end_chunk(session, "LENGTH")   # emitted; its row is never appended
+            elif session.chained:
+                session.chained = False        # its row is on its way already (a chained step)
             else:
                 session.next_row = frame
 
@@ -1262,10 +1338,11 @@ class Scheduler:
             if session.job.span is not None:
                 session.job.span.add_event(f"first_audio.{phase}")
 
-    def _draw_row_milestone(self, session: Session, event: str) -> None:
+    def _draw_row_milestone(self, session: Session, event: str, ahead: int = 0) -> None:
         """`event` ("computed" or "sent") of a row that draws a frame: the prompt's last row
-        before any frame, the first frame's row after it; later rows are no milestone."""
-        frames = len(session.chunk_frames)
+        before any frame, the first frame's row after it; later rows are no milestone. `ahead`:
+        frames at the tower before this row's (1 for a chained step's)."""
+        frames = len(session.chunk_frames) + ahead
         if frames < 2:
             self._milestone(session, ("prompt_", "first_decode_")[frames] + event)
 

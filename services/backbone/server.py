@@ -323,6 +323,10 @@ class Settings:
     # the tower names one and we reach it: the same messages without grpc's threads, ~0.5 ms a
     # frame on the H200 host (services/common/local_lane.py); False keeps the gRPC stream.
     tower_local_lane: bool = True
+    # with a device hand-off that passes frames back (services/common/device_handoff.py), a
+    # group's next decode step queued behind a GPU wait for the frames of the step at the tower,
+    # before the response is read (Scheduler's chain_steps); False: each step after the response
+    chain_steps: bool = True
     grace_s: float = 30.0
 
 
@@ -533,6 +537,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
                           max_inflight_steps=settings.max_inflight_steps,
                           inline_steps=settings.inline_steps,
                           spin_wait_s=aio.spin_wait_s(settings.spin_wait_ms, settings.device),
+                          chain_steps=settings.chain_steps,
                           prefix_cache=prefix_cache,
                           model_identity=model_identity(settings, model))
     tower.on_lost = scheduler.tower_lost

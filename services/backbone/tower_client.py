@@ -289,14 +289,15 @@ class TowerClient:
             return None
         try:
             mailbox = device_handoff.Mailbox(min(self.max_rows, device_handoff.MAX_ROWS), self.hidden_dim,
-                                             self.hidden_dtype, self.device)
+                                             self.hidden_dtype, self.device, code_columns=self.codebooks + 1)
         except device_handoff.HandoffError as exc:
             log.warning("no device hand-off (%s); decode steps' rows go through the lane", exc)
             return None
         self._step_id += 1
         try:
             await call.write(tower_pb2.StepRequest(step_id=self._step_id, handoff_handle=mailbox.handle,
-                                                   handoff_rows=mailbox.rows, handoff_slots=mailbox.slots))
+                                                   handoff_rows=mailbox.rows, handoff_slots=mailbox.slots,
+                                                   handoff_code_columns=mailbox.code_columns))
             response = await asyncio.wait_for(call.read(), self.info_timeout_s)
         except (OSError, asyncio.TimeoutError, local_lane.LaneError) as exc:
             mailbox.close()
@@ -305,6 +306,7 @@ class TowerClient:
             mailbox.close()
             log.info("tower %s declined the device hand-off; decode steps' rows go through the lane", self.addr)
             return None
+        mailbox.frames_ready = response.handoff_frames_ready     # the way back too (scheduler: chained steps)
         return mailbox
 
     async def _read(self, call) -> None:

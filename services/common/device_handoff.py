@@ -13,7 +13,18 @@ StepRequest as soon as the step is queued, with no rows in it, only a sequence n
                rows out) -> its step, queued behind the receive on its own stream
 
 The tower's host queues its step while the backbone's GPU is still computing, so the tower's GPU
-starts the moment the rows land. bench/device_handoff.py, H200 under MPS (session 25): a round trip
+starts the moment the rows land.
+
+The way back goes the same way when the buffer has room for frames (`code_columns`, set up with
+the tower's agreement): the tower publishes each hand-off step's frames (codes and the stop flag,
+int64) into the frames' slot seq % slots, and the backbone may queue its next decode step behind a
+wait for them (`Mailbox.fill`: the frames straight into that step's input ids, on the GPU) before
+its host has read the response (services/backbone/scheduler.py's chained steps):
+
+    tower:     its step -> publish the frames [n, N + 1] under seq -> the response
+    backbone:  fill (spin until the frames' flag reaches seq; each row's id and codes into the
+               next step's staged inputs; a stopped or out-of-range row becomes a padding row)
+               -> the next step's graph -> publish its rows under seq + 1 -> ... bench/device_handoff.py, H200 under MPS (session 25): a round trip
 of one 4 KB row through two processes' GPU work 4.4 µs, against 176 µs with the hosts in the loop
 (a pipe and the copies to and from the host), and a spinning waiter did not slow the other
 process's GEMMs (883 / 873 µs).
@@ -27,7 +38,9 @@ Rules that keep it safe:
   it only if the tower answers `handoff_ready`. Anything that fails leaves the rows in the
   request, as before.
 - A waiter never hangs: past `RECEIVE_TIMEOUT_S` it gives up and the tower fails that step's
-  entries (UNAVAILABLE).
+  entries (UNAVAILABLE); a backbone step whose frames never came fails its entries the same way.
+  The tower publishes a hand-off step's frames whatever happened to the step (rows of -1 when it
+  failed), so a backbone step queued behind them waits no longer than the tower does.
 - A slot is written again only `slots` publishes later, and only steps whose response waits for
   the tower's GPU (every entry draws) use it, and no more than `slots - 1` of them unanswered:
   the rows have been copied out before their slot comes round.
@@ -72,6 +85,7 @@ MAX_WAITERS = 8
 # lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
 MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
+MAX_CODE_COLUMNS = 64              # frames of at most this many int64 columns (codebooks + stop)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
 
@@ -199,18 +213,51 @@ if HAS_TRITON:
             ok = offs < n_words
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, cache_modifier=".cg"), mask=ok)
 
+    @triton.jit(do_not_specialize=["seq"])
+    def _fill_kernel(flag_ptr, seq, frames_ptr, n_rows, ids_ptr, codes_ptr, token_offset, semantic_codes,
+                     residual_codes, status_ptr, timeout_ns, N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_N: tl.constexpr, TIMER: tl.constexpr):
+        """Spin until the flag reaches seq (acquire, system scope; past timeout_ns: status = 1,
+        and go on), then turn the published frames int64 [n_rows, N + 1] (N codes, then the stop
+        flag) into a decode step's inputs: ids[r] = token_offset + c_0, codes[r, :] = c. A row
+        that stopped, or has a code out of its codebook's range (c_0 < semantic_codes, c_k <
+        residual_codes), becomes a padding row instead (id 0, codes all -1: a text row of token
+        0), so whatever arrives the step reads only its own tables. One program."""
+        want = seq.to(tl.int64)
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if TIMER:
+            start = _now()
+            now = start
+            while (seen < want) & (now - start < timeout_ns):
+                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+                now = _now()
+        if seen < want:
+            tl.store(status_ptr, 1)
+        r = tl.arange(0, BLOCK_R)
+        c = tl.arange(0, BLOCK_N)
+        cell = (r[:, None] < n_rows) & (c[None, :] < N)
+        frame = tl.load(frames_ptr + r[:, None] * (N + 1) + c[None, :], mask=cell, other=0, cache_modifier=".cg")
+        stop = tl.load(frames_ptr + r * (N + 1) + N, mask=r < n_rows, other=1, cache_modifier=".cg")
+        limit = tl.where(c == 0, semantic_codes, residual_codes).to(tl.int64)
+        wrong = cell & ((frame < 0) | (frame >= limit[None, :]))
+        bad = (tl.max(wrong.to(tl.int32), axis=1) > 0) | (stop != 0)
+        first = tl.sum(tl.where(c[None, :] == 0, frame, 0), axis=1)
+        tl.store(ids_ptr + r, tl.where(bad, 0, first + token_offset), mask=r < n_rows)
+        tl.store(codes_ptr + r[:, None] * N + c[None, :], tl.where(bad[:, None], -1, frame), mask=cell)
 
-def _slot(words: torch.Tensor, rows: int, slots: int, seq: int, step_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the words from slot seq % slots on, the words of step_rows [n, H]) in a buffer of int32
-    `words`: HEADER_WORDS, then slots x rows rows."""
-    row_words = _row_words(step_rows.shape[1], step_rows.dtype)
-    return words[HEADER_WORDS + (seq % slots) * rows * row_words:], step_rows.shape[0] * row_words
+
+def _slot(words: torch.Tensor, rows: int, slots: int, seq: int, row_words: int) -> torch.Tensor:
+    """The words from slot seq % slots on, in a region of int32 `words`: HEADER_WORDS, then
+    slots x rows rows of row_words each."""
+    return words[HEADER_WORDS + (seq % slots) * rows * row_words:]
 
 
 def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: torch.Tensor) -> None:
-    """Queue hidden [n, H] into slot seq % slots of a buffer of int32 `words` (HEADER_WORDS, then
-    slots x rows rows), then seq into its flag (the Mailbox's launch)."""
-    slot, n_words = _slot(words, rows, slots, seq, hidden)
+    """Queue hidden [n, H] into slot seq % slots of a region of int32 `words` (HEADER_WORDS, then
+    slots x rows rows), then seq into its flag (the Mailbox's launch; the Inbox's for frames,
+    int64 [n, N + 1])."""
+    row_words = _row_words(hidden.shape[1], hidden.dtype)
+    slot, n_words = _slot(words, rows, slots, seq, row_words), hidden.shape[0] * row_words
     src = hidden.contiguous().view(torch.int32).reshape(-1)
     _publish_kernel[(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM),)](
         src, slot, n_words, words[TICKET_WORD:], words[FLAG_WORD:].view(torch.int64), seq,
@@ -221,10 +268,27 @@ def receive_rows(words: torch.Tensor, rows: int, slots: int, seq: int, out: torc
                  timeout_ns: int) -> None:
     """Queue the wait for seq in a buffer's flag and the copy of slot seq % slots into out [n, H]
     (status [1] int32 := 1 if the wait gave up; the Inbox's launch)."""
-    slot, n_words = _slot(words, rows, slots, seq, out)
+    row_words = _row_words(out.shape[1], out.dtype)
+    slot, n_words = _slot(words, rows, slots, seq, row_words), out.shape[0] * row_words
     _receive_kernel[(min(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM), MAX_WAITERS),)](
         words[FLAG_WORD:].view(torch.int64), seq, slot, out.view(torch.int32).reshape(-1), n_words,
         status, timeout_ns, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
+
+
+def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch.Tensor, codes: torch.Tensor,
+                token_offset: int, semantic_codes: int, residual_codes: int, status: torch.Tensor,
+                timeout_ns: int) -> None:
+    """Queue the wait for the frames published under seq in a region of int32 `words` (HEADER_WORDS,
+    then slots x rows frames of N + 1 int64) and their rows' inputs into ids int64 [n] and codes
+    int64 [n, N] (contiguous rows; status [1] int32 := 1 if the wait gave up; Mailbox.fill's launch)."""
+    n, width = codes.shape
+    if ids.shape != (n,) or ids.dtype != torch.int64 or codes.dtype != torch.int64 or codes.stride() != (width, 1):
+        raise ValueError(f"inputs ids {tuple(ids.shape)} {ids.dtype} / codes {tuple(codes.shape)} {codes.dtype}")
+    slot = _slot(words, rows, slots, seq, 2 * (width + 1))
+    _fill_kernel[(1,)](
+        words[FLAG_WORD:].view(torch.int64), seq, slot.view(torch.int64), n, ids, codes, token_offset,
+        semantic_codes, residual_codes, status, timeout_ns, N=width, BLOCK_R=triton.next_power_of_2(n),
+        BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
 
 
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
@@ -234,8 +298,18 @@ def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
     return nbytes // 4
 
 
-def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int) -> int:
-    return 4 * (HEADER_WORDS + slots * rows * _row_words(hidden_size, dtype))
+def _rows_region_words(rows: int, hidden_size: int, dtype: torch.dtype, slots: int) -> int:
+    """The hidden rows' region, in int32 words: its header and slots, rounded up to 128 bytes
+    (the frames' region after it starts on a line of its own, int64-aligned)."""
+    words = HEADER_WORDS + slots * rows * _row_words(hidden_size, dtype)
+    return -(-words // 32) * 32
+
+
+def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int, code_columns: int = 0) -> int:
+    """The whole buffer: the hidden rows' region, then (code_columns > 0) the frames' region:
+    HEADER_WORDS, then slots x rows frames of code_columns int64."""
+    frames = HEADER_WORDS + slots * rows * 2 * code_columns if code_columns else 0
+    return 4 * (_rows_region_words(rows, hidden_size, dtype, slots) + frames)
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,20 +320,29 @@ class _SharedRows:
     """What both ends know of the buffer: its geometry, its int32 words once mapped, and how each
     lets it go (`_release`)."""
 
-    def __init__(self, rows: int, slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, rows: int, slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 code_columns: int = 0):
         if not (1 <= rows and 2 <= slots <= 64):
             raise HandoffError(f"a buffer of {rows} rows x {slots} slots")
+        if not 0 <= code_columns <= MAX_CODE_COLUMNS:
+            raise HandoffError(f"frames of {code_columns} columns (at most {MAX_CODE_COLUMNS})")
         self.rows, self.slots, self.hidden_size, self.dtype = rows, slots, hidden_size, dtype
+        self.code_columns = code_columns
         self.device = torch.device(device)
-        self.nbytes = buffer_bytes(rows, hidden_size, dtype, slots)
+        self.nbytes = buffer_bytes(rows, hidden_size, dtype, slots, code_columns)
         if self.nbytes > MAX_BUFFER_BYTES:
             raise HandoffError(f"a buffer of {self.nbytes} bytes is over {MAX_BUFFER_BYTES}")
         self._ptr = 0
-        self.words: torch.Tensor | None = None
+        self.words: torch.Tensor | None = None          # the hidden rows' region
+        self.frame_words: torch.Tensor | None = None    # the frames' region (code_columns > 0)
+        self.frames_ready = False                        # both ends agreed to pass frames there
 
     def _map(self, ptr: int) -> None:
         self._ptr = ptr
-        self.words = _words(ptr, self.nbytes, self.device)
+        everything = _words(ptr, self.nbytes, self.device)
+        split = _rows_region_words(self.rows, self.hidden_size, self.dtype, self.slots)
+        self.words = everything[:split]
+        self.frame_words = everything[split:] if self.code_columns else None
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         raise NotImplementedError
@@ -268,7 +351,7 @@ class _SharedRows:
         """Let the buffer go once this device's queued work is done (idempotent)."""
         if self._ptr:
             torch.cuda.synchronize(self.device)
-            self.words = None
+            self.words = self.frame_words = None
             self._release(ctypes.c_void_p(self._ptr))
             self._ptr = 0
 
@@ -276,11 +359,14 @@ class _SharedRows:
 class Mailbox(_SharedRows):
     """The backbone's end: a buffer of `slots` x `rows` hidden rows in its GPU memory, which the
     tower maps. `publish` queues a step's rows there on the current stream and returns its
-    sequence number; `answered` tells it a step's response came back."""
+    sequence number; `answered` tells it a step's response came back. With `code_columns`, room
+    for the frames of each step too, which the tower publishes there once it has agreed to
+    (`frames_ready`, set by whoever set the hand-off up); `fill` then queues a decode step's
+    inputs from them."""
 
     def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
-                 slots: int = SLOTS):
-        super().__init__(rows, slots, hidden_size, dtype, device)
+                 slots: int = SLOTS, code_columns: int = 0):
+        super().__init__(rows, slots, hidden_size, dtype, device, code_columns)
         lib = _cudart()
         with torch.cuda.device(self.device):
             ptr = ctypes.c_void_p()
@@ -294,9 +380,14 @@ class Mailbox(_SharedRows):
         self.handle = bytes(handle)
         self._map(ptr.value)
         self.words.zero_()
+        if self.frame_words is not None:
+            self.frame_words.zero_()
         torch.cuda.synchronize(self.device)
         self.seq = 0
         self._unanswered: collections.deque[int] = collections.deque()
+        self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.timeout_ns = int(RECEIVE_TIMEOUT_S * 1e9)
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         _cudart().cudaFree(ptr)
@@ -321,16 +412,43 @@ class Mailbox(_SharedRows):
         while self._unanswered and self._unanswered[0] <= seq:
             self._unanswered.popleft()
 
+    def fill(self, seq: int, ids: torch.Tensor, codes: torch.Tensor, token_offset: int, semantic_codes: int,
+             residual_codes: int) -> None:
+        """Queue, on the current stream, the wait for the frames of step `seq` and their rows'
+        inputs into ids int64 [n] / codes int64 [n, N] (a decode step's staged inputs, n at most
+        the rows that step published): id token_offset + c_0 and the codes, or a padding row for
+        a frame that stopped or is out of range (_fill_kernel). Check `fill_timed_out` after the
+        stream has run it."""
+        if not self.frames_ready or codes.shape[1] + 1 != self.code_columns:
+            raise ValueError(f"no frames of {codes.shape[1]} codes in this buffer (frames_ready {self.frames_ready}, "
+                             f"{self.code_columns} columns)")
+        if not (0 < codes.shape[0] <= self.rows) or not (0 < seq <= self.seq):
+            raise ValueError(f"frames of step {seq} for {codes.shape[0]} rows (published up to {self.seq}, "
+                             f"{self.rows} rows a step)")
+        fill_frames(self.frame_words, self.rows, self.slots, seq, ids, codes, token_offset, semantic_codes,
+                    residual_codes, self._status, self.timeout_ns)
+        self._status_host.copy_(self._status, non_blocking=True)
+
+    def fill_timed_out(self) -> bool:
+        """Did a fill queued so far give up waiting (the tower never published those frames)?
+        Read once the stream has run it; clears the record."""
+        if int(self._status_host[0]):
+            self._status.zero_()
+            self._status_host.zero_()
+            return True
+        return False
+
 
 class Inbox(_SharedRows):
     """The tower's end: the backbone's buffer mapped from its IPC handle; `receive` queues the
-    wait and the copy of a published step's rows on the current stream."""
+    wait and the copy of a published step's rows on the current stream, `publish_frames` (with
+    code_columns) the step's frames on the way back."""
 
     def __init__(self, handle: bytes, rows: int, slots: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, code_columns: int = 0):
         if len(handle) != HANDLE_BYTES:
             raise HandoffError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
-        super().__init__(rows, slots, hidden_size, dtype, device)
+        super().__init__(rows, slots, hidden_size, dtype, device, code_columns)
         lib = _cudart()
         with torch.cuda.device(self.device):
             ptr = ctypes.c_void_p()
@@ -354,6 +472,15 @@ class Inbox(_SharedRows):
         receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns)
         self._status_host.copy_(self._status, non_blocking=True)
         return out
+
+    def publish_frames(self, seq: int, frames: torch.Tensor) -> None:
+        """Queue step `seq`'s frames int64 [n, N + 1] (codes, then the stop flag; on this device,
+        at most `rows`) into their slot, then seq into the frames' flag, on the current stream."""
+        if self.frame_words is None or frames.dtype != torch.int64 or frames.dim() != 2 \
+                or frames.shape[1] != self.code_columns or not 0 < frames.shape[0] <= self.rows:
+            raise ValueError(f"cannot publish frames {tuple(frames.shape)} {frames.dtype} (buffer: up to "
+                             f"{self.rows} x {self.code_columns} int64)")
+        publish_rows(self.frame_words, self.rows, self.slots, seq, frames)
 
     def timed_out(self) -> bool:
         """Did a wait queued so far give up? Read once the stream has run it (the step's codes

@@ -38,7 +38,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -211,11 +211,15 @@ class TowerEngine:
 
     # ---------------------------------------------------------------- step
     def step(self, entries: Sequence[StepEntry], hidden: Tensor, targets: Tensor,
-             release: Sequence[str] = (), owner: Hashable = None) -> StepResult:
+             release: Sequence[str] = (), owner: Hashable = None,
+             publish: Callable[[Tensor], None] | None = None) -> StepResult:
         """Process one StepRequest.
 
         hidden [sum n_rows, D] (any float dtype, any device); targets int [sum n_rows, N], -1 =
         none. Returns codes for every entry, stop flags and the failed entries' errors.
+        `publish`: called with the step's frames on the device, int64 [entries, N + 1] (codes,
+        then the stop flag), right after they are queued and before the wait for them, when every
+        entry was accepted and draws (the device hand-off's way back); not called otherwise.
         """
         started = time.perf_counter()
         n = self.cfg.num_codebooks
@@ -249,7 +253,8 @@ class TowerEngine:
             offset += max(entry.n_rows, 0)
 
         if accepted:
-            frames, stopped = self._run(accepted, hidden, targets)
+            whole = len(accepted) == num_entries and all(entry.draw for entry in entries)
+            frames, stopped = self._run(accepted, hidden, targets, publish if whole else None)
             draw_entries = [index for index, entry, _, _ in accepted if entry.draw]
             for index, frame, is_stopped in zip(draw_entries, frames, stopped):
                 codes[index] = frame
@@ -325,10 +330,12 @@ class TowerEngine:
         return session
 
     @torch.inference_mode()
-    def _run(self, accepted, hidden: Tensor, targets: Tensor) -> tuple[Tensor, list[bool]]:
-        """The batched computation over every accepted entry; returns the draw entries' frames."""
+    def _run(self, accepted, hidden: Tensor, targets: Tensor,
+             publish: Callable[[Tensor], None] | None = None) -> tuple[Tensor, list[bool]]:
+        """The batched computation over every accepted entry; returns the draw entries' frames.
+        `publish` (every entry draws): see `step`; the general step graphs leave it uncalled."""
         if self._graphable(accepted):
-            return self._run_graph(accepted, hidden)
+            return self._run_graph(accepted, hidden, publish)
         step = _StepRows.of(accepted)
         chunks = self._step_plan(accepted, step)
         if chunks is not None:
@@ -347,6 +354,8 @@ class TowerEngine:
         ints, floats = _draw_columns(accepted)
         ints, floats = ints.to(device), floats.to(device)
         codes, stopped = self._draw_step(batch_hidden, batch_targets, rows, draw_index, ints, floats)
+        if publish is not None:
+            publish(torch.cat([codes[draw_index], stopped[:, None].to(torch.int64)], dim=1))
         return codes[draw_index].cpu(), stopped.cpu().tolist()
 
     def _eager_rows(self, step: "_StepRows", decode_step: bool) -> RowBatch:
@@ -380,7 +389,8 @@ class TowerEngine:
         """A decode step: every accepted entry one row that draws, no prefix restore."""
         return self._graphs is not None and 0 < len(accepted) <= self._graphs.largest and _frame_step(accepted)
 
-    def _run_graph(self, accepted, hidden: Tensor) -> tuple[Tensor, list[bool]]:
+    def _run_graph(self, accepted, hidden: Tensor,
+                   publish: Callable[[Tensor], None] | None = None) -> tuple[Tensor, list[bool]]:
         ints, floats = _draw_columns(accepted)
         offsets = [offset for _, _, _, offset in accepted]
         if offsets == list(range(len(offsets))):
@@ -393,7 +403,7 @@ class TowerEngine:
             if hidden.is_cuda:
                 index = index.pin_memory().to(hidden.device, non_blocking=True)
             rows = hidden.index_select(0, index)
-        out = self._graphs.run(ints, floats, rows)
+        out = self._graphs.run(ints, floats, rows, publish)
         n = self.cfg.num_codebooks
         return out[:, :n], out[:, n].bool().tolist()
 

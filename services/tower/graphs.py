@@ -194,10 +194,12 @@ class DecodeGraphs:
     def bucket_for(self, rows: int) -> Bucket | None:
         return next((b for b in self.buckets if b.size >= rows), None)
 
-    def run(self, ints: Tensor, floats: Tensor, hidden: Tensor) -> Tensor:
+    def run(self, ints: Tensor, floats: Tensor, hidden: Tensor, publish=None) -> Tensor:
         """ints int64 [6, R] and floats float32 [3, R] (INT_FIELDS, FLOAT_FIELDS order, on the
         host), hidden [R, D] (host or device): replay the bucket, return int64 [R, N + 1] on the
-        host (one device-to-host copy, which also waits for the replay)."""
+        host (one device-to-host copy, which also waits for the replay). `publish`: called with
+        those rows on the device right after the replay is queued (the device hand-off's way
+        back: TowerEngine.step)."""
         rows = ints.shape[1]
         bucket = self.bucket_for(rows)
         bucket.host_ints[:, :rows] = ints
@@ -214,13 +216,15 @@ class DecodeGraphs:
         else:
             bucket.graph.replay()
             self.replays += 1
-            if self.spin_gpu_wait:
-                # the codes to pinned memory behind the replay, then the polled wait (a .cpu()
-                # after it would wait for the GPU a second time: +0.06 ms a step)
-                host = bucket.host_output[:rows]
-                host.copy_(bucket.output[:rows], non_blocking=True)
-                gpu_wait.synchronize(torch.cuda.current_stream(), spin=True)
-                return host.clone()       # the next replay of this bucket overwrites host_output
+        if publish is not None:
+            publish(bucket.output[:rows])
+        if bucket.graph is not None and self.spin_gpu_wait:
+            # the codes to pinned memory behind the replay, then the polled wait (a .cpu()
+            # after it would wait for the GPU a second time: +0.06 ms a step)
+            host = bucket.host_output[:rows]
+            host.copy_(bucket.output[:rows], non_blocking=True)
+            gpu_wait.synchronize(torch.cuda.current_stream(), spin=True)
+            return host.clone()           # the next replay of this bucket overwrites host_output
         return bucket.output[:rows].cpu()
 
 

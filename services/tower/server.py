@@ -80,7 +80,51 @@ def response_from_result(step_id: int, result: StepResult) -> tower_pb2.StepResp
 def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: str,
              owner, inbox: device_handoff.Inbox | None = None) -> tower_pb2.StepResponse:
     """Decode, step, encode (on the event loop's thread: module docstring). `inbox`: the
-    connection's device hand-off, where a request with handoff_seq has its rows."""
+    connection's device hand-off, where a request with handoff_seq has its rows and, when it
+    takes frames, gets the step's frames back before the response, whatever became of the step
+    (a backbone step may be waiting for them on the GPU)."""
+    frames_out = _FramesOut(inbox, request.handoff_seq, len(request.rows)) if request.handoff_seq else None
+    result = None
+    try:
+        result = _run_step(engine, request, hidden_dtype, owner, inbox, frames_out)
+        return response_from_result(request.step_id, result)
+    finally:
+        if frames_out is not None and not frames_out.published:
+            frames_out.publish_result(result, engine.cfg.num_codebooks)
+
+
+class _FramesOut:
+    """A hand-off step's frames on their way back to the backbone's buffer (Inbox.publish_frames):
+    from the step's device output when the engine hands it over (`__call__`), else from the
+    result on the host, or rows of -1 that stopped for a step that never ran."""
+
+    def __init__(self, inbox: device_handoff.Inbox | None, seq: int, n_entries: int):
+        self.inbox, self.seq, self.n_entries = inbox, seq, n_entries
+        self.published = inbox is None or not inbox.frames_ready    # nothing to publish
+
+    def __call__(self, frames: torch.Tensor) -> None:
+        self.inbox.publish_frames(self.seq, frames)
+        self.published = True
+
+    def publish_result(self, result: StepResult | None, codebooks: int) -> None:
+        rows = min(max(self.n_entries, 1), self.inbox.rows)
+        frames = torch.full((rows, codebooks + 1), -1, dtype=torch.int64)
+        frames[:, codebooks] = 1
+        if result is not None:        # a row that failed counts as stopped too
+            n = min(rows, result.codes.shape[0])
+            frames[:n, :codebooks] = result.codes[:n]
+            frames[:n, codebooks] = torch.tensor(result.stop[:n], dtype=torch.int64)
+            for error in result.row_errors:
+                if error.row_index < n:
+                    frames[error.row_index, codebooks] = 1
+        try:
+            self(frames.to(self.inbox.device))
+        except Exception:    # the backbone's wait gives up on its own (device_handoff.RECEIVE_TIMEOUT_S)
+            log.exception("could not publish a hand-off step's frames")
+
+
+def _run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: str, owner,
+              inbox: device_handoff.Inbox | None, frames_out: "_FramesOut | None") -> StepResult:
     entries = entries_from_request(request)
     rows = sum(max(e.n_rows, 0) for e in entries)
     codebooks = engine.cfg.num_codebooks
@@ -92,8 +136,7 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
             hidden = tensor_from_bytes(request.hidden, hidden_dtype, (rows, engine.model.hidden_size))
     except ValueError as exc:
         engine.release(request.release, owner)
-        result = StepResult.all_failed(len(entries), codebooks, "INVALID_ARGUMENT", f"payload: {exc}")
-        return response_from_result(request.step_id, result)
+        return StepResult.all_failed(len(entries), codebooks, "INVALID_ARGUMENT", f"payload: {exc}")
     # A sampled backbone step sends its span context; our span joins that trace (API.md §3.6).
     span = contextlib.nullcontext()
     if request.trace_context:
@@ -102,7 +145,8 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
             attributes={"drama.batch.rows": rows, "drama.batch.entries": len(entries)})
     started = time.perf_counter()
     with span:
-        result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner)
+        result = engine.step(entries, hidden, targets, release=list(request.release), owner=owner,
+                             publish=None if frames_out is None or frames_out.published else frames_out)
     # engine.step copies the drawn codes to the host, which waits for the GPU, so a step with a
     # draw is timed with its device work; a prefill-only step returns once its work is queued,
     # and that work shows in the next step's time.
@@ -111,7 +155,7 @@ def run_step(engine: TowerEngine, request: tower_pb2.StepRequest, hidden_dtype: 
         # the rows never came (the backbone died mid-step?): what ran on them is not a frame
         result = StepResult.all_failed(len(entries), codebooks, "UNAVAILABLE",
                                        "the backbone's rows did not arrive through GPU memory")
-    return response_from_result(request.step_id, result)
+    return result
 
 
 def _handed_off_rows(request: tower_pb2.StepRequest, entries: list[StepEntry], rows: int,
@@ -137,11 +181,18 @@ def set_up_handoff(engine: TowerEngine, request: tower_pb2.StepRequest) -> devic
         log.info("Step lane: a device hand-off asked for, but this tower is not on a GPU under MPS")
         return None
     try:
-        return device_handoff.Inbox(request.handoff_handle, request.handoff_rows, request.handoff_slots,
-                                    engine.model.hidden_size, engine.hidden_dtype, engine.device)
+        inbox = device_handoff.Inbox(request.handoff_handle, request.handoff_rows, request.handoff_slots,
+                                     engine.model.hidden_size, engine.hidden_dtype, engine.device,
+                                     code_columns=request.handoff_code_columns)
     except device_handoff.HandoffError as exc:
         log.warning("Step lane: no device hand-off (%s); rows come in the requests", exc)
         return None
+    columns = engine.cfg.num_codebooks + 1       # the frames as TowerEngine.step publishes them
+    inbox.frames_ready = request.handoff_code_columns == columns
+    if request.handoff_code_columns and not inbox.frames_ready:
+        log.warning("Step lane: frames of %d columns asked for, this tower's have %d: frames go in the responses only",
+                    request.handoff_code_columns, columns)
+    return inbox
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +261,8 @@ class TowerServicer(tower_pb2_grpc.TowerServicer):
                         inbox = set_up_handoff(engine, request)
                     if spinner is not None:
                         spinner.start()
-                    yield tower_pb2.StepResponse(step_id=request.step_id, handoff_ready=inbox is not None)
+                    yield tower_pb2.StepResponse(step_id=request.step_id, handoff_ready=inbox is not None,
+                                                 handoff_frames_ready=inbox is not None and inbox.frames_ready)
                     continue
                 try:
                     response = run_step(engine, request, self.hidden_dtype, owner, inbox)

@@ -73,7 +73,7 @@ class RowEntry(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., first_row: _Optional[int] = ..., n_rows: _Optional[int] = ..., draw: _Optional[bool] = ..., take_index: _Optional[int] = ..., frame_index: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., prefix_key: _Optional[str] = ..., prefix_rows: _Optional[int] = ..., snapshot_key: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "rows", "hidden", "targets", "release", "trace_context", "handoff_handle", "handoff_rows", "handoff_slots", "handoff_seq")
+    __slots__ = ("step_id", "rows", "hidden", "targets", "release", "trace_context", "handoff_handle", "handoff_rows", "handoff_slots", "handoff_seq", "handoff_code_columns")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class StepRequest(_message.Message):
     HANDOFF_ROWS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_CODE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rows: _containers.RepeatedCompositeFieldContainer[RowEntry]
     hidden: bytes
@@ -101,7 +102,8 @@ class StepRequest(_message.Message):
     handoff_rows: int
     handoff_slots: int
     handoff_seq: int
-    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowEntry, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., release: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., handoff_handle: _Optional[bytes] = ..., handoff_rows: _Optional[int] = ..., handoff_slots: _Optional[int] = ..., handoff_seq: _Optional[int] = ...) -> None: ...
+    handoff_code_columns: int
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowEntry, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., release: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., handoff_handle: _Optional[bytes] = ..., handoff_rows: _Optional[int] = ..., handoff_slots: _Optional[int] = ..., handoff_seq: _Optional[int] = ..., handoff_code_columns: _Optional[int] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row_index", "code", "message")
@@ -114,17 +116,19 @@ class RowError(_message.Message):
     def __init__(self, row_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "codes", "stop", "row_errors", "tower_us", "handoff_ready")
+    __slots__ = ("step_id", "codes", "stop", "row_errors", "tower_us", "handoff_ready", "handoff_frames_ready")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TOWER_US_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_READY_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FRAMES_READY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     codes: bytes
     stop: _containers.RepeatedScalarFieldContainer[bool]
     row_errors: _containers.RepeatedCompositeFieldContainer[RowError]
     tower_us: int
     handoff_ready: bool
-    def __init__(self, step_id: _Optional[int] = ..., codes: _Optional[bytes] = ..., stop: _Optional[_Iterable[bool]] = ..., row_errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., tower_us: _Optional[int] = ..., handoff_ready: _Optional[bool] = ...) -> None: ...
+    handoff_frames_ready: bool
+    def __init__(self, step_id: _Optional[int] = ..., codes: _Optional[bytes] = ..., stop: _Optional[_Iterable[bool]] = ..., row_errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., tower_us: _Optional[int] = ..., handoff_ready: _Optional[bool] = ..., handoff_frames_ready: _Optional[bool] = ...) -> None: ...
