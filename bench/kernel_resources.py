@@ -46,6 +46,7 @@ def cases() -> dict:
     import triton.language as tl
 
     from services.backbone.kernels import decode_gemm, gdn, moe_decode
+    from services.common import device_handoff
     from services.tower import kernels as tower
 
     cfg = moe_decode.DECODE_CONFIG
@@ -135,6 +136,10 @@ def cases() -> dict:
                             o_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32"),
                        dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, HAS_SLOTS=True, PDL=True),
                        4, 3, {"stride_q", "stride_k", "stride_v"}),
+        "handoff_fill": (device_handoff._fill_kernel,     # a chained step's inputs from the tower's frames
+                         dict(flag_ptr=_ptr("i64"), seq="i64", frames_ptr=_ptr("i64"), ids_ptr=_ptr("i64"),
+                              codes_ptr=_ptr("i64"), status_ptr=_ptr("i32"), timeout_ns="i64"),
+                         dict(N=10, BLOCK_R=1, BLOCK_N=16, TIMER=True), 1, 3, set()),
         "conv_update": (gdn._conv_update_kernel,
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                              slot_ptr=_ptr("i64")),

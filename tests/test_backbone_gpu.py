@@ -241,3 +241,52 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     print(f"PDL used: {used[True]} (a GPU of compute capability 9 or more)")
     assert not used[False]
     assert torch.equal(out[True], out[False])
+
+
+@cuda
+def test_a_graphed_step_filled_from_the_towers_frames_equals_the_step_given_its_rows(tiny_checkpoint):
+    """A chained decode step (services/common/device_handoff.py: the tower's frames published
+    into the Mailbox, Mailbox.fill writing them into the decode graph's staged inputs) gives the
+    bits of the same graph given those rows by the host; a frame that stopped gives a padding
+    row, which only its own row sees (the other row's bits stay)."""
+    from services.common import device_handoff as dh
+
+    model = load_backbone(tiny_checkpoint, device="cuda", dtype=torch.bfloat16, lm_head=False,
+                          decode_graphs=True)
+    spec = model.audio
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, spec.semantic_start_token_id, (n,), generator=gen) for n in (9, 17)]
+    codes = torch.randint(0, spec.residual_codebook_size, (6, 2, spec.num_codebooks), generator=gen)
+    codes[..., 0] = torch.randint(0, spec.semantic_codebook_size, (6, 2), generator=gen)
+    box = dh.Mailbox(2, model.config.hidden_size, torch.bfloat16, "cuda", slots=4, code_columns=spec.num_codebooks + 1)
+    box.frames_ready = True
+    try:
+        out = {}
+        for chained in (False, True):
+            engine = BackboneEngine(model, max_sessions=2, max_context=64)
+            slots = [engine.open() for _ in prompts]
+            engine.step([(s, p, None) for s, p in zip(slots, prompts)])
+            rows = []
+            for i, frame in enumerate(codes):
+                stop = torch.tensor([[0], [int(i == 4)]])                 # row 1's frame 4 stopped
+                ids = spec.semantic_start_token_id + frame[:, 0]
+                if not chained:
+                    host_ids, host_frames = ids.clone(), frame.clone()
+                    host_ids[1], host_frames[1] = (0, -1) if i == 4 else (host_ids[1], host_frames[1])
+                    work = [(s, host_ids[j:j + 1], host_frames[j:j + 1]) for j, s in enumerate(slots)]
+                    rows.append(engine.finish(engine.launch_to_host(work)).clone())
+                    continue
+                seq = box.publish(torch.zeros(2, model.config.hidden_size, dtype=torch.bfloat16, device="cuda"))
+                dh.publish_rows(box.frame_words, box.rows, box.slots, seq,
+                                torch.cat([frame, stop], 1).to("cuda"))       # as the tower would
+                stand_in = [(s, prompts[0][:1], None) for s in slots]        # text rows: replaced
+                fill = lambda ids_, codes_: box.fill(seq, ids_, codes_, spec.semantic_start_token_id,  # noqa: E731
+                                                     spec.semantic_codebook_size, spec.residual_codebook_size)
+                rows.append(engine.finish(engine.launch_to_host(stand_in, fill=fill)).clone())
+                box.answered(seq)
+                assert not box.fill_timed_out()
+            out[chained] = torch.stack([r.cpu() for r in rows])
+        assert model.graph_replays > 0
+        assert torch.equal(out[True], out[False])
+    finally:
+        box.close()

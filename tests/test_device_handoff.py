@@ -191,3 +191,51 @@ def test_unanswered_steps_hold_their_slots():
         assert box.can_publish(1)
     finally:
         box.close()
+
+
+def _frames_process(handle: bytes, rows: int, slots: int, published: dict, queue) -> None:
+    inbox = dh.Inbox(handle, rows, slots, 2048, torch.bfloat16, "cuda", code_columns=N + 1)
+    try:
+        for seq, frames in published.items():
+            inbox.publish_frames(seq, torch.tensor(frames, dtype=torch.int64, device="cuda"))
+        torch.cuda.synchronize()
+        queue.put("published")
+    finally:
+        inbox.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA IPC needs a CUDA GPU")
+def test_frames_from_an_inbox_in_another_process_fill_the_mailbox_steps():
+    """The way back: frames an Inbox publishes in another process reach the Mailbox's fill."""
+    import torch.multiprocessing as mp
+
+    box = dh.Mailbox(4, 2048, torch.bfloat16, "cuda", slots=4, code_columns=N + 1)
+    box.frames_ready = True
+    try:
+        gen = torch.Generator().manual_seed(3)
+        published = {}
+        for _ in range(3):
+            seq = box.publish(torch.zeros(3, 2048, device="cuda", dtype=torch.bfloat16))
+            box.answered(seq)
+            published[seq] = [_frame(gen) for _ in range(3)]
+        published[3][2][N] = 1                                        # stopped
+        torch.cuda.synchronize()
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_frames_process, args=(box.handle, 4, 4, published, queue))
+        proc.start()
+        assert queue.get(timeout=120) == "published"
+        proc.join(60)
+        for seq, frames in published.items():
+            ids = torch.zeros(3, dtype=torch.int64, device="cuda")
+            codes = torch.zeros(3, N, dtype=torch.int64, device="cuda")
+            box.fill(seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL)
+            torch.cuda.synchronize()
+            for r, frame in enumerate(frames):
+                want = (0, [-1] * N) if frame[N] else (OFFSET + frame[0], frame[:N])
+                assert (int(ids[r]), codes[r].tolist()) == want, (seq, r)
+        assert not box.fill_timed_out()
+        with pytest.raises(ValueError, match="published up to"):
+            box.fill(9, ids, codes, OFFSET, SEMANTIC, RESIDUAL)
+    finally:
+        box.close()
