@@ -578,6 +578,24 @@ async def test_a_chained_step_after_a_frame_that_stops_is_dropped(stage):
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False])) and len(runs[True]) == len(runs[False])
 
 
+async def test_no_step_is_chained_on_the_frame_that_completes_the_first_message(stage):
+    """With a first-audio hold, the frame that completes a request's first frames message starts
+    the hold (the codec's first chunk has the GPU): the step after it is not chained on it, it
+    waits for the hold like any step; later frames chain again. Frames as without chaining."""
+    runs = {}
+    for chain in (True, False):
+        scheduler, rec = await stage(max_inflight_steps=1, inline_steps=True, tower_side=_ChainTowerSide,
+                                     chain_steps=chain, first_audio_hold_s=0.02)
+        events = await _run(scheduler, scheduler.submit(_job("held", seed=91, turns=("one",), max_new=9, first=3)))
+        runs[chain] = torch.cat([e.codes for e in events if isinstance(e, FramesOut)])
+        if chain:
+            side = scheduler.tower
+            chained = {seq + 1 for seq in side.handoff.filled}
+            frames = [e.frame_index for step in side.handed if step.handoff_seq in chained for e in step.entries]
+            assert frames and 3 not in frames and max(frames) > 3, frames
+    assert torch.equal(runs[True], runs[False])
+
+
 async def test_spinning_while_a_step_is_at_the_tower_changes_no_frame(stage):
     """spin_wait_s (DRAMA_SPIN_WAIT_MS): the main loop polls instead of sleeping while a step is at
     the tower; every session gets the frames of the sleeping loop, and the loop does spin."""

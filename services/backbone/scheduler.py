@@ -302,6 +302,18 @@ class _Entry:
 
 
 @dataclass
+class _Unfinished:
+    """A chained step sent to the tower whose engine step has not been waited for yet."""
+
+    launched: tuple[PendingStep, float]
+    entries: list[_Entry]
+    slots: set[int]
+    mailbox: object
+    span: object | None
+    inflight: "_InFlight | None" = None      # its request, waited for at the latest before its response is routed
+
+
+@dataclass
 class _InFlight:
     """A step sent to the tower, waiting for its response."""
 
@@ -489,6 +501,7 @@ class Scheduler:
         self._claimed = 0                          # places at the tower taken by steps not yet sent
         self._computing: set[int] = set()          # engine slots inside a running engine call
         self._held: list[int] = []                 # slots released meanwhile, freed when it ends
+        self._unfinished: _Unfinished | None = None   # a chained step not waited for yet
         # CUDA streams, with the lane only (without it everything stays on the default stream, as
         # before). The decode stream gets the higher priority: when both have kernels ready, the
         # GPU schedules the decode step's blocks first, so the lane's prefill costs the running
@@ -535,6 +548,9 @@ class Scheduler:
         for executor in (self._executor, self._lane_executor):
             if executor is not None:
                 await loop.run_in_executor(executor, lambda: None)
+        if self._unfinished is not None:
+            self._finish_quietly(self._unfinished.launched)
+            self._unfinished = None
         self._computing.clear()
         self._free_held()
         for step in self._inflight:
@@ -631,6 +647,8 @@ class Scheduler:
                 self._reap()
                 self._admit()
                 if self._inflight and self._inflight[0].result.done():
+                    if self._unfinished is not None and self._unfinished.inflight is self._inflight[0]:
+                        self._finish_chained()     # its slots are free before its sessions move on
                     self._finish_step(self._inflight.popleft())
                     continue
                 # A computed lane step waiting for a place goes first (see the module docstring).
@@ -638,10 +656,12 @@ class Scheduler:
                     entries = self._plan()
                     # A message with only releases goes out when nothing else will carry them.
                     if entries or (self._release and not self._inflight):
+                        self._finish_chained()
                         await self._start_step(entries)
                         continue
                 chained = self._plan_chained()
                 if chained is not None:
+                    self._finish_chained()
                     await self._start_step(chained[0], fill_from=chained[1])
                     continue
                 await self._sleep()
@@ -931,8 +951,12 @@ class Scheduler:
           comes only once a chain breaks;
         - each of its sessions goes on past that frame whatever it is: still on the entry's
           timeline, not chained already, room for two more frames within max_new_tokens and
-          its buffer, no first-audio hold. Only an EOS can end its chunk there; then this step's
-          answer is dropped with the old timeline (`_route`)."""
+          its buffer, no first-audio hold now or due with that frame (the step chained on it
+          would run beside the codec's first chunk, which the hold is there to spare). Only an
+          EOS can end its chunk there; then this step's answer is dropped with the old timeline
+          (`_route`).
+        The step before it may still be computing (a chained step is waited for only before the
+        next launch, `_finish_chained`): its slots are the same, and it comes first on the stream."""
         if (not self.chain_steps or len(self._inflight) != 1 or self._claimed or self._lane_waiting
                 or self._queue or not self.tower.ready or self.tower.max_inflight_steps < 2):
             return None
@@ -946,7 +970,7 @@ class Scheduler:
         for e in last.entries:
             s = e.session
             if (s.state != "active" or s.cancelled or e.timeline != s.timeline or s.chained or s.in_step
-                    or s.paused or s.held_until > now or s.slot in self._computing
+                    or s.paused or s.held_until > now or self._first_message_due(s)
                     or len(s.chunk_frames) + 2 > s.job.sampling.max_new_tokens
                     or s.buffered_frames + len(s.pending) + 2 >= self.session_buffer_frames):
                 return None
@@ -958,6 +982,12 @@ class Scheduler:
             # the last entry's rows only stand in for the frame (engine.launch_to_host's fill)
             entries.append(_Entry(e.session, e.rows, self._no_targets, draw=True, timeline=e.timeline, chained=True))
         return entries, last.handoff
+
+    def _first_message_due(self, session: Session) -> bool:
+        """Does the session's frame at the tower complete its first frames message, which starts
+        the first-audio hold (`_flush`)?"""
+        return (self.first_audio_hold_s > 0 and session.chunk_index == 0 and session.messages_sent == 0
+                and len(session.pending) + 1 >= session.job.first_message_frames)
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -1026,20 +1056,38 @@ class Scheduler:
             self._computing -= slots
             self._finish_quietly(pending)
             raise
+        unfinished = _Unfinished(pending, entries, slots, mailbox, span, self._inflight[-1])
+        if fill is not None:
+            # Waited for before the next launch, not now: this step computes after the frames of
+            # the step still at the tower, whose response the loop should route (frames out) the
+            # moment it comes, not after this step's ~2.5 ms (TTFA +5 ms on the H200, session 26).
+            self._unfinished = unfinished
+            return
+        self._finish_unfinished(unfinished)
+
+    def _finish_chained(self) -> None:
+        """Wait for the chained step not waited for yet, if any (before the next engine launch)."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is not None:
+            self._finish_unfinished(unfinished)
+
+    def _finish_unfinished(self, step: _Unfinished) -> None:
+        """The end of `_compute_and_hand_off`: wait for the step; a chained step whose frames
+        never came fails its sessions (UNAVAILABLE)."""
         try:
-            self._finish(pending, [], lane=False)
-            if fill is not None and mailbox.fill_timed_out():
+            self._finish(step.launched, [], lane=False)
+            if any(e.chained for e in step.entries) and step.mailbox.fill_timed_out():
                 raise TowerUnavailable("the tower's frames did not arrive through GPU memory")
         except Exception as exc:
             # sent already: its response is routed to sessions this ends (and so dropped)
-            self._step_failed(entries, slots, exc)
+            self._step_failed(step.entries, step.slots, exc)
             return
-        self._computing -= slots
+        self._computing -= step.slots
         self._free_held()
-        for e in entries:
-            self._draw_row_milestone(e.session, "computed", ahead=e.chained)
-        if span is not None:
-            span.add_event("computed")
+        for e in step.entries:      # a chained row's frame may have been routed meanwhile
+            self._draw_row_milestone(e.session, "computed", ahead=int(e.chained and e.session.chained))
+        if step.span is not None:
+            step.span.add_event("computed")
 
     def _step_failed(self, entries: list[_Entry], slots: set[int], exc: Exception) -> None:
         """The engine raised on a step: its sessions end INTERNAL (UNAVAILABLE when the tower's
