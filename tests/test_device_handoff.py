@@ -49,8 +49,8 @@ def test_buffer_layout():
     with pytest.raises(dh.HandoffError, match="whole int32 words"):
         dh.buffer_bytes(1, 3, torch.bfloat16, 4)
     # frames after the rows, from a 128-byte line on: 64 header words, then int64 columns
-    # (rows of 12 bf16: 6 words; 64 + 4 x 2 x 6 = 112 words -> 128)
-    assert dh.buffer_bytes(2, 12, torch.bfloat16, 4, code_columns=11) == 4 * (128 + 64 + 4 * 2 * 22)
+    # (rows of 12 bf16: 6 words; every slot on a 128-byte line: 2 x 6 -> 32 words, 2 x 22 -> 64)
+    assert dh.buffer_bytes(2, 12, torch.bfloat16, 4, code_columns=11) == 4 * (64 + 4 * 32 + 64 + 4 * 64)
 
 
 # frames as the tower publishes them: N = 10 codes (semantic < 4096, residual < 1024), then stop
@@ -94,6 +94,15 @@ def test_published_frames_fill_the_next_steps_inputs(n_rows):
             want_id, want_codes = (0, [-1] * N) if bad else (OFFSET + frame[0], frame[:N])
             assert int(ids[r]) == want_id and codes[r].tolist() == want_codes, (seq, r)
         assert int(words[dh.TICKET_WORD]) == 0 and int(status[0]) == 0
+
+
+@kernel
+def test_the_warm_up_runs_every_kernel(monkeypatch):
+    """warm_up: publish, receive and fill through a buffer of its own (each stage calls it
+    before SERVING on CUDA); its receive gets the rows it published."""
+    if not CUDA:                                      # the interpreter: no stream to wait for
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    dh.warm_up(DEVICE, 2048, torch.bfloat16, N + 1)
 
 
 @kernel
@@ -239,3 +248,33 @@ def test_frames_from_an_inbox_in_another_process_fill_the_mailbox_steps():
             box.fill(9, ids, codes, OFFSET, SEMANTIC, RESIDUAL)
     finally:
         box.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Triton's specialisation hook)")
+def test_after_the_warm_up_serving_compiles_nothing():
+    """What serving launches after warm_up (steps of 1 and 3 rows into every slot, frames, and a
+    fill into a decode graph's staged inputs at bucket 1, 24 bytes off 16-byte alignment) meets
+    kernels the warm-up compiled: kernel_watch counts no specialisation."""
+    from services.common import kernel_watch
+
+    dh.warm_up("cuda", 2048, torch.bfloat16, N + 1)
+    assert kernel_watch.watch_after_serving()
+    before = kernel_watch.late_specialisations
+    rows, slots = dh.MAX_ROWS, dh.SLOTS
+    words = torch.zeros(dh.buffer_bytes(rows, 2048, torch.bfloat16, slots, N + 1) // 4, dtype=torch.int32,
+                        device="cuda")
+    split = dh._rows_region_words(rows, 2048, torch.bfloat16, slots)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    inputs = torch.zeros((3 + N) * 1, dtype=torch.int64, device="cuda")       # bucket 1's staged inputs
+    for seq in range(1, 2 * slots + 1):
+        n = 1 if seq % 2 else 3
+        dh.publish_rows(words[:split], rows, slots, seq, torch.zeros(n, 2048, dtype=torch.bfloat16, device="cuda"))
+        dh.receive_rows(words[:split], rows, slots, seq, torch.empty(n, 2048, dtype=torch.bfloat16, device="cuda"),
+                        status, 10**9)
+        dh.publish_rows(words[split:], rows, slots, seq, torch.zeros(n, N + 1, dtype=torch.int64, device="cuda"))
+        ids, codes = (inputs[2:3], inputs[3:].view(1, N)) if n == 1 else (
+            torch.empty(n, dtype=torch.int64, device="cuda"), torch.empty(n, N, dtype=torch.int64, device="cuda"))
+        dh.fill_frames(words[split:], rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9)
+    torch.cuda.synchronize()
+    assert int(status[0]) == 0
+    assert kernel_watch.late_specialisations == before

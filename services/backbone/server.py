@@ -31,7 +31,7 @@ from services.backbone.scheduler import (ChunkEnd, FramesOut, GenerateError, Job
                                          Rows, Sampling, Scheduler, Started, Usage, audio_rows,
                                          text_rows)
 from services.backbone.tower_client import TowerClient
-from services.common import aio, grpcutil
+from services.common import aio, device_handoff, grpcutil
 from services.common.config import DramaConfig, load_config
 from services.common.grpcutil import env_default
 from services.common.tensors import codes_to_wire, codes_from_wire, ids_from_bytes
@@ -499,6 +499,9 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in engine.warm_up_phases.items())
         print(f"backbone warm-up: {time.perf_counter() - started:.1f} s ({phases}); decode graphs: "
               + (f"on, batch buckets {buckets}" if buckets else "off"), flush=True)
+        if device_handoff.enabled(engine.model.device):
+            await asyncio.to_thread(device_handoff.warm_up_handoff, engine.model.device, engine.hidden_size,
+                                    engine.hidden_dtype, config.num_codebooks + 1)
         if expert_reads is not None:
             waited = time.perf_counter()
             await asyncio.to_thread(expert_reads.wait)

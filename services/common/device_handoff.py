@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 
 import torch
@@ -70,6 +71,7 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+log = logging.getLogger(__name__)
 
 SLOTS = 4                          # rows of this many published steps live at once
 RECEIVE_TIMEOUT_S = 2.0            # a waiter gives up after this (a decode step takes ~3-25 ms)
@@ -175,8 +177,11 @@ if HAS_TRITON:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                          pack=1)
 
-    # seq is never specialised: a value of 1 or a multiple of 16 would otherwise compile a kernel of its own
-    @triton.jit(do_not_specialize=["seq"])
+    # No integer argument is specialised: a value of 1 or a multiple of 16 would otherwise compile a
+    # kernel of its own (a step of one row, of eight, each seq...), after SERVING, while a request
+    # waits (session 26: the frames' publish and fill did, before these lists). Pointers keep their
+    # alignment: every slot starts on a 128-byte line (_slot), so serving meets warm_up's kernels.
+    @triton.jit(do_not_specialize=["n_words", "seq"])
     def _publish_kernel(src_ptr, dst_ptr, n_words, ticket_ptr, flag_ptr, seq, BLOCK: tl.constexpr):
         """Copy n_words int32 words src -> dst; the last program to finish its part stores seq
         into the flag with a release at system scope, so a process that acquires seq there sees
@@ -191,7 +196,7 @@ if HAS_TRITON:
             tl.store(ticket_ptr, 0)
             tl.atomic_xchg(flag_ptr, seq.to(tl.int64), sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["seq"])
+    @triton.jit(do_not_specialize=["seq", "n_words", "timeout_ns"])
     def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns,
                         BLOCK: tl.constexpr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq (acquire, system scope), then copy n_words src -> dst
@@ -213,7 +218,10 @@ if HAS_TRITON:
             ok = offs < n_words
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, cache_modifier=".cg"), mask=ok)
 
-    @triton.jit(do_not_specialize=["seq"])
+    # ids and codes are views into a decode graph's staged inputs, 16-byte aligned or not by its
+    # batch bucket (codes start 24 bytes in at bucket 1): one kernel for both
+    @triton.jit(do_not_specialize=["seq", "n_rows", "token_offset", "semantic_codes", "residual_codes",
+                                    "timeout_ns"], do_not_specialize_on_alignment=["ids_ptr", "codes_ptr"])
     def _fill_kernel(flag_ptr, seq, frames_ptr, n_rows, ids_ptr, codes_ptr, token_offset, semantic_codes,
                      residual_codes, status_ptr, timeout_ns, N: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr, TIMER: tl.constexpr):
@@ -246,10 +254,16 @@ if HAS_TRITON:
         tl.store(codes_ptr + r[:, None] * N + c[None, :], tl.where(bad[:, None], -1, frame), mask=cell)
 
 
+def _slot_words(rows: int, row_words: int) -> int:
+    """A slot's stride in a region: its rows, rounded up to 128 bytes (every slot starts on a line
+    of its own, so a kernel sees the same pointer alignment whatever the slot or the row size)."""
+    return -(-rows * row_words // 32) * 32
+
+
 def _slot(words: torch.Tensor, rows: int, slots: int, seq: int, row_words: int) -> torch.Tensor:
     """The words from slot seq % slots on, in a region of int32 `words`: HEADER_WORDS, then
-    slots x rows rows of row_words each."""
-    return words[HEADER_WORDS + (seq % slots) * rows * row_words:]
+    slots x rows rows of row_words each (each slot `_slot_words` long)."""
+    return words[HEADER_WORDS + (seq % slots) * _slot_words(rows, row_words):]
 
 
 def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: torch.Tensor) -> None:
@@ -287,7 +301,7 @@ def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch
     slot = _slot(words, rows, slots, seq, 2 * (width + 1))
     _fill_kernel[(1,)](
         words[FLAG_WORD:].view(torch.int64), seq, slot.view(torch.int64), n, ids, codes, token_offset,
-        semantic_codes, residual_codes, status, timeout_ns, N=width, BLOCK_R=triton.next_power_of_2(n),
+        semantic_codes, residual_codes, status, timeout_ns, N=width, BLOCK_R=triton.next_power_of_2(max(n, MAX_ROWS)),
         BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
 
 
@@ -299,17 +313,50 @@ def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
 
 
 def _rows_region_words(rows: int, hidden_size: int, dtype: torch.dtype, slots: int) -> int:
-    """The hidden rows' region, in int32 words: its header and slots, rounded up to 128 bytes
-    (the frames' region after it starts on a line of its own, int64-aligned)."""
-    words = HEADER_WORDS + slots * rows * _row_words(hidden_size, dtype)
-    return -(-words // 32) * 32
+    """The hidden rows' region, in int32 words: its header and slots (so the frames' region after
+    it starts on a 128-byte line too)."""
+    return HEADER_WORDS + slots * _slot_words(rows, _row_words(hidden_size, dtype))
 
 
 def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int, code_columns: int = 0) -> int:
     """The whole buffer: the hidden rows' region, then (code_columns > 0) the frames' region:
     HEADER_WORDS, then slots x rows frames of code_columns int64."""
-    frames = HEADER_WORDS + slots * rows * 2 * code_columns if code_columns else 0
+    frames = HEADER_WORDS + slots * _slot_words(rows, 2 * code_columns) if code_columns else 0
     return 4 * (_rows_region_words(rows, hidden_size, dtype, slots) + frames)
+
+
+def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, code_columns: int) -> None:
+    """Compile every kernel here before SERVING (each stage's warm-up, when `enabled`): publish,
+    receive and fill, through a buffer of this process laid out as a Mailbox's, a step of one row
+    and of MAX_ROWS. Their first launch in serving would otherwise compile them while a request
+    waits (services/common/kernel_watch.py logged it, session 26)."""
+    device = torch.device(device)
+    rows, width = MAX_ROWS, code_columns - 1
+    words = torch.zeros(buffer_bytes(rows, hidden_size, dtype, SLOTS, code_columns) // 4, dtype=torch.int32,
+                        device=device)
+    split = _rows_region_words(rows, hidden_size, dtype, SLOTS)
+    status = torch.zeros(1, dtype=torch.int32, device=device)
+    for seq, n in enumerate((1, rows), start=1):
+        publish_rows(words[:split], rows, SLOTS, seq, torch.zeros(n, hidden_size, dtype=dtype, device=device))
+        receive_rows(words[:split], rows, SLOTS, seq, torch.empty(n, hidden_size, dtype=dtype, device=device), status,
+                     int(RECEIVE_TIMEOUT_S * 1e9))
+        if width > 0:
+            publish_rows(words[split:], rows, SLOTS, seq, torch.zeros(n, code_columns, dtype=torch.int64, device=device))
+            fill_frames(words[split:], rows, SLOTS, seq, torch.empty(n, dtype=torch.int64, device=device),
+                        torch.empty(n, width, dtype=torch.int64, device=device), 0, 1, 1, status,
+                        int(RECEIVE_TIMEOUT_S * 1e9))
+    torch.cuda.synchronize(device)
+    if int(status[0]):
+        raise HandoffError("the device hand-off's warm-up waited in vain for its own rows")
+
+
+def warm_up_handoff(device: torch.device | str, hidden_size: int, dtype: torch.dtype, code_columns: int) -> None:
+    """`warm_up` for a stage's start: a failure is logged, not raised (the stages then set no
+    hand-off up, or the first one compiles what it needs)."""
+    try:
+        warm_up(device, hidden_size, dtype, code_columns)
+    except Exception:
+        log.exception("the device hand-off's warm-up failed")
 
 
 # --------------------------------------------------------------------------------------------
