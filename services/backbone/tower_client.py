@@ -20,7 +20,9 @@ stream; `transport` says which one is in use.
 Over the lane, when both stages are on one GPU under MPS (the hello's `device_uuid` is ours), the
 client also sets up a device hand-off (services/common/device_handoff.py): `handoff` is then the
 Mailbox where the scheduler publishes a decode step's rows, and a TowerStep with `handoff_seq`
-goes out without them.
+goes out without them. The Mailbox has room for the steps' frames too; if the tower agrees
+(`handoff_frames_ready`), it publishes them there, and the scheduler may chain the next decode
+step on them (Mailbox.frames_ready).
 """
 
 from __future__ import annotations
@@ -227,7 +229,8 @@ class TowerClient:
                          "gRPC" if self.transport == "grpc" else f"the lane {info.step_socket}"
                          + (" (large requests through its shared memory)" if self._call.ring is not None
                             else " (no shared memory: every request through the socket)")
-                         + (", decode steps' rows through GPU memory" if self.handoff is not None else ""))
+                         + (", decode steps' rows through GPU memory" if self.handoff is not None else "")
+                         + (" and their frames back" if self.handoff is not None and self.handoff.frames_ready else ""))
                 delay = self.backoff_min_s
                 await self._broken.wait()
                 log.warning("tower %s: Step stream lost", self.addr)
