@@ -496,7 +496,12 @@ class _HostChain(_HostHandOff):
             ids[r] = 0 if bad else token_offset + c[0]
             codes[r] = torch.tensor([-1] * len(c) if bad else c)
 
+    late = 0                           # fills that give up, from the next one on
+
     def fill_timed_out(self) -> bool:
+        if self.late:
+            self.late -= 1
+            return True
         return False
 
 
@@ -576,6 +581,19 @@ async def test_a_chained_step_after_a_frame_that_stops_is_dropped(stage):
             assert scheduler.chained_steps > 0 and draws["eos"] == 5      # frame 4 was chained on frame 3
         assert scheduler.engine.free_slots == POOL_ROWS
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False])) and len(runs[True]) == len(runs[False])
+
+
+async def test_a_chained_step_whose_frames_never_came_fails_its_sessions_unavailable(stage):
+    """Mailbox.fill gave up (the tower's frames never reached the GPU): the chained step's
+    sessions end UNAVAILABLE, nothing stays held, and the scheduler goes on with new sessions."""
+    scheduler, _ = await stage(max_inflight_steps=1, inline_steps=True, tower_side=_ChainTowerSide)
+    scheduler.tower.handoff.late = 1
+    with pytest.raises(GenerateError) as failed:
+        await _run(scheduler, scheduler.submit(_job("late", seed=92, turns=("one",), max_new=9)))
+    assert failed.value.status == "UNAVAILABLE" and "frames did not arrive" in failed.value.message
+    assert scheduler.chained_steps > 0 and scheduler.engine.free_slots == POOL_ROWS
+    events = await _run(scheduler, scheduler.submit(_job("after", seed=93, turns=("one",), max_new=4)))
+    assert isinstance(events[-1], Usage)
 
 
 async def test_no_step_is_chained_on_the_frame_that_completes_the_first_message(stage):

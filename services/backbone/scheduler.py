@@ -662,7 +662,11 @@ class Scheduler:
                 chained = self._plan_chained()
                 if chained is not None:
                     self._finish_chained()
-                    await self._start_step(chained[0], fill_from=chained[1])
+                    if all(e.session.state == "active" for e in chained[0]):
+                        await self._start_step(chained[0], fill_from=chained[1])
+                    else:   # the step before failed meanwhile (its frames never came): plan again
+                        for e in chained[0]:
+                            e.session.in_step = e.session.chained = False
                     continue
                 await self._sleep()
             except asyncio.CancelledError:

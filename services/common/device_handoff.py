@@ -177,6 +177,22 @@ if HAS_TRITON:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                          pack=1)
 
+    @triton.jit
+    def _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER: tl.constexpr):
+        """Spin until the flag reaches seq, with an acquire at system scope (what the flag's
+        release published is then seen); past timeout_ns (TIMER; else after one look, for the
+        interpreter) give up with status = 1."""
+        want = seq.to(tl.int64)
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if TIMER:
+            start = _now()
+            now = start
+            while (seen < want) & (now - start < timeout_ns):
+                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+                now = _now()
+        if seen < want:
+            tl.store(status_ptr, 1)
+
     # No integer argument is specialised: a value of 1 or a multiple of 16 would otherwise compile a
     # kernel of its own (a step of one row, of eight, each seq...), after SERVING, while a request
     # waits (session 26: the frames' publish and fill did, before these lists). Pointers keep their
@@ -203,16 +219,7 @@ if HAS_TRITON:
         (from L2: `.cg`, never a line this SM's L1 kept from the slot's last use), BLOCK words at
         a time, program p taking blocks p, p + programs, ... Past timeout_ns (TIMER; else after
         one look, for the interpreter): status = 1, and copy anyway."""
-        want = seq.to(tl.int64)
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        if TIMER:
-            start = _now()
-            now = start
-            while (seen < want) & (now - start < timeout_ns):
-                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-                now = _now()
-        if seen < want:
-            tl.store(status_ptr, 1)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER)
         for block in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
             offs = block * BLOCK + tl.arange(0, BLOCK)
             ok = offs < n_words
@@ -231,16 +238,7 @@ if HAS_TRITON:
         that stopped, or has a code out of its codebook's range (c_0 < semantic_codes, c_k <
         residual_codes), becomes a padding row instead (id 0, codes all -1: a text row of token
         0), so whatever arrives the step reads only its own tables. One program."""
-        want = seq.to(tl.int64)
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        if TIMER:
-            start = _now()
-            now = start
-            while (seen < want) & (now - start < timeout_ns):
-                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-                now = _now()
-        if seen < want:
-            tl.store(status_ptr, 1)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER)
         r = tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_N)
         cell = (r[:, None] < n_rows) & (c[None, :] < N)
