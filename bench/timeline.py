@@ -121,7 +121,10 @@ HOPS = ("backbone compute (step start -> computed)", "send (computed -> write re
 def steady_hops(spans: dict[str, list[dict]], skip_steps: int = STEPS_SHOWN) -> dict[str, list[float]]:
     """A single-row decode frame cut at its hand-offs, ms per frame over every session's steps after
     its first `skip_steps`: the backbone step's span (its `computed` and `sent` events, its end when
-    the frame is routed), the tower step's span, and the session's next backbone step's start."""
+    the frame is routed), the tower step's span, and the session's next backbone step's start.
+    A frame whose next step was chained on it (scheduler._plan_chained: queued on the GPU before
+    this frame came back) has no such hops, and the chained step's `computed` is when it was
+    waited for: both are left out (with DRAMA_CHAIN_STEPS=0 every frame has them)."""
     tower_by_trace = {s["context"]["trace_id"]: s for s in spans.get("tower", []) if s["name"] == "tower.step"}
     by_session: dict[str, list[dict]] = defaultdict(list)
     for span in spans.get("backbone", []):
@@ -133,6 +136,9 @@ def steady_hops(spans: dict[str, list[dict]], skip_steps: int = STEPS_SHOWN) -> 
     for steps in by_session.values():
         steps.sort(key=lambda s: s["start_time"])
         for step, following in zip(steps[skip_steps:], steps[skip_steps + 1:]):
+            if step.get("attributes", {}).get("drama.step.chained") or \
+                    following.get("attributes", {}).get("drama.step.chained"):
+                continue
             events = {e["name"]: seconds(e["timestamp"]) for e in step.get("events", [])}
             tower = tower_by_trace.get(step["context"]["trace_id"])
             if tower is None or "computed" not in events or "sent" not in events:

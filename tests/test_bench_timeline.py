@@ -79,3 +79,25 @@ def test_steady_hops_of_a_device_handoff_step():
     hops = steady_hops(spans, skip_steps=0)
     got = [round(hops[name][0], 3) for name in HOPS]
     assert got == [2.5, 0.0, 0.0, 1.8, 0.3, 0.2]
+
+
+def test_steady_hops_leave_out_frames_with_a_chained_step():
+    """A frame whose next step was chained on it, or a chained step's own frame, has no host hops
+    (scheduler._plan_chained): steady_hops leaves both out and keeps the rest."""
+    from bench.timeline import HOPS, steady_hops
+
+    def at(ms: float) -> str:
+        return datetime.fromtimestamp(1_700_000_000 + ms / 1000, tz=timezone.utc).isoformat()
+
+    def step(trace: str, start: float, chained: bool) -> dict:
+        return {"name": "backbone.step", "attributes": {"drama.batch.rows": 1, "drama.step.chained": chained},
+                "links": [{"context": {"trace_id": "session"}}], "context": {"trace_id": trace},
+                "start_time": at(start), "end_time": at(start + 4.6),
+                "events": [{"name": "computed", "timestamp": at(start + 2.5)},
+                           {"name": "sent", "timestamp": at(start + 2.6)}]}
+
+    spans = {"backbone": [step("a", 0.0, False), step("b", 4.8, False), step("c", 9.6, True), step("d", 12.0, True)],
+             "tower": [{"name": "tower.step", "context": {"trace_id": t}, "start_time": at(s + 2.8),
+                        "end_time": at(s + 4.4)} for t, s in (("a", 0.0), ("b", 4.8), ("c", 9.6))]}
+    hops = steady_hops(spans, skip_steps=0)
+    assert [len(hops[name]) for name in HOPS] == [1] * len(HOPS)      # a (b's step is not chained) only

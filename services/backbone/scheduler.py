@@ -1163,7 +1163,8 @@ class Scheduler:
                  and e.session.job.span_context.is_valid][:MAX_STEP_SPAN_LINKS]
         return _tracer.start_span("backbone.step", links=links, attributes={
             "drama.batch.rows": sum(len(e.rows) for e in entries),
-            "drama.batch.sessions": len(entries), "drama.step.lane": lane})
+            "drama.batch.sessions": len(entries), "drama.step.lane": lane,
+            "drama.step.chained": any(e.chained for e in entries)})
 
     async def _compute_entries(self, entries: list[_Entry], *, lane: bool) -> Tensor | None:
         """The entries' hidden rows [sum of rows, H] on the host, computed on the main engine
