@@ -106,6 +106,19 @@ def test_the_warm_up_runs_every_kernel(monkeypatch):
 
 
 @kernel
+def test_released_waiters_go_on_at_once():
+    """release_waiters (Mailbox.abort, the tower gone): a fill for frames never published goes on
+    without waiting for its timeout, and reports no timeout."""
+    words = _frames_buffer(2, 4)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    dh.release_waiters(words)
+    ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    codes = torch.zeros(1, N, dtype=torch.int64, device=DEVICE)
+    dh.fill_frames(words, 2, 4, 7, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**12)      # ~17 min
+    assert int(status[0]) == 0
+
+
+@kernel
 def test_a_fill_for_frames_never_published_gives_up():
     words = _frames_buffer(2, 4)
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -278,3 +291,25 @@ def test_after_the_warm_up_serving_compiles_nothing():
     torch.cuda.synchronize()
     assert int(status[0]) == 0
     assert kernel_watch.late_specialisations == before
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_an_abort_releases_a_fill_spinning_on_the_gpu():
+    """Mailbox.abort (the tower gone): a fill spinning on the current stream for frames that will
+    never come goes on at once, from the abort's stream of its own, with no timeout reported."""
+    import time
+
+    box = dh.Mailbox(2, 2048, torch.bfloat16, "cuda", slots=4, code_columns=N + 1)
+    box.frames_ready = True
+    try:
+        seq = box.publish(torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16))
+        box.timeout_ns = 100 * 10**9                              # 100 s: the abort, not the timer
+        ids = torch.zeros(1, dtype=torch.int64, device="cuda")
+        codes = torch.zeros(1, N, dtype=torch.int64, device="cuda")
+        started = time.monotonic()
+        box.fill(seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL)
+        box.abort()
+        torch.cuda.synchronize()
+        assert time.monotonic() - started < 10 and not box.fill_timed_out() and not box.frames_ready
+    finally:
+        box.close()

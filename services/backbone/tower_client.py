@@ -250,6 +250,9 @@ class TowerClient:
                     self._call.cancel()
                     self._call = None
                 if self.handoff is not None:
+                    # a decode step waiting on the GPU for the lost tower's frames goes on at once
+                    # (its sessions fail with the stream), so close() waits for no 2 s timeout
+                    self.handoff.abort()
                     self.handoff.close()
                     self.handoff = None
                 self.transport = ""

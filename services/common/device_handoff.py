@@ -87,6 +87,7 @@ MAX_WAITERS = 8
 # lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
 MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
+ABORTED_SEQ = 1 << 62              # a flag past any seq (Mailbox.abort)
 MAX_CODE_COLUMNS = 64              # frames of at most this many int64 columns (codebooks + stop)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -303,6 +304,12 @@ def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch
         BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
 
 
+def release_waiters(words: torch.Tensor) -> None:
+    """Queue, on the current stream, the flag of a region of int32 `words` past any seq: every
+    wait on it, queued or spinning, goes on (Mailbox.abort)."""
+    words[FLAG_WORD:FLAG_WORD + 2].view(torch.int64).fill_(ABORTED_SEQ)
+
+
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
     nbytes = hidden_size * dtype.itemsize
     if nbytes % 4:
@@ -473,6 +480,20 @@ class Mailbox(_SharedRows):
         fill_frames(self.frame_words, self.rows, self.slots, seq, ids, codes, token_offset, semantic_codes,
                     residual_codes, self._status, self.timeout_ns)
         self._status_host.copy_(self._status, non_blocking=True)
+
+    def abort(self) -> None:
+        """Let every fill of this process go on at once, whatever it waits for: the tower is gone
+        and will publish nothing more (TowerClient, when the stream breaks). Its frames' flag is
+        set past any seq from a stream of its own (a waiting fill holds the current one), and the
+        buffer takes no frames again (`frames_ready` off; the client sets up a new one)."""
+        self.frames_ready = False
+        if self.frame_words is None:
+            return
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                release_waiters(self.frame_words)
+            side.synchronize()
 
     def fill_timed_out(self) -> bool:
         """Did a fill queued so far give up waiting (the tower never published those frames)?
