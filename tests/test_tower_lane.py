@@ -122,9 +122,10 @@ async def test_a_device_handoff_is_declined_off_the_gpu_and_its_requests_fail_cl
         call, hello = await tower.connect()
         assert hello.device_uuid == ""
         await call.write(tower_pb2.StepRequest(step_id=1, handoff_handle=b"\1" * 64, handoff_rows=4,
-                                               handoff_slots=4))
+                                               handoff_slots=4, handoff_code_columns=11))
         response = await call.read()
         assert response.step_id == 1 and not response.handoff_ready and not response.codes
+        assert not response.handoff_frames_ready
         await call.write(_request(2, [_row("s", 0, 2)], torch.randn(2, 64), torch.full((2, N), -1)))
         assert not (await call.read()).row_errors
         handed = tower_pb2.StepRequest(step_id=3, rows=[_row("s", 2, 1, draw=True)], handoff_seq=1,
