@@ -304,10 +304,13 @@ def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch
         BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
 
 
-def release_waiters(words: torch.Tensor) -> None:
-    """Queue, on the current stream, the flag of a region of int32 `words` past any seq: every
-    wait on it, queued or spinning, goes on (Mailbox.abort)."""
-    words[FLAG_WORD:FLAG_WORD + 2].view(torch.int64).fill_(ABORTED_SEQ)
+def release_waiters(words: torch.Tensor, past: torch.Tensor) -> None:
+    """Queue, on the current stream, `past` (int64 [1], ABORTED_SEQ; pinned for a buffer on the
+    GPU) into the flag of a region of int32 `words`: every wait on it, queued or spinning, goes
+    on (Mailbox.abort). A copy, not a kernel: with CUDA's lazy loading (the default) the first
+    launch of a kernel waits for the context's running kernels, the spinning waiter included, so
+    a fill_ here waited out the waiter's timeout (H200, session 26 run 9)."""
+    words[FLAG_WORD:FLAG_WORD + 2].view(torch.int64).copy_(past, non_blocking=True)
 
 
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
@@ -439,6 +442,7 @@ class Mailbox(_SharedRows):
         self._unanswered: collections.deque[int] = collections.deque()
         self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._past_any_seq = torch.tensor([ABORTED_SEQ], dtype=torch.int64).pin_memory()    # abort's source
         self.timeout_ns = int(RECEIVE_TIMEOUT_S * 1e9)
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
@@ -492,7 +496,7 @@ class Mailbox(_SharedRows):
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream(self.device)
             with torch.cuda.stream(side):
-                release_waiters(self.frame_words)
+                release_waiters(self.frame_words, self._past_any_seq)
             side.synchronize()
 
     def fill_timed_out(self) -> bool:
