@@ -136,7 +136,11 @@ def test_a_decode_step_with_a_rejected_entry_gathers_the_other_rows(one_intra_op
     entries = [StepEntry(f"s{i}", prompt + (7 if i == 1 else 0), 1, draw=True, seed=i, frame_index=1,
                          **_params(i)) for i in range(3)]                  # s1's first_row is wrong
     replays, run = [], staged._graphs.run
-    staged._graphs.run = lambda ints, floats, rows, *rest: replays.append(rows.clone()) or run(ints, floats, rows, *rest)
+
+    def recording_run(ints, floats, rows, *rest):
+        replays.append(rows.clone())
+        return run(ints, floats, rows, *rest)
+    staged._graphs.run = recording_run
     published = []
     got = staged.step(entries, hidden, none[:3], publish=published.append)
     assert len(replays) == 1 and torch.equal(replays[0], hidden[[0, 2]])

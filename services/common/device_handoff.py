@@ -24,10 +24,14 @@ its host has read the response (services/backbone/scheduler.py's chained steps):
     tower:     its step -> publish the frames [n, N + 1] under seq -> the response
     backbone:  fill (spin until the frames' flag reaches seq; each row's id and codes into the
                next step's staged inputs; a stopped or out-of-range row becomes a padding row)
-               -> the next step's graph -> publish its rows under seq + 1 -> ... bench/device_handoff.py, H200 under MPS (session 25): a round trip
-of one 4 KB row through two processes' GPU work 4.4 µs, against 176 µs with the hosts in the loop
-(a pipe and the copies to and from the host), and a spinning waiter did not slow the other
-process's GEMMs (883 / 873 µs).
+               -> the next step's graph -> publish its rows under seq + 1 -> ...
+
+With both ways on the GPU, a single-stream frame is the backbone's step and the tower's back to
+back, no host between them: 4.66-4.87 -> 4.01-4.05 ms on the H200 (session 26, the same codes).
+
+bench/device_handoff.py, H200 under MPS (session 25): a round trip of one 4 KB row through two
+processes' GPU work 4.4 µs, against 176 µs with the hosts in the loop (a pipe and the copies to
+and from the host), and a spinning waiter did not slow the other process's GEMMs (883 / 873 µs).
 
 Rules that keep it safe:
 - Only under MPS. Without it the GPU time-slices between the two processes' contexts, and a tower
@@ -349,7 +353,8 @@ def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, co
         receive_rows(words[:split], rows, SLOTS, seq, torch.empty(n, hidden_size, dtype=dtype, device=device), status,
                      int(RECEIVE_TIMEOUT_S * 1e9))
         if width > 0:
-            publish_rows(words[split:], rows, SLOTS, seq, torch.zeros(n, code_columns, dtype=torch.int64, device=device))
+            frames = torch.zeros(n, code_columns, dtype=torch.int64, device=device)
+            publish_rows(words[split:], rows, SLOTS, seq, frames)
             fill_frames(words[split:], rows, SLOTS, seq, torch.empty(n, dtype=torch.int64, device=device),
                         torch.empty(n, width, dtype=torch.int64, device=device), 0, 1, 1, status,
                         int(RECEIVE_TIMEOUT_S * 1e9))

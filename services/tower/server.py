@@ -379,7 +379,8 @@ async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, 
                              prefix_cache_mb=prefix_cache_mb)
         engine.warm_up()
         if device_handoff.enabled(engine.device):
-            device_handoff.warm_up_handoff(engine.device, engine.model.hidden_size, engine.hidden_dtype, cfg.num_codebooks + 1)
+            device_handoff.warm_up_handoff(engine.device, engine.model.hidden_size, engine.hidden_dtype,
+                                           cfg.num_codebooks + 1)
         return engine
 
     engine = await loop.run_in_executor(servicer.worker, load)
