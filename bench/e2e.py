@@ -626,7 +626,7 @@ class StackRun:
     peak_gpu_note: str | None = None
     frames_note: str | None = None
     backbone_memory: str | None = None                              # the backbone's own report line
-    tower_stream: str | None = None                                 # "lane" or "grpc" (backbone log)
+    tower_stream: str | None = None                                 # "lane", "grpc", or with the hand-off (backbone log)
     error: str | None = None
     pool: dict = field(default_factory=lambda: {k: stage_env()[k] for k in ("DRAMA_MAX_ROWS",
                                                                            "DRAMA_MAX_CONTEXT_TOKENS")})
@@ -692,9 +692,15 @@ def memory_line(log_lines: list[str]) -> str | None:
 
 def tower_stream(log_lines: list[str]) -> str | None:
     """How the backbone's Step stream to the tower ran, from its "... Step stream over ..." line
-    (the last connect): "lane" (services/common/local_lane.py) or "grpc"."""
+    (the last connect): "lane" (services/common/local_lane.py) or "grpc"; with the device hand-off
+    (services/common/device_handoff.py) "lane, rows through GPU memory", or "lane, rows and
+    frames through GPU memory" when decode steps may chain on the tower's frames."""
     for line in reversed(log_lines):
         if "Step stream over the lane" in line:
+            if "and their frames back" in line:
+                return "lane, rows and frames through GPU memory"
+            if "rows through GPU memory" in line:
+                return "lane, rows through GPU memory"
             return "lane"
         if "Step stream over gRPC" in line:
             return "grpc"

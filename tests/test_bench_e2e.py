@@ -117,3 +117,6 @@ def test_tower_stream_is_read_from_the_backbones_last_connect():
     assert e2e.tower_stream(lines) == "lane"
     assert e2e.tower_stream(lines[:2]) == "grpc"
     assert e2e.tower_stream(["no connect yet"]) is None
+    handoff = lines[2] + " (large requests through its shared memory), decode steps' rows through GPU memory"
+    assert e2e.tower_stream([handoff]) == "lane, rows through GPU memory"
+    assert e2e.tower_stream([handoff + " and their frames back"]) == "lane, rows and frames through GPU memory"
