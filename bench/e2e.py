@@ -626,7 +626,7 @@ class StackRun:
     peak_gpu_note: str | None = None
     frames_note: str | None = None
     backbone_memory: str | None = None                              # the backbone's own report line
-    tower_stream: str | None = None                                 # "lane", "grpc", or with the hand-off (backbone log)
+    tower_stream: str | None = None           # "lane" (+ the hand-off), or "grpc" (backbone log)
     error: str | None = None
     pool: dict = field(default_factory=lambda: {k: stage_env()[k] for k in ("DRAMA_MAX_ROWS",
                                                                            "DRAMA_MAX_CONTEXT_TOKENS")})
