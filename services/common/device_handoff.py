@@ -27,7 +27,7 @@ its host has read the response (services/backbone/scheduler.py's chained steps):
                -> the next step's graph -> publish its rows under seq + 1 -> ...
 
 With both ways on the GPU, a single-stream frame is the backbone's step and the tower's back to
-back, no host between them: 4.66-4.87 -> 4.01-4.05 ms on the H200 (session 26, the same codes).
+back, no host between them: 4.51-4.87 -> 4.00-4.05 ms on the H200 (session 26, the same codes).
 
 bench/device_handoff.py, H200 under MPS (session 25): a round trip of one 4 KB row through two
 processes' GPU work 4.4 µs, against 176 µs with the hosts in the loop (a pipe and the copies to
