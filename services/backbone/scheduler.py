@@ -950,7 +950,7 @@ class Scheduler:
         - the tower client's hand-off passes frames back, the tower takes a second request, and
           this is the loop's only step in flight: an inline step (one step at a time otherwise)
           sent through that same hand-off, with no other place claimed;
-        - its sessions are all the active ones, and none is queued: anyone else (a prompt to
+        - its sessions (one entry each) are all the active ones, and none is queued: anyone else (a prompt to
           prefill, a session paused or held) waits for the group's next planned step, which
           comes only once a chain breaks;
         - each of its sessions goes on past that frame whatever it is: still on the entry's
@@ -978,8 +978,6 @@ class Scheduler:
                     or len(s.chunk_frames) + 2 > s.job.sampling.max_new_tokens
                     or s.buffered_frames + len(s.pending) + 2 >= self.session_buffer_frames):
                 return None
-        if len({id(e.session) for e in last.entries}) != len(self._active):
-            return None
         entries = []
         for e in last.entries:
             e.session.in_step = e.session.chained = True

@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 
 SLOTS = 4                          # rows of this many published steps live at once
 RECEIVE_TIMEOUT_S = 2.0            # a waiter gives up after this (a decode step takes ~3-25 ms)
+RECEIVE_TIMEOUT_NS = int(RECEIVE_TIMEOUT_S * 1e9)
 HEADER_WORDS = 64                  # int32 words before the slots: the flag (int64) and the ticket,
 FLAG_WORD, TICKET_WORD = 0, 32     # each on a 128-byte line of its own
 ROW_WORDS_PER_PROGRAM = 1024       # a program copies 4 KB (one bf16 row of 2048) at a time
@@ -351,13 +352,13 @@ def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, co
     for seq, n in enumerate((1, rows), start=1):
         publish_rows(words[:split], rows, SLOTS, seq, torch.zeros(n, hidden_size, dtype=dtype, device=device))
         receive_rows(words[:split], rows, SLOTS, seq, torch.empty(n, hidden_size, dtype=dtype, device=device), status,
-                     int(RECEIVE_TIMEOUT_S * 1e9))
+                     RECEIVE_TIMEOUT_NS)
         if width > 0:
             frames = torch.zeros(n, code_columns, dtype=torch.int64, device=device)
             publish_rows(words[split:], rows, SLOTS, seq, frames)
             fill_frames(words[split:], rows, SLOTS, seq, torch.empty(n, dtype=torch.int64, device=device),
                         torch.empty(n, width, dtype=torch.int64, device=device), 0, 1, 1, status,
-                        int(RECEIVE_TIMEOUT_S * 1e9))
+                        RECEIVE_TIMEOUT_NS)
     torch.cuda.synchronize(device)
     if int(status[0]):
         raise HandoffError("the device hand-off's warm-up waited in vain for its own rows")
@@ -396,6 +397,23 @@ class _SharedRows:
         self.words: torch.Tensor | None = None          # the hidden rows' region
         self.frame_words: torch.Tensor | None = None    # the frames' region (code_columns > 0)
         self.frames_ready = False                        # both ends agreed to pass frames there
+        # the record of this end's waits (receive, fill): 1 once one gave up; its host copy is
+        # queued behind each wait and read after the step (_gave_up)
+        self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.timeout_ns = RECEIVE_TIMEOUT_NS
+
+    def _recorded(self) -> None:
+        """Queue the wait record's copy to the host behind a wait just queued."""
+        self._status_host.copy_(self._status, non_blocking=True)
+
+    def _gave_up(self) -> bool:
+        """Did a wait queued so far give up? Read once the stream has run it; clears the record."""
+        if int(self._status_host[0]):
+            self._status.zero_()
+            self._status_host.zero_()
+            return True
+        return False
 
     def _map(self, ptr: int) -> None:
         self._ptr = ptr
@@ -445,10 +463,7 @@ class Mailbox(_SharedRows):
         torch.cuda.synchronize(self.device)
         self.seq = 0
         self._unanswered: collections.deque[int] = collections.deque()
-        self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._past_any_seq = torch.tensor([ABORTED_SEQ], dtype=torch.int64).pin_memory()    # abort's source
-        self.timeout_ns = int(RECEIVE_TIMEOUT_S * 1e9)
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         _cudart().cudaFree(ptr)
@@ -488,7 +503,7 @@ class Mailbox(_SharedRows):
                              f"{self.rows} rows a step)")
         fill_frames(self.frame_words, self.rows, self.slots, seq, ids, codes, token_offset, semantic_codes,
                     residual_codes, self._status, self.timeout_ns)
-        self._status_host.copy_(self._status, non_blocking=True)
+        self._recorded()
 
     def abort(self) -> None:
         """Let every fill of this process go on at once, whatever it waits for: the tower is gone
@@ -507,11 +522,7 @@ class Mailbox(_SharedRows):
     def fill_timed_out(self) -> bool:
         """Did a fill queued so far give up waiting (the tower never published those frames)?
         Read once the stream has run it; clears the record."""
-        if int(self._status_host[0]):
-            self._status.zero_()
-            self._status_host.zero_()
-            return True
-        return False
+        return self._gave_up()
 
 
 class Inbox(_SharedRows):
@@ -531,9 +542,6 @@ class Inbox(_SharedRows):
                    "cudaIpcOpenMemHandle")
         self._map(ptr.value)
         self.received = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
-        self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self.timeout_ns = int(RECEIVE_TIMEOUT_S * 1e9)
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         _cudart().cudaIpcCloseMemHandle(ptr)
@@ -545,7 +553,7 @@ class Inbox(_SharedRows):
             raise ValueError(f"step {seq} of {n_rows} rows: the buffer holds 1..{self.rows} rows a step")
         out = self.received[:n_rows]
         receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns)
-        self._status_host.copy_(self._status, non_blocking=True)
+        self._recorded()
         return out
 
     def publish_frames(self, seq: int, frames: torch.Tensor) -> None:
@@ -560,8 +568,4 @@ class Inbox(_SharedRows):
     def timed_out(self) -> bool:
         """Did a wait queued so far give up? Read once the stream has run it (the step's codes
         came back); clears the record."""
-        if int(self._status_host[0]):
-            self._status.zero_()
-            self._status_host.zero_()
-            return True
-        return False
+        return self._gave_up()
