@@ -87,7 +87,7 @@ def test_published_frames_fill_the_next_steps_inputs(n_rows):
         dh.publish_rows(words, rows, slots, seq, torch.tensor(frames, dtype=torch.int64, device=DEVICE))
         ids = torch.full((n_rows,), 77, dtype=torch.int64, device=DEVICE)
         codes = torch.full((n_rows, N), 77, dtype=torch.int64, device=DEVICE)
-        dh.fill_frames(words, rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9)
+        dh.fill_frames(words, rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9, dh.abort_word())
         for r, frame in enumerate(frames):
             bad = frame[N] != 0 or not 0 <= frame[0] < SEMANTIC or any(not 0 <= c < RESIDUAL for c in frame[1:N])
             assert bad == (n_rows > 1 and r in (0, 1, n_rows - 1)), (seq, r)
@@ -107,15 +107,15 @@ def test_the_warm_up_runs_every_kernel(monkeypatch):
 
 @kernel
 def test_released_waiters_go_on_at_once():
-    """release_waiters (Mailbox.abort, the tower gone): a fill for frames never published goes on
+    """A set abort word (Mailbox.abort, the tower gone): a fill for frames never published goes on
     without waiting for its timeout, and reports no timeout."""
     words = _frames_buffer(2, 4)
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    past = torch.tensor([dh.ABORTED_SEQ])
-    dh.release_waiters(words, past.pin_memory() if CUDA else past)
+    abort = dh.abort_word()
+    abort[0] = 1
     ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     codes = torch.zeros(1, N, dtype=torch.int64, device=DEVICE)
-    dh.fill_frames(words, 2, 4, 7, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**12)      # ~17 min
+    dh.fill_frames(words, 2, 4, 7, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**12, abort)   # ~17 min
     assert int(status[0]) == 0
 
 
@@ -125,7 +125,7 @@ def test_a_fill_for_frames_never_published_gives_up():
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     codes = torch.zeros(1, N, dtype=torch.int64, device=DEVICE)
-    dh.fill_frames(words, 2, 4, 1, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 1_000_000)     # 1 ms
+    dh.fill_frames(words, 2, 4, 1, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 1_000_000, dh.abort_word())  # 1 ms
     assert int(status[0]) == 1
 
 
@@ -143,7 +143,7 @@ def test_published_rows_come_out_of_their_slot(n_rows):
         sent = torch.randn(n_rows, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
         dh.publish_rows(words, rows, slots, seq, sent)
         out = torch.full((n_rows, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        dh.receive_rows(words, rows, slots, seq, out, status, timeout_ns=10**9)
+        dh.receive_rows(words, rows, slots, seq, out, status, 10**9, dh.abort_word())
         assert torch.equal(out.cpu(), sent.cpu()), seq
         assert int(words[dh.FLAG_WORD:].view(torch.int64)[0]) == seq
         assert int(words[dh.TICKET_WORD]) == 0
@@ -156,7 +156,7 @@ def test_a_wait_for_a_step_never_published_gives_up():
     words = torch.zeros(dh.buffer_bytes(rows, hidden, torch.bfloat16, slots) // 4, dtype=torch.int32, device=DEVICE)
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.zeros(1, hidden, dtype=torch.bfloat16, device=DEVICE)
-    dh.receive_rows(words, rows, slots, 1, out, status, timeout_ns=1_000_000)     # 1 ms
+    dh.receive_rows(words, rows, slots, 1, out, status, 1_000_000, dh.abort_word())     # 1 ms
     assert int(status[0]) == 1
 
 
@@ -279,16 +279,17 @@ def test_after_the_warm_up_serving_compiles_nothing():
                         device="cuda")
     split = dh._rows_region_words(rows, 2048, torch.bfloat16, slots)
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    abort = dh.abort_word()
     inputs = torch.zeros((3 + N) * 1, dtype=torch.int64, device="cuda")       # bucket 1's staged inputs
     for seq in range(1, 2 * slots + 1):
         n = 1 if seq % 2 else 3
         dh.publish_rows(words[:split], rows, slots, seq, torch.zeros(n, 2048, dtype=torch.bfloat16, device="cuda"))
         dh.receive_rows(words[:split], rows, slots, seq, torch.empty(n, 2048, dtype=torch.bfloat16, device="cuda"),
-                        status, 10**9)
+                        status, 10**9, abort)
         dh.publish_rows(words[split:], rows, slots, seq, torch.zeros(n, N + 1, dtype=torch.int64, device="cuda"))
         ids, codes = (inputs[2:3], inputs[3:].view(1, N)) if n == 1 else (
             torch.empty(n, dtype=torch.int64, device="cuda"), torch.empty(n, N, dtype=torch.int64, device="cuda"))
-        dh.fill_frames(words[split:], rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9)
+        dh.fill_frames(words[split:], rows, slots, seq, ids, codes, OFFSET, SEMANTIC, RESIDUAL, status, 10**9, abort)
     torch.cuda.synchronize()
     assert int(status[0]) == 0
     assert kernel_watch.late_specialisations == before
@@ -297,9 +298,10 @@ def test_after_the_warm_up_serving_compiles_nothing():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_an_abort_releases_a_fill_spinning_on_the_gpu():
     """Mailbox.abort (the tower gone): a fill spinning on the current stream for frames that will
-    never come goes on at once, from the abort's stream of its own, with no timeout reported.
-    (Run 9 on the H200: an abort by a fill_ kernel waited out the timeout, lazily loaded behind
-    the spinner; it is a copy from pinned memory now.)"""
+    never come goes on at once, with no timeout reported. (On the H200 an abort through the
+    GPU waited out the timeout behind the spinning fill: a fill_ kernel from another stream in
+    session 26 run 9, a copy from pinned memory from another stream in session 27 run 1. It is a
+    store of the CPU into host memory the fill reads now.)"""
     import time
 
     box = dh.Mailbox(2, 2048, torch.bfloat16, "cuda", slots=4, code_columns=N + 1)

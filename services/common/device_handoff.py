@@ -92,7 +92,6 @@ MAX_WAITERS = 8
 # lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
 MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
-ABORTED_SEQ = 1 << 62              # a flag past any seq (Mailbox.abort)
 MAX_CODE_COLUMNS = 64              # frames of at most this many int64 columns (codebooks + stop)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -184,19 +183,28 @@ if HAS_TRITON:
                                          pack=1)
 
     @triton.jit
-    def _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER: tl.constexpr):
+    def _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq, with an acquire at system scope (what the flag's
         release published is then seen); past timeout_ns (TIMER; else after one look, for the
-        interpreter) give up with status = 1."""
+        interpreter) give up with status = 1. Every 64th turn also read the abort word
+        (host memory in serving, written by the host's CPU: _SharedRows.abort), and go on once it
+        is set, with no status: no CUDA call can release a waiter whose stream other work may
+        share a hardware queue with (session 27: a copy from a stream of its own waited out the
+        timeout behind the spinning fill)."""
         want = seq.to(tl.int64)
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        aborted = tl.load(abort_ptr, volatile=True)
         if TIMER:
             start = _now()
             now = start
-            while (seen < want) & (now - start < timeout_ns):
+            turns = 0
+            while (seen < want) & (now - start < timeout_ns) & (aborted == 0):
                 seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
                 now = _now()
-        if seen < want:
+                turns += 1
+                if turns % 64 == 0:         # a read of host memory: not at every turn
+                    aborted = tl.load(abort_ptr, volatile=True)
+        if (seen < want) & (aborted == 0):
             tl.store(status_ptr, 1)
 
     # No integer argument is specialised: a value of 1 or a multiple of 16 would otherwise compile a
@@ -219,13 +227,13 @@ if HAS_TRITON:
             tl.atomic_xchg(flag_ptr, seq.to(tl.int64), sem="release", scope="sys")
 
     @triton.jit(do_not_specialize=["seq", "n_words", "timeout_ns"])
-    def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns,
+    def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns, abort_ptr,
                         BLOCK: tl.constexpr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq (acquire, system scope), then copy n_words src -> dst
         (from L2: `.cg`, never a line this SM's L1 kept from the slot's last use), BLOCK words at
         a time, program p taking blocks p, p + programs, ... Past timeout_ns (TIMER; else after
         one look, for the interpreter): status = 1, and copy anyway."""
-        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER)
         for block in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
             offs = block * BLOCK + tl.arange(0, BLOCK)
             ok = offs < n_words
@@ -236,7 +244,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["seq", "n_rows", "token_offset", "semantic_codes", "residual_codes",
                                     "timeout_ns"], do_not_specialize_on_alignment=["ids_ptr", "codes_ptr"])
     def _fill_kernel(flag_ptr, seq, frames_ptr, n_rows, ids_ptr, codes_ptr, token_offset, semantic_codes,
-                     residual_codes, status_ptr, timeout_ns, N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     residual_codes, status_ptr, timeout_ns, abort_ptr, N: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq (acquire, system scope; past timeout_ns: status = 1,
         and go on), then turn the published frames int64 [n_rows, N + 1] (N codes, then the stop
@@ -244,7 +252,7 @@ if HAS_TRITON:
         that stopped, or has a code out of its codebook's range (c_0 < semantic_codes, c_k <
         residual_codes), becomes a padding row instead (id 0, codes all -1: a text row of token
         0), so whatever arrives the step reads only its own tables. One program."""
-        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, TIMER)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER)
         r = tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_N)
         cell = (r[:, None] < n_rows) & (c[None, :] < N)
@@ -283,39 +291,32 @@ def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: t
 
 
 def receive_rows(words: torch.Tensor, rows: int, slots: int, seq: int, out: torch.Tensor, status: torch.Tensor,
-                 timeout_ns: int) -> None:
+                 timeout_ns: int, abort: torch.Tensor) -> None:
     """Queue the wait for seq in a buffer's flag and the copy of slot seq % slots into out [n, H]
-    (status [1] int32 := 1 if the wait gave up; the Inbox's launch)."""
+    (status [1] int32 := 1 if the wait gave up; abort [1] int32, set: go on at once, see
+    _wait_for; the Inbox's launch)."""
     row_words = _row_words(out.shape[1], out.dtype)
     slot, n_words = _slot(words, rows, slots, seq, row_words), out.shape[0] * row_words
     _receive_kernel[(min(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM), MAX_WAITERS),)](
         words[FLAG_WORD:].view(torch.int64), seq, slot, out.view(torch.int32).reshape(-1), n_words,
-        status, timeout_ns, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
+        status, timeout_ns, abort, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
 
 
 def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch.Tensor, codes: torch.Tensor,
                 token_offset: int, semantic_codes: int, residual_codes: int, status: torch.Tensor,
-                timeout_ns: int) -> None:
+                timeout_ns: int, abort: torch.Tensor) -> None:
     """Queue the wait for the frames published under seq in a region of int32 `words` (HEADER_WORDS,
     then slots x rows frames of N + 1 int64) and their rows' inputs into ids int64 [n] and codes
-    int64 [n, N] (contiguous rows; status [1] int32 := 1 if the wait gave up; Mailbox.fill's launch)."""
+    int64 [n, N] (contiguous rows; status [1] int32 := 1 if the wait gave up; abort as
+    receive_rows'; Mailbox.fill's launch)."""
     n, width = codes.shape
     if ids.shape != (n,) or ids.dtype != torch.int64 or codes.dtype != torch.int64 or codes.stride() != (width, 1):
         raise ValueError(f"inputs ids {tuple(ids.shape)} {ids.dtype} / codes {tuple(codes.shape)} {codes.dtype}")
     slot = _slot(words, rows, slots, seq, 2 * (width + 1))
     _fill_kernel[(1,)](
         words[FLAG_WORD:].view(torch.int64), seq, slot.view(torch.int64), n, ids, codes, token_offset,
-        semantic_codes, residual_codes, status, timeout_ns, N=width, BLOCK_R=triton.next_power_of_2(max(n, MAX_ROWS)),
+        semantic_codes, residual_codes, status, timeout_ns, abort, N=width, BLOCK_R=triton.next_power_of_2(max(n, MAX_ROWS)),
         BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
-
-
-def release_waiters(words: torch.Tensor, past: torch.Tensor) -> None:
-    """Queue, on the current stream, `past` (int64 [1], ABORTED_SEQ; pinned for a buffer on the
-    GPU) into the flag of a region of int32 `words`: every wait on it, queued or spinning, goes
-    on (Mailbox.abort). A copy, not a kernel: with CUDA's lazy loading (the default) the first
-    launch of a kernel waits for the context's running kernels, the spinning waiter included, so
-    a fill_ here waited out the waiter's timeout (H200, session 26 run 9)."""
-    words[FLAG_WORD:FLAG_WORD + 2].view(torch.int64).copy_(past, non_blocking=True)
 
 
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
@@ -338,6 +339,12 @@ def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int, co
     return 4 * (_rows_region_words(rows, hidden_size, dtype, slots) + frames)
 
 
+def abort_word() -> torch.Tensor:
+    """An int32 [1] the waits read (receive_rows, fill_frames): host memory, pinned where CUDA is,
+    which the GPU reads where it lies (mapped pinned memory) and the CPU sets with a plain store."""
+    return torch.zeros(1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
 def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, code_columns: int) -> None:
     """Compile every kernel here before SERVING (each stage's warm-up, when `enabled`): publish,
     receive and fill, through a buffer of this process laid out as a Mailbox's, a step of one row
@@ -349,16 +356,17 @@ def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, co
                         device=device)
     split = _rows_region_words(rows, hidden_size, dtype, SLOTS)
     status = torch.zeros(1, dtype=torch.int32, device=device)
+    abort = abort_word()
     for seq, n in enumerate((1, rows), start=1):
         publish_rows(words[:split], rows, SLOTS, seq, torch.zeros(n, hidden_size, dtype=dtype, device=device))
         receive_rows(words[:split], rows, SLOTS, seq, torch.empty(n, hidden_size, dtype=dtype, device=device), status,
-                     RECEIVE_TIMEOUT_NS)
+                     RECEIVE_TIMEOUT_NS, abort)
         if width > 0:
             frames = torch.zeros(n, code_columns, dtype=torch.int64, device=device)
             publish_rows(words[split:], rows, SLOTS, seq, frames)
             fill_frames(words[split:], rows, SLOTS, seq, torch.empty(n, dtype=torch.int64, device=device),
                         torch.empty(n, width, dtype=torch.int64, device=device), 0, 1, 1, status,
-                        RECEIVE_TIMEOUT_NS)
+                        RECEIVE_TIMEOUT_NS, abort)
     torch.cuda.synchronize(device)
     if int(status[0]):
         raise HandoffError("the device hand-off's warm-up waited in vain for its own rows")
@@ -402,6 +410,7 @@ class _SharedRows:
         self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.timeout_ns = RECEIVE_TIMEOUT_NS
+        self._abort = abort_word()                       # read by this end's waits: abort()
 
     def _recorded(self) -> None:
         """Queue the wait record's copy to the host behind a wait just queued."""
@@ -463,7 +472,6 @@ class Mailbox(_SharedRows):
         torch.cuda.synchronize(self.device)
         self.seq = 0
         self._unanswered: collections.deque[int] = collections.deque()
-        self._past_any_seq = torch.tensor([ABORTED_SEQ], dtype=torch.int64).pin_memory()    # abort's source
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         _cudart().cudaFree(ptr)
@@ -502,22 +510,16 @@ class Mailbox(_SharedRows):
             raise ValueError(f"frames of step {seq} for {codes.shape[0]} rows (published up to {self.seq}, "
                              f"{self.rows} rows a step)")
         fill_frames(self.frame_words, self.rows, self.slots, seq, ids, codes, token_offset, semantic_codes,
-                    residual_codes, self._status, self.timeout_ns)
+                    residual_codes, self._status, self.timeout_ns, self._abort)
         self._recorded()
 
     def abort(self) -> None:
         """Let every fill of this process go on at once, whatever it waits for: the tower is gone
-        and will publish nothing more (TowerClient, when the stream breaks). Its frames' flag is
-        set past any seq from a stream of its own (a waiting fill holds the current one), and the
-        buffer takes no frames again (`frames_ready` off; the client sets up a new one)."""
+        and will publish nothing more (TowerClient, when the stream breaks). A store of the host's
+        CPU into the abort word the waits read (_wait_for), no CUDA call; the buffer takes no
+        frames again (`frames_ready` off, and its waits no longer wait: the client sets up a new one)."""
         self.frames_ready = False
-        if self.frame_words is None:
-            return
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(side):
-                release_waiters(self.frame_words, self._past_any_seq)
-            side.synchronize()
+        self._abort[0] = 1
 
     def fill_timed_out(self) -> bool:
         """Did a fill queued so far give up waiting (the tower never published those frames)?
@@ -552,7 +554,7 @@ class Inbox(_SharedRows):
         if not (0 < n_rows <= self.rows) or seq < 1:
             raise ValueError(f"step {seq} of {n_rows} rows: the buffer holds 1..{self.rows} rows a step")
         out = self.received[:n_rows]
-        receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns)
+        receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns, self._abort)
         self._recorded()
         return out
 
