@@ -54,14 +54,13 @@ def cases() -> dict:
     moe_ptrs = dict(counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"),
                     num_active_ptr=_ptr("i32"))
     gemm_ptrs = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
-                     final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"), cw_ptr=_ptr("bf16"), cs_ptr=_ptr("bf16"),
-                     slot_ptr=_ptr("i64"))
-    gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE", "C"}
+                     final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
+    gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
-    def gemm(bm, tiles, bn=64, conv=False):     # GDN in_proj's launch (BK 128, whole K), PDL on
+    def gemm(bm, tiles):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
         return (decode_gemm._decode_gemm_kernel, gemm_ptrs,
-                dict(BM=bm, BN=bn, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
-                     CONV=conv, TAPS=4, PDL=True, **dot), 4, 3, gemm_div16)
+                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
+                     PDL=True, **dot), 4, 3, gemm_div16)
 
     def split_gemm():        # out_proj's launch (K in 4 ranges, 4 stages), its reduce by the last program
         return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32")),
@@ -77,19 +76,6 @@ def cases() -> dict:
                 dict(BM=cfg["BM"], BN=cfg["BN_GU"], SPLIT=cfg["SPLIT"], FP8_DOT=cfg["FP8_DOT"], SHARED=True,
                      KX=cfg["SHARED_KX"], REDUCE=reduce, PDL=True, **dot),
                 cfg["num_warps"], cfg["num_stages"], {"H", "I", "stride_we", "stride_wn", "stride_u", "IS"})
-
-    route_ptrs = dict(u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"),
-                      num_active_ptr=_ptr("i32"), sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16"), counts_ptr=_ptr("i32"),
-                      lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"))
-    route_constexprs = dict(S=16, KP=8, GP=16, GATE=True, KEYED_TOPK=True, TICKETS=moe_decode.REDUCE_TICKETS, PDL=True)
-
-    def router(routes):      # the decode router GEMV; ROUTE: its last program routes the one row
-        lay = moe_decode.ROUTER_LAYOUT
-        return (moe_decode._router_partial_kernel,
-                dict(route_ptrs, w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32"), rw_ptr=_ptr("bf16"),
-                     reduce_tickets_ptr=_ptr("i32"), route_ticket_ptr=_ptr("i32")),
-                dict(route_constexprs, KR=128, RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=False, UNROLL=True,
-                     ROUTE=routes, BEP=256), 4, 3, {"H", "E", "stride_u"})
 
     draw_ptrs = dict(temperature_ptr=_ptr("fp32"), top_p_ptr=_ptr("fp32"), top_k_ptr=_ptr("i64"),
                      seed_ptr=_ptr("i64"), take_ptr=_ptr("i64"), frame_ptr=_ptr("i64"))
@@ -123,16 +109,21 @@ def cases() -> dict:
                          dict(SPLIT=cfg["SPLIT"], SHARED_SPLIT=cfg["SPLIT"] * cfg["SHARED_KX"], BM=16, PDL=True),
                          4, 3, {"I", "IS"}),
         "route_quant": (moe_decode._route_quant_kernel,
-                        dict(route_ptrs, ws_ptr=_ptr("fp32"), w_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32")),
-                        dict(route_constexprs, BE=256, LISTS=True),
+                        dict(ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), w_ptr=_ptr("bf16"),
+                             xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), num_active_ptr=_ptr("i32"),
+                             sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16"), counts_ptr=_ptr("i32"), lists_ptr=_ptr("i32"),
+                             active_ptr=_ptr("i32"), tickets_ptr=_ptr("i32")),
+                        dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
+                             TICKETS=moe_decode.REDUCE_TICKETS, PDL=True),
                         moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
-        "router_partial": router(False),
-        "router_routes": router(True),      # one row: the last program routes it (ROUTE_IN_ROUTER)
+        "router_partial": (moe_decode._router_partial_kernel,
+                           dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
+                           dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
+                                BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
+                           4, 3, {"H", "E", "stride_u"}),
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
-        "gemm_in_proj": gemm(64, 1, bn=32),             # GDN in_proj as served (TUNED: BN 32)
-        "gemm_in_proj_conv": gemm(64, 1, bn=32, conv=True),   # .. with the conv in its store
         "gemm_split_last_reduces": split_gemm(),
         "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
                               dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),

@@ -12,11 +12,6 @@ attributes that the kernels read at every call (so graphs captured under a setti
     session20       session 20's decode_gemm.TUNED (the tower's down projection only)
     norm-separate   decode_gemm.NORM_IN_REDUCE off: the post-attention norm in its own launch
                     after the out-projection's split reduce (before session 22)
-    conv-launch     decode_gemm.CONV_IN_STORE off: GDN's decode conv in its own launch after
-                    in_proj (before session 27)
-    route-launch    moe_decode.ROUTE_IN_ROUTER off: a one-row step's routing in its own launch
-                    after the router GEMV (before session 27)
-    session26       both of the above: the decode step as session 26 left it
 """
 
 from __future__ import annotations
@@ -25,16 +20,13 @@ import contextlib
 
 import torch
 
-from services.backbone.kernels import decode_gemm, moe_decode
+from services.backbone.kernels import decode_gemm
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
-            "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False},
-            "conv-launch": {(decode_gemm, "CONV_IN_STORE"): False},
-            "route-launch": {(moe_decode, "ROUTE_IN_ROUTER"): False},
-            "session26": {(decode_gemm, "CONV_IN_STORE"): False, (moe_decode, "ROUTE_IN_ROUTER"): False}}
+            "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False}}
 
 
 @contextlib.contextmanager

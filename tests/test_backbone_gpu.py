@@ -244,34 +244,6 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
 
 
 @cuda
-def test_conv_in_the_in_projections_store_changes_no_bit(monkeypatch):
-    """Graphed decode steps with GDN's conv in the in_proj GEMM's store (decode_gemm.GDNConv; MID's
-    in_proj given K in one range, as the full model's has) give the bits of the conv's own launch
-    after it, step after step: rows and the conv states the next steps read."""
-    from services.backbone.kernels import decode_gemm
-
-    ref = random_backbone(MID, device="cpu", seed=7)
-    heads = MID.linear_num_value_heads
-    in_proj = (MID.conv_dim + heads * MID.linear_value_head_dim + 2 * heads, MID.hidden_size, torch.bfloat16)
-    monkeypatch.setitem(decode_gemm.TUNED, in_proj, dict(SPLIT=1))
-    gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, MID.vocab_size, (n,), generator=gen) for n in (5, 33, 120)]
-    steps = torch.randint(0, MID.vocab_size, (16, 3), generator=gen)
-    out = {}
-    for in_store in (True, False):
-        monkeypatch.setattr(decode_gemm, "CONV_IN_STORE", in_store)
-        model = copy_to(ref, "cuda", kernels=True, decode_graphs=True)
-        assert decode_gemm.takes_conv(model.layers[0].linear_attn.in_proj_fused) == in_store
-        engine = BackboneEngine(model, max_sessions=4, max_context=200)
-        slots = [engine.open() for _ in prompts]
-        rows = list(engine.step([(s, p, None) for s, p in zip(slots, prompts)]))
-        for t in steps:
-            rows += engine.step([(s, t[j:j + 1], None) for j, s in enumerate(slots)])
-        out[in_store] = torch.cat([r.reshape(-1, r.shape[-1]) for r in rows])
-    assert torch.equal(out[True], out[False])
-
-
-@cuda
 def test_a_graphed_step_filled_from_the_towers_frames_equals_the_step_given_its_rows(tiny_checkpoint):
     """A chained decode step (services/common/device_handoff.py: the tower's frames published
     into the Mailbox, Mailbox.fill writing them into the decode graph's staged inputs) gives the

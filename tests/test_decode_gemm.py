@@ -325,64 +325,6 @@ def test_norm_in_the_reduce_launch(monkeypatch, m, residual):
     torch.testing.assert_close(u2.float(), ref, rtol=8e-3, atol=8e-3)
 
 
-def conv_operands(m, c, taps=4, slots=9, seed=13):
-    """GDN's conv at a decode step: weight [c, taps], a pool of `slots` conv states and m distinct
-    slots in a shuffled order (decode_gemm.GDNConv), on DEVICE."""
-    gen = torch.Generator().manual_seed(seed)
-    weight = (0.5 * torch.randn(c, taps, generator=gen)).to(torch.bfloat16)
-    state = torch.randn(slots, c, taps - 1, generator=gen).to(torch.bfloat16)
-    rows = torch.randperm(slots, generator=gen)[:m]
-    return decode_gemm.GDNConv(weight.to(DEVICE), state.to(DEVICE), rows.to(DEVICE))
-
-
-def conv_then(out, conv):
-    """The conv as its own launch after the GEMM: causal_conv1d_update on a copy."""
-    from services.backbone.kernels import gdn
-
-    out, state = out.clone(), conv.state.clone()
-    c = conv.weight.shape[0]
-    out[:, :c] = gdn.causal_conv1d_update(out[:, :c], conv.weight, state, slots=conv.slots)
-    return out, state
-
-
-@kernel
-@pytest.mark.parametrize("m", [1, 3, 9])
-@pytest.mark.parametrize("split", [1, 2])
-def test_conv_in_the_gemm_equals_the_conv_launch(monkeypatch, m, split):
-    """conv= (GDN's in_proj at a decode step): K in one range, the conv runs in the GEMM's store;
-    split, after the reduce; with DRAMA_DECODE_GEMM_CONV=0, after the GEMM. Each gives the bits of
-    the GEMM then causal_conv1d_update, for the conv channels (below C, which ends inside a column
-    block here), the columns past them, and the states of the rows' slots (the others untouched).
-    In the interpreter causal_conv1d_update is torch's and the interpreter's casts to bf16 may
-    truncate: there the conv channels agree within one bf16 step."""
-    x, w, _ = operands(m, 80, 256, torch.bfloat16, False, seed=12)
-    conv = conv_operands(m, 40)
-    config = dict(BM=64, BN=32, BK=128, SPLIT=split, num_warps=4, num_stages=3)
-    want, want_state = conv_then(decode_gemm.decode_linear(x, w, config=config), conv)
-    for in_store in (True, False):
-        monkeypatch.setattr(decode_gemm, "CONV_IN_STORE", in_store)
-        state = conv.state.clone()
-        got = decode_gemm.decode_linear(x, w, config=config, conv=conv._replace(state=state))
-        if CUDA or not in_store:
-            assert torch.equal(got, want), (in_store, float((got.float() - want.float()).abs().max()))
-        else:
-            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -12)
-            assert torch.equal(got[:, 40:], want[:, 40:])
-        assert torch.equal(state, want_state), in_store
-
-
-def test_conv_wants_in_proj_operands():
-    x, w, r = operands(2, 64, 128, torch.bfloat16, True)
-    conv = conv_operands(2, 32)
-    with pytest.raises(ValueError, match="no residual"):
-        decode_gemm.decode_linear(x, w, r, conv=conv)
-    with pytest.raises(ValueError, match="slots"):
-        decode_gemm.decode_linear(x, w, conv=conv._replace(slots=conv.slots[:1]))
-    with pytest.raises(ValueError, match="state"):
-        decode_gemm.decode_linear(x, w, conv=conv._replace(state=conv.state[:, :16]))
-    assert decode_gemm.takes_conv(torch.empty(12352, 2048, dtype=torch.bfloat16, device="meta"))
-
-
 def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
     x, w, r = operands(2, 64, 128, torch.bfloat16, True)
     with pytest.raises(ValueError, match="gain"):
@@ -393,24 +335,6 @@ def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
 
 
 # --- GPU only ----------------------------------------------------------------------------------
-
-@gpu
-@pytest.mark.parametrize("m", [1, 8, 128])
-def test_conv_in_gdn_in_proj_equals_the_conv_launch(m):
-    """GDN in_proj's real shape and conv (8192 channels, 4 taps): the conv in the GEMM's store
-    gives the bits of the GEMM then causal_conv1d_update, and each row alone those of itself in
-    the batch."""
-    x, w, _ = operands(m, 12352, 2048, torch.bfloat16, False, seed=14)
-    conv = conv_operands(m, 8192, slots=130)
-    want, want_state = conv_then(decode_gemm.decode_linear(x, w), conv)
-    state = conv.state.clone()
-    got = decode_gemm.decode_linear(x, w, conv=conv._replace(state=state))
-    assert torch.equal(got, want) and torch.equal(state, want_state)
-    i = m - 1
-    state = conv.state.clone()
-    alone = decode_gemm.decode_linear(x[i:i + 1], w, conv=conv._replace(state=state, slots=conv.slots[i:i + 1]))
-    assert torch.equal(alone[0], got[i])
-
 
 @gpu
 def test_norm_in_the_reduce_launch_rows_do_not_depend_on_the_batch():

@@ -244,36 +244,6 @@ def test_route_decode_new_launches_equal_today():
         assert torch.equal(bits(a), bits(b)), name
 
 
-@pytest.mark.parametrize("e,h,k", [(256, 2048, 8), (16, 256, 4)])
-def test_one_row_routing_in_the_router_launch_equals_its_own_launch(monkeypatch, e, h, k):
-    """One row: the router GEMV's last program routes the row (ROUTE_IN_ROUTER) with the bits of
-    the routing launch: ids, weights, quantised row, scales, the shared gate's logit, the expert
-    lists, and gate/up's tickets zeroed. Twice in a row: the route's own ticket is zero again."""
-    from services.backbone import kernels
-
-    u, router = router_case(1, e, h)
-    _, _, gate = shared_expert(128, h)
-    got = {}
-    own_launch = moe_decode._route_quant_kernel
-    for fused in (False, True, True):
-        monkeypatch.setattr(moe_decode, "ROUTE_IN_ROUTER", fused)
-        monkeypatch.setattr(moe_decode, "_route_quant_kernel", None if fused else own_launch)   # not launched
-        route = moe_decode.route_decode(u, router, k, shared_gate=gate)
-        counts, lists, active = route.lists
-        picked = route.ids[0].long()        # counts and lists are written for the picked experts only
-        flat = [route.ids, route.weights, route.xq, route.xa, route.num_active, route.shared_gate_logit,
-                counts[picked], lists[picked], active, route.tickets]
-        for i, (a, b) in enumerate(zip(flat, got.get(fused, got.get(False, flat)))):
-            assert torch.equal(bits(a), bits(b)), (fused, i)
-        got[fused] = flat
-    assert int(route.tickets.abs().sum()) == 0
-    ticket = kernels.stream_tickets(u.device, "route_in_router", 1)
-    assert ticket is not None and int(ticket[0]) == 0
-    # more rows: the routing launch as before
-    monkeypatch.setattr(moe_decode, "_route_quant_kernel", own_launch)
-    assert moe_decode.route_decode(torch.cat([u, u]), router, k).lists is None
-
-
 @pytest.mark.parametrize("e,k", [(256, 8), (16, 4), (8, 8)])
 def test_one_row_route_writes_the_expert_lists(e, k):
     """A one-row step's routing launch writes expert_lists' output itself (DecodeRoute.lists):

@@ -408,18 +408,12 @@ class GatedDeltaNet(nn.Module):
         rows, channels = u.shape[0], self.conv_weight.shape[0]
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.k_dim, self.v_dim
         linear = decode_gemm.dense_linear(plan.decode, u, plan.gemm_rows)  # decode_linear on CUDA decode steps
-        conv_in_gemm = linear is decode_gemm.decode_linear           # the conv in the GEMM's store (or after it)
-        if conv_in_gemm:
-            proj = linear(u, self.in_proj_fused, conv=decode_gemm.GDNConv(self.conv_weight, cache.conv,
-                                                                          plan.seg_slots))
-        else:
-            proj = linear(u, self.in_proj_fused)                         # [R, c + n_v·d_v + 2·n_v]
+        proj = linear(u, self.in_proj_fused)                             # [R, c + n_v·d_v + 2·n_v]
         z = proj[:, channels:channels + hv * dv].view(rows, hv, dv)
         b = proj[:, channels + hv * dv:channels + hv * dv + hv]
         a = proj[:, channels + hv * dv + hv:]
         if plan.decode:       # one row per session: conv and recurrence in place on the pool
-            mixed = (proj[:, :channels] if conv_in_gemm else
-                     kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots))
+            mixed = kgdn.causal_conv1d_update(proj[:, :channels], self.conv_weight, cache.conv, slots=plan.seg_slots)
             q, k, v = self._heads(mixed)
             o = kgdn.gdn_decode_inplace(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, slots=plan.seg_slots)
         else:                 # all sessions' rows packed: the front in two launches, one fla call

@@ -96,24 +96,3 @@ def _pdl_device() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-_STREAM_TICKETS: dict[tuple, "object"] = {}
-
-
-def stream_tickets(device, kind: str, count: int):
-    """A zeroed int32 [count] ticket buffer of `kind` for the current stream on `device`: the
-    arrivals counted by kernels whose last program finishes a launch's work (CUTLASS's split-K
-    semaphore; that program zeroes its ticket again). Made on the stream's first eager call, so
-    graphs find it after their eager warm-up on the capture stream (services/common/cuda_graphs);
-    graph families that may replay at once are captured on different streams, so they never
-    share one. None while a graph captures on a stream that has none: the caller then takes
-    its launch without tickets."""
-    import torch
-
-    cuda = device.type == "cuda"
-    key = (kind, device.index, torch.cuda.current_stream(device).cuda_stream) if cuda else (kind, str(device))
-    tickets = _STREAM_TICKETS.get(key)
-    if tickets is None and not (cuda and torch.cuda.is_current_stream_capturing()):
-        tickets = _STREAM_TICKETS[key] = torch.zeros(count, dtype=torch.int32, device=device)
-    return tickets

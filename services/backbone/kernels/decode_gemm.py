@@ -107,14 +107,13 @@ not depend on the batch, a prefill row does not depend on packing (linear_rows).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from services.common import invariant
 from services.common.grpcutil import env_choice, env_switch
 
-from . import HAS_TRITON, INTERPRET, bf16_dot_args, decode_graph, gdn, pdl_args, stream_tickets
+from . import HAS_TRITON, INTERPRET, bf16_dot_args, decode_graph, pdl_args
 
 if HAS_TRITON:
     import triton
@@ -130,7 +129,6 @@ BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at
 LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is True   # read once at import; off by default
 TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
 NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   # read once at import
-CONV_IN_STORE = env_switch("DRAMA_DECODE_GEMM_CONV") is not False   # read once at import
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -272,9 +270,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
     return out_dtype
 
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
 def _tickets(device: torch.device) -> torch.Tensor | None:
-    """The zeroed ticket buffer of the current stream on `device` (see the module docstring)."""
-    return stream_tickets(device, "decode_gemm", TICKETS)
+    """The zeroed ticket buffer of the current stream on `device` (see the module docstring), made
+    on the stream's first eager call; None while a graph captures on a stream that has none."""
+    cuda = device.type == "cuda"
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream) if cuda else (str(device),)
+    tickets = _TICKETS.get(key)
+    if tickets is None and not (cuda and torch.cuda.is_current_stream_capturing()):
+        tickets = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return tickets
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -283,14 +290,10 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
                   config: dict | None = None, tiles: int | None = None, residual_out: bool = False,
-                  norm: tuple[torch.Tensor, float] | None = None, conv: GDNConv | None = None):
+                  norm: tuple[torch.Tensor, float] | None = None):
     """x [M, K] · weight [N, K]ᵀ (+ residual [M, N]) -> [M, N]; see the module docstring.
     With `norm` = (w [N], eps): (that, RMSNorm⁺(that; w) in bf16), the norm in the split reduce's
     launch where there is one (NORM_IN_REDUCE), else decode_graph.rms_norm_plus after it.
-    With `conv` (GDN's in_proj at a decode step, bf16, no residual): the first C = conv.weight
-    rows' columns come back as gdn.causal_conv1d_update would make them from the product, and
-    the conv state advances: in the GEMM's own store where K is one range (takes_conv), else
-    by causal_conv1d_update after it (the same bits either way: tests/test_decode_gemm.py).
 
     Runs the Triton kernel on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1, on the CPU);
     elsewhere it is invariant.linear_rows (a plain product on the CPU). `config` overrides
@@ -302,11 +305,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     if norm is not None and (out_dtype != torch.bfloat16 or norm[0].shape != (weight.shape[0],)):
         raise ValueError(f"norm takes a bf16 output and a gain of [{weight.shape[0]}], got {out_dtype} and "
                          f"{tuple(norm[0].shape)}")
-    if conv is not None:
-        _check_conv(conv, x, weight, out_dtype, residual, norm)
     if not (HAS_TRITON and (x.is_cuda or INTERPRET)):
-        out = invariant.linear_rows(x.to(weight.dtype), weight, residual)
-        return _normed(out if conv is None else _conv_after(out, conv), norm)
+        return _normed(invariant.linear_rows(x.to(weight.dtype), weight, residual), norm)
     m, k = x.shape
     n = weight.shape[0]
     out = invariant.empty_rows(m, n, dtype=out_dtype, device=x.device)
@@ -325,68 +325,23 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     tickets = (_tickets(x.device) if splits > 1 and LAST_REDUCES
                and grid[0] * grid[1] <= TICKETS else None)
-    in_store = conv is not None and splits == 1 and CONV_IN_STORE    # else causal_conv1d_update after it
-    cw, cs, slots = (conv.weight, conv.state, conv.slots) if in_store else (out, out, out)
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
         res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
         TILES=plan["tiles"], FINAL=splits == 1, HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None,
-        DOT=dot, PREC=prec, cw_ptr=cw, cs_ptr=cs, slot_ptr=slots, C=cw.shape[0] if in_store else 0, CONV=in_store,
-        TAPS=cw.shape[1] if in_store else 4, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
-        **pdl_args())
-    if conv is not None and not in_store:
-        _split_reduce(part, res, out, m, n, residual is not None, splits, tickets)
-        return _conv_after(out, conv)
+        DOT=dot, PREC=prec, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
     if splits > 1 and tickets is None and norm is not None and NORM_IN_REDUCE:
         u = invariant.empty_rows(m, n, dtype=torch.bfloat16, device=x.device)   # a GEMM input: padded storage
         _split_reduce_norm_kernel[(m,)](
             part, res, out, norm[0], u, m, n, res.stride(0), out.stride(0), u.stride(0), norm[1], SPLIT=splits,
             HAS_RESIDUAL=residual is not None, BH=triton.next_power_of_2(n), num_warps=8, **pdl_args())
         return out, u
-    _split_reduce(part, res, out, m, n, residual is not None, splits, tickets)
-    return _normed(out, norm)
-
-
-def _split_reduce(part, res, out, m: int, n: int, has_residual: bool, splits: int, tickets) -> None:
-    """The reduce launch of a split GEMM whose programs did not reduce it themselves."""
     if splits > 1 and tickets is None:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
-            HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=4, **pdl_args())
-
-
-class GDNConv(NamedTuple):
-    """decode_linear's `conv`: GDN's depthwise conv at a decode step (§4.3), weight [C, K_c], the
-    slot pool's conv states [S, C, K_c−1] (channels first, advanced in place) and each row's
-    slot [M] (int32 or int64)."""
-    weight: torch.Tensor
-    state: torch.Tensor
-    slots: torch.Tensor
-
-
-def takes_conv(weight: torch.Tensor) -> bool:
-    """Whether decode_linear runs `conv` inside its GEMM launch for this weight at every row
-    count: K in one range (a function of the shape, config_for), and DRAMA_DECODE_GEMM_CONV not 0."""
-    return CONV_IN_STORE and config_for(*weight.shape, weight.dtype)["SPLIT"] == 1
-
-
-def _check_conv(conv: GDNConv, x, weight, out_dtype, residual, norm) -> None:
-    c, taps = conv.weight.shape
-    if out_dtype != torch.bfloat16 or residual is not None or norm is not None:
-        raise ValueError("conv takes a bf16 product with no residual and no norm")
-    if not (taps >= 2 and c <= weight.shape[0] and conv.weight.is_contiguous() and conv.state.is_contiguous()
-            and tuple(conv.state.shape[1:]) == (c, taps - 1) and tuple(conv.slots.shape) == (x.shape[0],)):
-        raise ValueError(f"conv wants weight [C <= {weight.shape[0]}, K_c >= 2], state [S, C, K_c-1] and slots "
-                         f"[{x.shape[0]}], contiguous; got {tuple(conv.weight.shape)}, {tuple(conv.state.shape)}, "
-                         f"{tuple(conv.slots.shape)}")
-
-
-def _conv_after(out: torch.Tensor, conv: GDNConv) -> torch.Tensor:
-    """The conv channels of `out` replaced by causal_conv1d_update's output (its own launch)."""
-    c = conv.weight.shape[0]
-    gdn.causal_conv1d_update(out[:, :c], conv.weight, conv.state, out=out[:, :c], slots=conv.slots)
-    return out
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
+    return _normed(out, norm)
 
 
 def _normed(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
@@ -407,52 +362,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_store(acc, rows, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm,
-                    FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    cw_ptr, cs_ptr, slot_ptr, C, CONV: tl.constexpr, TAPS: tl.constexpr):
+                    FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         """FINAL: acc (+ residual, in F32) rounded once into out; else the F32 partial into the
-        workspace slice at out_ptr. CONV (FINAL only): columns below C are GDN's conv channels,
-        stored as silu(conv) of the rounded output (_conv_tile)."""
+        workspace slice at out_ptr."""
         mask = (rows < M)[:, None] & n_ok[None, :]
         r64 = rows[:, None].to(tl.int64)
         if FINAL:
             if HAS_RESIDUAL:
                 acc = acc + tl.load(r_ptr + r64 * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = acc.to(out_ptr.dtype.element_ty)
-            if CONV:
-                y = _conv_tile(y, rows, offs_n, M, cw_ptr, cs_ptr, slot_ptr, C, TAPS)
-            tl.store(out_ptr + r64 * stride_om + offs_n[None, :], y, mask=mask)
+            tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(out_ptr + r64 * stride_om + offs_n[None, :], acc, mask=mask)
-
-    @triton.jit
-    def _conv_tile(y, rows, offs_n, M, w_ptr, conv_ptr, slot_ptr, C, TAPS: tl.constexpr):
-        """GDN's decode conv update (§4.3) on a tile of in_proj's rounded output y [BM, BN]: for
-        the columns below C (conv channels), silu(conv) of each row's channel with its conv state
-        at the row's slot shifted in place, with gdn._conv_channels's arithmetic (the taps in
-        order 0..K_c−2 from the state, then the new input; rounded as causal_conv1d_update
-        rounds). Other columns pass through."""
-        ch = offs_n[None, :]
-        ok = (rows < M)[:, None] & (ch < C)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        s_base = conv_ptr + (slot[:, None] * C + ch) * (TAPS - 1)
-        acc = tl.zeros(y.shape, dtype=tl.float32)
-        for j in tl.static_range(TAPS - 1):
-            s_j = tl.load(s_base + j, mask=ok, other=0.0)
-            acc += s_j.to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=ch < C, other=0.0).to(tl.float32)
-            if j > 0:
-                tl.store(s_base + j - 1, s_j, mask=ok)
-        acc += y.to(tl.float32) * tl.load(w_ptr + ch * TAPS + TAPS - 1, mask=ch < C, other=0.0).to(tl.float32)
-        tl.store(s_base + TAPS - 2, y.to(conv_ptr.dtype.element_ty), mask=ok)
-        silu = acc * tl.sigmoid(acc)
-        return tl.where(ch < C, silu.to(y.dtype), y)
 
     @triton.jit
     def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, final_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn,
                             stride_rm, stride_om, stride_fm, K_RANGE,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                             FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                            DOT: tl.constexpr, PREC: tl.constexpr, cw_ptr, cs_ptr, slot_ptr, C,
-                            CONV: tl.constexpr = False, TAPS: tl.constexpr = 4, PDL: tl.constexpr = False):
+                            DOT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
         rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials),
         and with LAST_REDUCES the group's last program to finish adds them into final."""
@@ -497,29 +424,28 @@ if HAS_TRITON:
                 acc6 = _tile_dot(acc6, x_ptr, m0 + 6 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 7:
                 acc7 = _tile_dot(acc7, x_ptr, m0 + 7 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                    HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+        _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
         if TILES > 1:
             _tile_store(acc1, m0 + BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 2:
             _tile_store(acc2, m0 + 2 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 3:
             _tile_store(acc3, m0 + 3 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 4:
             _tile_store(acc4, m0 + 4 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 5:
             _tile_store(acc5, m0 + 5 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 6:
             _tile_store(acc6, m0 + 6 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if TILES > 7:
             _tile_store(acc7, m0 + 7 * BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
-                        HAS_RESIDUAL, cw_ptr, cs_ptr, slot_ptr, C, CONV, TAPS)
+                        HAS_RESIDUAL)
         if LAST_REDUCES:
             _last_program_reduces(part_ptr, r_ptr, final_ptr, tickets_ptr, M, N, stride_rm, stride_fm, m0, offs_n,
                                   n_ok, BM, TILES, HAS_RESIDUAL)

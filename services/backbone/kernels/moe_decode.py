@@ -59,7 +59,7 @@ import torch
 
 from services.common.grpcutil import env_switch
 
-from . import HAS_TRITON, bf16_dot_args, pdl_args, stream_tickets, use_triton
+from . import HAS_TRITON, bf16_dot_args, pdl_args, use_triton
 from . import fp8_moe
 
 if HAS_TRITON:
@@ -448,24 +448,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
-                               ids_ptr, rw_ptr, xq_ptr, xa_ptr, num_active_ptr, K, sg_ptr, gl_ptr, counts_ptr,
-                               lists_ptr, active_ptr, reduce_tickets_ptr, route_ticket_ptr,
                                KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                               DOT: tl.constexpr, UNROLL: tl.constexpr, ROUTE: tl.constexpr = False,
-                               S: tl.constexpr = 1, KP: tl.constexpr = 8, BEP: tl.constexpr = 256,
-                               GP: tl.constexpr = 16, GATE: tl.constexpr = False, KEYED_TOPK: tl.constexpr = True,
-                               TICKETS: tl.constexpr = 16, PDL: tl.constexpr = False):
+                               DOT: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
         same instructions on the same values whichever program and tile it lands in.
         UNROLL: the KR/BK steps written out (tl.static_range), so every step's loads can be in
         flight at once; the loop form may wait for each step's load in turn. The same products
-        and sums in the same order either way.
-        ROUTE (one row, M = 1): the program that draws the launch's last ticket (route_ticket,
-        zeroed again by it) routes the row as _route_quant_kernel would with LISTS (_route_row,
-        the same code and warps, so the same bits), reading the partials from L2; the routing
-        launch is then not needed."""
+        and sums in the same order either way."""
         pdl_prologue(PDL)
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rg * RB + tl.arange(0, RB)
@@ -484,17 +475,6 @@ if HAS_TRITON:
         logits = acc if DOT else tl.sum(acc, axis=2)
         tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], logits,
                  mask=r_ok[:, None] & e_ok[None, :])
-        if ROUTE:
-            # the barrier puts every thread's stores before the ticket's release (acq_rel, GPU
-            # scope); the last program's acquire makes the other programs' partials visible
-            tl.debug_barrier()
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            ticket = tl.atomic_add(route_ticket_ptr, 1, sem="acq_rel", scope="gpu")
-            if ticket == programs - 1:
-                tl.store(route_ticket_ptr, 0)
-                _route_row(rg * RB, ws_ptr, u_ptr, ids_ptr, rw_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                           E, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr, reduce_tickets_ptr,
-                           S, KP, BEP, GP, GATE, KEYED_TOPK, True, TICKETS, ".cg")
 
     @triton.jit
     def _route_quant_kernel(ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
@@ -502,36 +482,26 @@ if HAS_TRITON:
                             S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                             GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr = False,
                             TICKETS: tl.constexpr = 16, PDL: tl.constexpr = False):
-        """One program per row: _route_row."""
-        pdl_prologue(PDL)
-        _route_row(tl.program_id(0), ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K,
-                   stride_u, stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr, tickets_ptr,
-                   S, KP, BE, GP, GATE, KEYED_TOPK, LISTS, TICKETS, "")
-
-    @triton.jit
-    def _route_row(t, ws_ptr, u_ptr, ids_ptr, w_ptr, xq_ptr, xa_ptr, num_active_ptr, M, H, E, K, stride_u,
-                   stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr, tickets_ptr,
-                   S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                   GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr,
-                   TICKETS: tl.constexpr, CACHE: tl.constexpr):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
-        themselves) added in order 0, 1, .. (loaded with cache modifier CACHE); fp8_moe._softmax_topk
-        (KEYED_TOPK, else its two-reduction form _softmax_topk_argmax: the same bits) -> ids, bf16
-        weights; its §4.7 quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile
-        row) -> xq, xa. GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum
-        tree, rounded to bf16 as the BF16 linear rounds its output) -> gl[t]. Row 0 also zeroes
-        num_active for expert_lists; or, LISTS (M = 1, K <= E), writes what expert_lists would:
-        the row's K picks are K distinct experts (a pick removes its expert from the next), pair j
-        the one pair of expert ids[j], slot j in the active list; and zeroes the TICKETS tickets of
-        the split reduce inside gate/up (_last_program_reduces)."""
+        themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
+        form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
+        quantisation for gate/up (fp8_moe._quant_tile, one 128-group per tile row) -> xq, xa.
+        GATE: also the shared expert's gate logit u·sg (F32 products, a fixed sum tree, rounded to
+        bf16 as the BF16 linear rounds its output) -> gl[t]. Program 0 also zeroes num_active
+        for expert_lists; or, LISTS (M = 1, K <= E), writes what expert_lists would: the row's K
+        picks are K distinct experts (a pick removes its expert from the next), pair j the one
+        pair of expert ids[j], slot j in the active list; and zeroes the TICKETS tickets of the
+        split reduce inside gate/up (_last_program_reduces)."""
+        pdl_prologue(PDL)
+        t = tl.program_id(0)
         if not LISTS:
             if t == 0:
                 tl.store(num_active_ptr, 0)
         offs = tl.arange(0, BE)
         ok = offs < E
-        logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+        logit = tl.load(ws_ptr + t * stride_ws + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, S):
-            logit += tl.load(ws_ptr + (s * M + t) * stride_ws + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+            logit += tl.load(ws_ptr + (s * M + t) * stride_ws + offs, mask=ok, other=0.0)
         if KEYED_TOPK:
             ids, ws = fp8_moe._softmax_topk(logit, offs, ok, E, K, KP, BE)
         else:
@@ -574,11 +544,6 @@ ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
 # H200 (session 8), router GEMV + routing launch, µs per layer at T = 1 / 128: 4 warps keyed
 # 10.72 / 29.17 (argmax 11.26 / 29.47); 2 warps 11.26 / 29.68; 1 warp 12.43 / 30.89.
 ROUTE_CONFIG = dict(num_warps=4, KEYED_TOPK=True)
-
-# One row (the single-stream decode step): the router GEMV's last program routes the row itself
-# (_router_partial_kernel's ROUTE, one launch instead of two per layer; the same bits:
-# tests/test_moe_decode.py). DRAMA_ROUTE_IN_ROUTER=0 keeps the routing launch (read once at import).
-ROUTE_IN_ROUTER = env_switch("DRAMA_ROUTE_IN_ROUTER") is not False
 
 # Padded prefill pieces' router logits as partial sums over K ranges (F32, cuBLAS): router_partials.
 # One cuBLAS SGEMM of [256, 2048] x [2048, 256] has 16 output tiles, so cuBLAS splits K itself and
@@ -665,8 +630,7 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
     One row (the single-stream decode step): the routing launch also writes expert_lists'
     output (DecodeRoute.lists), so moe_decode_pairs skips that launch: one program knows the
     whole step's routing. The same lists as expert_lists' (the slot order aside, which nothing
-    reads). And with ROUTE_IN_ROUTER the GEMV's last program does the routing launch's work,
-    after a ticket of the stream's (kernels.stream_tickets): one launch for the router."""
+    reads)."""
     if not use_triton(u, router_weight):
         return route_decode_reference(u, router_weight, k, shared_gate)
     t, h = u.shape
@@ -675,6 +639,22 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         raise ValueError("route_decode needs an F32 router [E, H] and u with unit stride along H")
     dev = u.device
     route = {**ROUTE_CONFIG, **(route_config or {})}
+    if logits is None:
+        lay = layout or ROUTER_LAYOUT
+        k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
+        split = triton.cdiv(h, k_range)
+        partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
+        _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
+            u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
+            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
+            num_warps=lay.get("num_warps", 4), **pdl_args())
+    else:
+        partials = logits if logits.dim() == 3 else logits.unsqueeze(0)
+        if (partials.shape[1:] != (t, e) or partials.stride(-1) != 1 or partials.dtype != torch.float32
+                or partials.stride(0) != t * partials.stride(1)):
+            raise ValueError(f"logits must be F32 [{t}, {e}] or [S, {t}, {e}] (S K-range partials), "
+                             f"unit stride along E; got {tuple(logits.shape)} {logits.dtype}")
+        split = partials.shape[0]
     ids = torch.empty(t, k, dtype=torch.int32, device=dev)
     weights = torch.empty(t, k, dtype=torch.bfloat16, device=dev)
     xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -691,36 +671,14 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         lists = (torch.empty(e, dtype=torch.int32, device=dev), torch.empty(e, 1, dtype=torch.int32, device=dev),
                  torch.empty(k, dtype=torch.int32, device=dev))
         tickets = torch.empty(REDUCE_TICKETS, dtype=torch.int32, device=dev)
-    # the routing's arguments after (partials, u): the same for its own launch and the router's
-    outputs = (ids, weights, xq, xa, num_active)
-    extra = (shared_gate if gate is not None else u, gate if gate is not None else weights,
-             *(lists or (ids, ids, ids)), tickets if tickets is not None else ids)
-    route_args = dict(KP=triton.next_power_of_2(k), GP=triton.next_power_of_2(groups), GATE=gate is not None,
-                      KEYED_TOPK=route["KEYED_TOPK"], TICKETS=REDUCE_TICKETS)
-    lay = layout or ROUTER_LAYOUT
-    route_ticket = (stream_tickets(dev, "route_in_router", 1) if logits is None and lists is not None
-                    and ROUTE_IN_ROUTER and lay.get("num_warps", 4) == route["num_warps"] else None)
-    if logits is None:
-        k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
-        split = triton.cdiv(h, k_range)
-        partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
-        _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
-            u, router_weight, partials, t, h, e, u.stride(0), ids, weights, xq, xa, num_active, k, *extra,
-            route_ticket if route_ticket is not None else ids, KR=k_range,
-            RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
-            ROUTE=route_ticket is not None, S=split, BEP=triton.next_power_of_2(e), **route_args,
-            num_warps=lay.get("num_warps", 4), **pdl_args())
-    else:
-        partials = logits if logits.dim() == 3 else logits.unsqueeze(0)
-        if (partials.shape[1:] != (t, e) or partials.stride(-1) != 1 or partials.dtype != torch.float32
-                or partials.stride(0) != t * partials.stride(1)):
-            raise ValueError(f"logits must be F32 [{t}, {e}] or [S, {t}, {e}] (S K-range partials), "
-                             f"unit stride along E; got {tuple(logits.shape)} {logits.dtype}")
-        split = partials.shape[0]
-    if route_ticket is None:
-        _route_quant_kernel[(t,)](partials, u, *outputs, t, h, e, k, u.stride(0), partials.stride(-2), *extra,
-                                  S=split, BE=triton.next_power_of_2(e), LISTS=lists is not None, **route_args,
-                                  num_warps=route["num_warps"], **pdl_args())
+    _route_quant_kernel[(t,)](partials, u, ids, weights, xq, xa, num_active, t, h, e, k, u.stride(0),
+                              partials.stride(-2), shared_gate if gate is not None else u,
+                              gate if gate is not None else weights, *(lists or (ids, ids, ids)),
+                              tickets if tickets is not None else ids,
+                              S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+                              GP=triton.next_power_of_2(groups), GATE=gate is not None,
+                              KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=REDUCE_TICKETS,
+                              num_warps=route["num_warps"], **pdl_args())
     return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists, tickets)
 
 
