@@ -142,7 +142,7 @@ def cases() -> dict:
                          dict(N=10, BLOCK_R=1, BLOCK_N=16, TIMER=True), 1, 3, set()),
         "handoff_receive": (device_handoff._receive_kernel,     # the tower's wait for a step's rows
                             dict(flag_ptr=_ptr("i64"), seq="i64", src_ptr=_ptr("i32"), dst_ptr=_ptr("i32"),
-                                 status_ptr=_ptr("i32"), timeout_ns="i64", abort_ptr=_ptr("i32")),
+                                 status_ptr=_ptr("i32"), timeout_ns="i64"),
                             dict(BLOCK=device_handoff.ROW_WORDS_PER_PROGRAM, TIMER=True), 4, 3, set()),
         "conv_update": (gdn._conv_update_kernel,
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),

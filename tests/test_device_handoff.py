@@ -143,7 +143,7 @@ def test_published_rows_come_out_of_their_slot(n_rows):
         sent = torch.randn(n_rows, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
         dh.publish_rows(words, rows, slots, seq, sent)
         out = torch.full((n_rows, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        dh.receive_rows(words, rows, slots, seq, out, status, 10**9, dh.abort_word())
+        dh.receive_rows(words, rows, slots, seq, out, status, 10**9)
         assert torch.equal(out.cpu(), sent.cpu()), seq
         assert int(words[dh.FLAG_WORD:].view(torch.int64)[0]) == seq
         assert int(words[dh.TICKET_WORD]) == 0
@@ -156,7 +156,7 @@ def test_a_wait_for_a_step_never_published_gives_up():
     words = torch.zeros(dh.buffer_bytes(rows, hidden, torch.bfloat16, slots) // 4, dtype=torch.int32, device=DEVICE)
     status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.zeros(1, hidden, dtype=torch.bfloat16, device=DEVICE)
-    dh.receive_rows(words, rows, slots, 1, out, status, 1_000_000, dh.abort_word())     # 1 ms
+    dh.receive_rows(words, rows, slots, 1, out, status, 1_000_000)     # 1 ms
     assert int(status[0]) == 1
 
 
@@ -285,7 +285,7 @@ def test_after_the_warm_up_serving_compiles_nothing():
         n = 1 if seq % 2 else 3
         dh.publish_rows(words[:split], rows, slots, seq, torch.zeros(n, 2048, dtype=torch.bfloat16, device="cuda"))
         dh.receive_rows(words[:split], rows, slots, seq, torch.empty(n, 2048, dtype=torch.bfloat16, device="cuda"),
-                        status, 10**9, abort)
+                        status, 10**9)
         dh.publish_rows(words[split:], rows, slots, seq, torch.zeros(n, N + 1, dtype=torch.int64, device="cuda"))
         ids, codes = (inputs[2:3], inputs[3:].view(1, N)) if n == 1 else (
             torch.empty(n, dtype=torch.int64, device="cuda"), torch.empty(n, N, dtype=torch.int64, device="cuda"))

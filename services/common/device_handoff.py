@@ -92,6 +92,7 @@ MAX_WAITERS = 8
 # lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
 MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
+ABORT_LOOK_NS = tl.constexpr(20_000) if HAS_TRITON else 20_000   # a fill reads its abort word this often
 MAX_CODE_COLUMNS = 64              # frames of at most this many int64 columns (codebooks + stop)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -183,27 +184,31 @@ if HAS_TRITON:
                                          pack=1)
 
     @triton.jit
-    def _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER: tl.constexpr):
+    def _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER: tl.constexpr, ABORTABLE: tl.constexpr):
         """Spin until the flag reaches seq, with an acquire at system scope (what the flag's
         release published is then seen); past timeout_ns (TIMER; else after one look, for the
-        interpreter) give up with status = 1. Every 64th turn also read the abort word
-        (host memory in serving, written by the host's CPU: _SharedRows.abort), and go on once it
-        is set, with no status: no CUDA call can release a waiter whose stream other work may
-        share a hardware queue with (session 27: a copy from a stream of its own waited out the
-        timeout behind the spinning fill)."""
+        interpreter) give up with status = 1. ABORTABLE: every ABORT_LOOK_NS also read the abort
+        word (host memory, set by the host's CPU: Mailbox.abort) and go on once it is set, with no
+        status. No CUDA call could release the wait: on the H200 a copy from a stream of its own
+        queued behind the spinning fill and waited out its timeout (session 27 run 1). Only the
+        fill reads it, and rarely: the receive reading it every 64 turns took a stack of 8
+        streams from RTF 0.19 to 0.43 (session 27 run 3)."""
         want = seq.to(tl.int64)
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        aborted = tl.load(abort_ptr, volatile=True)
+        aborted = 0
         if TIMER:
             start = _now()
             now = start
-            turns = 0
+            looked = start
             while (seen < want) & (now - start < timeout_ns) & (aborted == 0):
                 seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
                 now = _now()
-                turns += 1
-                if turns % 64 == 0:         # a read of host memory: not at every turn
-                    aborted = tl.load(abort_ptr, volatile=True)
+                if ABORTABLE:
+                    if now - looked > ABORT_LOOK_NS:
+                        aborted = tl.load(abort_ptr, volatile=True)
+                        looked = now
+        elif ABORTABLE:
+            aborted = tl.load(abort_ptr, volatile=True)
         if (seen < want) & (aborted == 0):
             tl.store(status_ptr, 1)
 
@@ -227,13 +232,13 @@ if HAS_TRITON:
             tl.atomic_xchg(flag_ptr, seq.to(tl.int64), sem="release", scope="sys")
 
     @triton.jit(do_not_specialize=["seq", "n_words", "timeout_ns"])
-    def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns, abort_ptr,
+    def _receive_kernel(flag_ptr, seq, src_ptr, dst_ptr, n_words, status_ptr, timeout_ns,
                         BLOCK: tl.constexpr, TIMER: tl.constexpr):
         """Spin until the flag reaches seq (acquire, system scope), then copy n_words src -> dst
         (from L2: `.cg`, never a line this SM's L1 kept from the slot's last use), BLOCK words at
         a time, program p taking blocks p, p + programs, ... Past timeout_ns (TIMER; else after
         one look, for the interpreter): status = 1, and copy anyway."""
-        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, status_ptr, TIMER, False)
         for block in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
             offs = block * BLOCK + tl.arange(0, BLOCK)
             ok = offs < n_words
@@ -252,7 +257,7 @@ if HAS_TRITON:
         that stopped, or has a code out of its codebook's range (c_0 < semantic_codes, c_k <
         residual_codes), becomes a padding row instead (id 0, codes all -1: a text row of token
         0), so whatever arrives the step reads only its own tables. One program."""
-        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER)
+        _wait_for(flag_ptr, seq, status_ptr, timeout_ns, abort_ptr, TIMER, True)
         r = tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_N)
         cell = (r[:, None] < n_rows) & (c[None, :] < N)
@@ -291,15 +296,14 @@ def publish_rows(words: torch.Tensor, rows: int, slots: int, seq: int, hidden: t
 
 
 def receive_rows(words: torch.Tensor, rows: int, slots: int, seq: int, out: torch.Tensor, status: torch.Tensor,
-                 timeout_ns: int, abort: torch.Tensor) -> None:
+                 timeout_ns: int) -> None:
     """Queue the wait for seq in a buffer's flag and the copy of slot seq % slots into out [n, H]
-    (status [1] int32 := 1 if the wait gave up; abort [1] int32, set: go on at once, see
-    _wait_for; the Inbox's launch)."""
+    (status [1] int32 := 1 if the wait gave up; the Inbox's launch)."""
     row_words = _row_words(out.shape[1], out.dtype)
     slot, n_words = _slot(words, rows, slots, seq, row_words), out.shape[0] * row_words
     _receive_kernel[(min(triton.cdiv(n_words, ROW_WORDS_PER_PROGRAM), MAX_WAITERS),)](
         words[FLAG_WORD:].view(torch.int64), seq, slot, out.view(torch.int32).reshape(-1), n_words,
-        status, timeout_ns, abort, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
+        status, timeout_ns, BLOCK=ROW_WORDS_PER_PROGRAM, TIMER=not INTERPRET, num_warps=4)
 
 
 def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch.Tensor, codes: torch.Tensor,
@@ -307,8 +311,8 @@ def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch
                 timeout_ns: int, abort: torch.Tensor) -> None:
     """Queue the wait for the frames published under seq in a region of int32 `words` (HEADER_WORDS,
     then slots x rows frames of N + 1 int64) and their rows' inputs into ids int64 [n] and codes
-    int64 [n, N] (contiguous rows; status [1] int32 := 1 if the wait gave up; abort as
-    receive_rows'; Mailbox.fill's launch)."""
+    int64 [n, N] (contiguous rows; status [1] int32 := 1 if the wait gave up; abort [1] int32,
+    abort_word's: once set the wait goes on, see _wait_for; Mailbox.fill's launch)."""
     n, width = codes.shape
     if ids.shape != (n,) or ids.dtype != torch.int64 or codes.dtype != torch.int64 or codes.stride() != (width, 1):
         raise ValueError(f"inputs ids {tuple(ids.shape)} {ids.dtype} / codes {tuple(codes.shape)} {codes.dtype}")
@@ -340,8 +344,8 @@ def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int, co
 
 
 def abort_word() -> torch.Tensor:
-    """An int32 [1] the waits read (receive_rows, fill_frames): host memory, pinned where CUDA is,
-    which the GPU reads where it lies (mapped pinned memory) and the CPU sets with a plain store."""
+    """An int32 [1] a fill reads (fill_frames): host memory, pinned where CUDA is, which the GPU
+    reads where it lies (mapped pinned memory) and the CPU sets with a plain store."""
     return torch.zeros(1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
@@ -360,7 +364,7 @@ def warm_up(device: torch.device | str, hidden_size: int, dtype: torch.dtype, co
     for seq, n in enumerate((1, rows), start=1):
         publish_rows(words[:split], rows, SLOTS, seq, torch.zeros(n, hidden_size, dtype=dtype, device=device))
         receive_rows(words[:split], rows, SLOTS, seq, torch.empty(n, hidden_size, dtype=dtype, device=device), status,
-                     RECEIVE_TIMEOUT_NS, abort)
+                     RECEIVE_TIMEOUT_NS)
         if width > 0:
             frames = torch.zeros(n, code_columns, dtype=torch.int64, device=device)
             publish_rows(words[split:], rows, SLOTS, seq, frames)
@@ -410,7 +414,7 @@ class _SharedRows:
         self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.timeout_ns = RECEIVE_TIMEOUT_NS
-        self._abort = abort_word()                       # read by this end's waits: abort()
+        self._abort = abort_word()                       # read by this end's fills: Mailbox.abort
 
     def _recorded(self) -> None:
         """Queue the wait record's copy to the host behind a wait just queued."""
@@ -554,7 +558,7 @@ class Inbox(_SharedRows):
         if not (0 < n_rows <= self.rows) or seq < 1:
             raise ValueError(f"step {seq} of {n_rows} rows: the buffer holds 1..{self.rows} rows a step")
         out = self.received[:n_rows]
-        receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns, self._abort)
+        receive_rows(self.words, self.rows, self.slots, seq, out, self._status, self.timeout_ns)
         self._recorded()
         return out
 
