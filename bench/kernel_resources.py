@@ -57,15 +57,16 @@ def cases() -> dict:
                      final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
-    def gemm(bm, tiles):     # GDN in_proj's launch (BN 64, BK 128, whole K), PDL on
-        return (decode_gemm._decode_gemm_kernel, gemm_ptrs,
-                dict(BM=bm, BN=64, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
-                     PDL=True, **dot), 4, 3, gemm_div16)
+    def gemm(bm, tiles, bn=64, tma=False):     # GDN in_proj's launch (BK 128, whole K), PDL on
+        ptrs = dict(gemm_ptrs, w_desc=f"tensordesc<bf16[{bn},128]>" if tma else _ptr("bf16"))
+        return (decode_gemm._decode_gemm_kernel, ptrs,
+                dict(BM=bm, BN=bn, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
+                     TMA=tma, PDL=True, **dot), 4, 3, gemm_div16)
 
     def split_gemm():        # out_proj's launch (K in 4 ranges, 4 stages), its reduce by the last program
-        return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32")),
+        return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32"), w_desc=_ptr("bf16")),
                 dict(BM=64, BN=64, BK=128, TILES=1, FINAL=False, HAS_RESIDUAL=True, LAST_REDUCES=True,
-                     PDL=True, **dot), 4, 4, gemm_div16)
+                     TMA=False, PDL=True, **dot), 4, 4, gemm_div16)
 
     def gate_up(reduce):     # REDUCE: the split reduce by each column group's last program (one row: 8 pairs)
         return (moe_decode._gate_up_kernel,
@@ -124,6 +125,8 @@ def cases() -> dict:
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
+        "gemm_in_proj": gemm(64, 1, bn=32),                 # as served (decode_gemm.TUNED: BN 32)
+        "gemm_in_proj_tma": gemm(64, 1, bn=32, tma=True),   # its weight through TMA box loads
         "gemm_split_last_reduces": split_gemm(),
         "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
                               dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),

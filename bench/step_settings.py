@@ -12,6 +12,7 @@ attributes that the kernels read at every call (so graphs captured under a setti
     session20       session 20's decode_gemm.TUNED (the tower's down projection only)
     norm-separate   decode_gemm.NORM_IN_REDUCE off: the post-attention norm in its own launch
                     after the out-projection's split reduce (before session 22)
+    tma             decode_gemm.TMA: bf16 weights through TMA box loads (DRAMA_DECODE_GEMM_TMA=1)
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
-            "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False}}
+            "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False},
+            "tma": {(decode_gemm, "TMA"): True}}
 
 
 @contextlib.contextmanager

@@ -325,6 +325,22 @@ def test_norm_in_the_reduce_launch(monkeypatch, m, residual):
     torch.testing.assert_close(u2.float(), ref, rtol=8e-3, atol=8e-3)
 
 
+@kernel
+@pytest.mark.parametrize("m,residual,split", [(1, True, 1), (5, False, 4), (70, True, 2)])
+def test_tma_loads_give_the_same_bits(m, residual, split):
+    """The weight through TMA box loads (config TMA, DRAMA_DECODE_GEMM_TMA) gives the bits of the
+    masked loads: the same tiles reach the same dots, N and K edges included (N 80 in column
+    blocks of 32, K 320 in steps of 128: the boxes past them read zeros)."""
+    if decode_gemm.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side TMA descriptors")
+    x, w, r = operands(m, 80, 320, torch.bfloat16, residual, seed=15)
+    config = dict(BM=64, BN=32, BK=128, SPLIT=split, num_warps=4, num_stages=3)
+    plain = decode_gemm.decode_linear(x, w, r, config=config)
+    tma = decode_gemm.decode_linear(x, w, r, config=dict(config, TMA=1))
+    assert torch.equal(tma, plain), float((tma.float() - plain.float()).abs().max())
+    assert_matches_reference(tma, x, w, r)
+
+
 def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
     x, w, r = operands(2, 64, 128, torch.bfloat16, True)
     with pytest.raises(ValueError, match="gain"):

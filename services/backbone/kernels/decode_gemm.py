@@ -121,6 +121,13 @@ if HAS_TRITON:
 
     from . import pdl_prologue
 
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - a Triton without host-side TMA descriptors
+        TensorDescriptor = None
+else:
+    TensorDescriptor = None
+
 ROWS = 16                   # rows per tl.dot of the F32 router: the per-warp MMA's smallest M
 WIDE_ROWS = 64              # rows per tl.dot of bf16 weights: Hopper's warpgroup MMA
 MAX_ROWS_PER_PROGRAM = 64   # default cap on a program's rows, tiles x BM (the kernel takes 8 tiles)
@@ -129,6 +136,9 @@ BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at
 LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is True   # read once at import; off by default
 TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
 NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   # read once at import
+# bf16 weights through TMA box loads (off unless DRAMA_DECODE_GEMM_TMA=1, until measured); a config's
+# TMA key overrides it (bench/decode_gemm.py --try SHAPE:TMA=1)
+TMA = env_switch("DRAMA_DECODE_GEMM_TMA") is True
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -325,11 +335,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     tickets = (_tickets(x.device) if splits > 1 and LAST_REDUCES
                and grid[0] * grid[1] <= TICKETS else None)
+    tma = plan.get("TMA", TMA) and weight.dtype == torch.bfloat16 and TensorDescriptor is not None
+    w_desc = _weight_descriptor(weight, plan["BN"], plan["BK"]) if tma else None
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
-        res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
-        TILES=plan["tiles"], FINAL=splits == 1, HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None,
-        DOT=dot, PREC=prec, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
+        res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], weight if w_desc is None else w_desc,
+        BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
+        HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None, DOT=dot, PREC=prec, TMA=w_desc is not None,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
     if splits > 1 and tickets is None and norm is not None and NORM_IN_REDUCE:
         u = invariant.empty_rows(m, n, dtype=torch.bfloat16, device=x.device)   # a GEMM input: padded storage
         _split_reduce_norm_kernel[(m,)](
@@ -342,6 +355,19 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
     return _normed(out, norm)
+
+
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def _weight_descriptor(weight: torch.Tensor, bn: int, bk: int):
+    """A host-side TMA descriptor of weight [N, K] in [BN, BK] boxes (the kernel's TMA loads),
+    made once per weight and box: it holds only the address, shape and strides."""
+    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.device, bn, bk)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [bn, bk])
+    return desc
 
 
 def _normed(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
@@ -376,10 +402,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_gemm_kernel(x_ptr, w_ptr, r_ptr, out_ptr, final_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn,
-                            stride_rm, stride_om, stride_fm, K_RANGE,
+                            stride_rm, stride_om, stride_fm, K_RANGE, w_desc,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                             FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                            DOT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+                            DOT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
         rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials),
         and with LAST_REDUCES the group's last program to finish adds them into final."""
@@ -407,7 +434,10 @@ if HAS_TRITON:
         for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
             kk = k0 + offs_k
             k_ok = kk < k_hi
-            w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+            if TMA:        # the Hopper copy engine's box load; past N or K it reads zeros, as the mask
+                w = tl.trans(w_desc.load([pid_n * BN, k0]))                                  # [BK, BN]
+            else:
+                w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
             w = w.to(DOT)
             acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
             if TILES > 1:
