@@ -319,8 +319,9 @@ def fill_frames(words: torch.Tensor, rows: int, slots: int, seq: int, ids: torch
     slot = _slot(words, rows, slots, seq, 2 * (width + 1))
     _fill_kernel[(1,)](
         words[FLAG_WORD:].view(torch.int64), seq, slot.view(torch.int64), n, ids, codes, token_offset,
-        semantic_codes, residual_codes, status, timeout_ns, abort, N=width, BLOCK_R=triton.next_power_of_2(max(n, MAX_ROWS)),
-        BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET, num_warps=1)
+        semantic_codes, residual_codes, status, timeout_ns, abort, N=width,
+        BLOCK_R=triton.next_power_of_2(max(n, MAX_ROWS)), BLOCK_N=triton.next_power_of_2(width), TIMER=not INTERPRET,
+        num_warps=1)
 
 
 def _row_words(hidden_size: int, dtype: torch.dtype) -> int:
@@ -414,7 +415,6 @@ class _SharedRows:
         self._status = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.timeout_ns = RECEIVE_TIMEOUT_NS
-        self._abort = abort_word()                       # read by this end's fills: Mailbox.abort
 
     def _recorded(self) -> None:
         """Queue the wait record's copy to the host behind a wait just queued."""
@@ -476,6 +476,7 @@ class Mailbox(_SharedRows):
         torch.cuda.synchronize(self.device)
         self.seq = 0
         self._unanswered: collections.deque[int] = collections.deque()
+        self._abort = abort_word()                       # read by the fills, set by abort()
 
     def _release(self, ptr: ctypes.c_void_p) -> None:
         _cudart().cudaFree(ptr)
