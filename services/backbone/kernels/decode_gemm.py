@@ -136,8 +136,9 @@ BACKEND = env_choice("DRAMA_DECODE_GEMM", ("triton", "cublas"))   # read once at
 LAST_REDUCES = env_switch("DRAMA_DECODE_GEMM_LAST_REDUCES") is True   # read once at import; off by default
 TICKETS = 4096              # tickets per stream: row groups x column blocks of one split launch
 NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   # read once at import
-# bf16 weights through TMA box loads (off unless DRAMA_DECODE_GEMM_TMA=1, until measured); a config's
-# TMA key overrides it (bench/decode_gemm.py --try SHAPE:TMA=1)
+# bf16 weights through TMA box loads, the same bits: off unless DRAMA_DECODE_GEMM_TMA=1 (H200, session 27
+# run 5: no faster at one row, 3-9% faster for three of six shapes at 128 rows); a config's TMA key
+# overrides it (bench/decode_gemm.py --try SHAPE:TMA=1)
 TMA = env_switch("DRAMA_DECODE_GEMM_TMA") is True
 
 
@@ -335,7 +336,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     grid = (plan["groups"], triton.cdiv(n, plan["BN"]), splits)
     tickets = (_tickets(x.device) if splits > 1 and LAST_REDUCES
                and grid[0] * grid[1] <= TICKETS else None)
-    tma = plan.get("TMA", TMA) and weight.dtype == torch.bfloat16 and TensorDescriptor is not None
+    tma = (plan.get("TMA", TMA) and weight.dtype == torch.bfloat16 and TensorDescriptor is not None
+           and weight.data_ptr() % 16 == 0 and weight.stride(0) % 8 == 0)       # TMA's 16-byte alignment
     w_desc = _weight_descriptor(weight, plan["BN"], plan["BK"]) if tma else None
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
@@ -434,7 +436,7 @@ if HAS_TRITON:
         for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
             kk = k0 + offs_k
             k_ok = kk < k_hi
-            if TMA:        # the Hopper copy engine's box load; past N or K it reads zeros, as the mask
+            if TMA:        # Hopper's tensor memory accelerator; past N or K a box reads zeros, as the mask
                 w = tl.trans(w_desc.load([pid_n * BN, k0]))                                  # [BK, BN]
             else:
                 w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
