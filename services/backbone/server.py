@@ -501,7 +501,7 @@ async def start(settings: Settings, *, loaded_model=None) -> Backbone:
               + (f"on, batch buckets {buckets}" if buckets else "off"), flush=True)
         if device_handoff.enabled(engine.model.device):
             await asyncio.to_thread(device_handoff.warm_up_handoff, engine.model.device, engine.hidden_size,
-                                    engine.hidden_dtype, config.num_codebooks + 1)
+                                    engine.hidden_dtype, device_handoff.frame_columns(config.num_codebooks))
         if expert_reads is not None:
             waited = time.perf_counter()
             await asyncio.to_thread(expert_reads.wait)

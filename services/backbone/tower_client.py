@@ -295,7 +295,8 @@ class TowerClient:
             return None
         try:
             mailbox = device_handoff.Mailbox(min(self.max_rows, device_handoff.MAX_ROWS), self.hidden_dim,
-                                             self.hidden_dtype, self.device, code_columns=self.codebooks + 1)
+                                             self.hidden_dtype, self.device,
+                                             code_columns=device_handoff.frame_columns(self.codebooks))
         except device_handoff.HandoffError as exc:
             log.warning("no device hand-off (%s); decode steps' rows go through the lane", exc)
             return None

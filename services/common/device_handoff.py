@@ -92,7 +92,6 @@ MAX_WAITERS = 8
 # lane, as measured at 128 streams in session 23, until a run there says the hand-off helps them.
 MAX_ROWS = 8
 HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
-ABORT_LOOK_NS = tl.constexpr(20_000) if HAS_TRITON else 20_000   # a fill reads its abort word this often
 MAX_CODE_COLUMNS = 64              # frames of at most this many int64 columns (codebooks + stop)
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -177,6 +176,7 @@ def _words(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    ABORT_LOOK_NS = tl.constexpr(20_000)     # a fill reads its abort word this often (_wait_for)
 
     @triton.jit
     def _now():
@@ -342,6 +342,11 @@ def buffer_bytes(rows: int, hidden_size: int, dtype: torch.dtype, slots: int, co
     HEADER_WORDS, then slots x rows frames of code_columns int64."""
     frames = HEADER_WORDS + slots * _slot_words(rows, 2 * code_columns) if code_columns else 0
     return 4 * (_rows_region_words(rows, hidden_size, dtype, slots) + frames)
+
+
+def frame_columns(num_codebooks: int) -> int:
+    """The int64 columns of a frame in the frames' region: its codes, then its stop flag."""
+    return num_codebooks + 1
 
 
 def abort_word() -> torch.Tensor:

@@ -187,7 +187,7 @@ def set_up_handoff(engine: TowerEngine, request: tower_pb2.StepRequest) -> devic
     except device_handoff.HandoffError as exc:
         log.warning("Step lane: no device hand-off (%s); rows come in the requests", exc)
         return None
-    columns = engine.cfg.num_codebooks + 1       # the frames as TowerEngine.step publishes them
+    columns = device_handoff.frame_columns(engine.cfg.num_codebooks)   # as TowerEngine.step publishes them
     inbox.frames_ready = request.handoff_code_columns == columns
     if request.handoff_code_columns and not inbox.frames_ready:
         log.warning("Step lane: frames of %d columns asked for, this tower's have %d: frames go in the responses only",
@@ -380,7 +380,7 @@ async def serve(checkpoint: str, *, host: str = "127.0.0.1", port: int = 50052, 
         engine.warm_up()
         if device_handoff.enabled(engine.device):
             device_handoff.warm_up_handoff(engine.device, engine.model.hidden_size, engine.hidden_dtype,
-                                           cfg.num_codebooks + 1)
+                                           device_handoff.frame_columns(cfg.num_codebooks))
         return engine
 
     engine = await loop.run_in_executor(servicer.worker, load)

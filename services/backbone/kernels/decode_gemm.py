@@ -338,7 +338,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
                and grid[0] * grid[1] <= TICKETS else None)
     tma = (plan.get("TMA", TMA) and weight.dtype == torch.bfloat16 and TensorDescriptor is not None
            and weight.data_ptr() % 16 == 0 and weight.stride(0) % 8 == 0)       # TMA's 16-byte alignment
-    w_desc = _weight_descriptor(weight, plan["BN"], plan["BK"]) if tma else None
+    # made per call (host-side, a few fields): the graphs keep the one of their capture
+    w_desc = TensorDescriptor.from_tensor(weight, [plan["BN"], plan["BK"]]) if tma else None
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
         res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], weight if w_desc is None else w_desc,
@@ -357,19 +358,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
     return _normed(out, norm)
-
-
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
-def _weight_descriptor(weight: torch.Tensor, bn: int, bk: int):
-    """A host-side TMA descriptor of weight [N, K] in [BN, BK] boxes (the kernel's TMA loads),
-    made once per weight and box: it holds only the address, shape and strides."""
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.device, bn, bk)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [bn, bk])
-    return desc
 
 
 def _normed(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
