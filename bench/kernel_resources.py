@@ -57,16 +57,16 @@ def cases() -> dict:
                      final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
-    def gemm(bm, tiles, bn=64, tma=False):     # GDN in_proj's launch (BK 128, whole K), PDL on
+    def gemm(bm, tiles, bn=64, tma=False, preload=0):     # GDN in_proj's launch (BK 128, whole K), PDL on
         ptrs = dict(gemm_ptrs, w_desc=f"tensordesc<bf16[{bn},128]>" if tma else _ptr("bf16"))
         return (decode_gemm._decode_gemm_kernel, ptrs,
                 dict(BM=bm, BN=bn, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
-                     TMA=tma, PDL=True, **dot), 4, 3, gemm_div16)
+                     TMA=tma, PRELOAD=preload, PDL=True, **dot), 4, 3, gemm_div16)
 
-    def split_gemm():        # out_proj's launch (K in 4 ranges, 4 stages), its reduce by the last program
+    def split_gemm(last_reduces=True, preload=0):   # out_proj's launch (K in 4 ranges, 4 stages)
         return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32"), w_desc=_ptr("bf16")),
-                dict(BM=64, BN=64, BK=128, TILES=1, FINAL=False, HAS_RESIDUAL=True, LAST_REDUCES=True,
-                     TMA=False, PDL=True, **dot), 4, 4, gemm_div16)
+                dict(BM=64, BN=64, BK=128, TILES=1, FINAL=False, HAS_RESIDUAL=True, LAST_REDUCES=last_reduces,
+                     TMA=False, PRELOAD=preload, PDL=True, **dot), 4, 4, gemm_div16)
 
     def gate_up(reduce):     # REDUCE: the split reduce by each column group's last program (one row: 8 pairs)
         return (moe_decode._gate_up_kernel,
@@ -122,17 +122,32 @@ def cases() -> dict:
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
+        "router_partial_preload": (moe_decode._router_partial_kernel,
+                                   dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
+                                   dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
+                                        BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PRELOAD=True,
+                                        PDL=True),
+                                   4, 3, {"H", "E", "stride_u"}),
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
         "gemm_in_proj": gemm(64, 1, bn=32),                 # as served (decode_gemm.TUNED: BN 32)
         "gemm_in_proj_tma": gemm(64, 1, bn=32, tma=True),   # its weight through TMA box loads
+        "gemm_in_proj_preload2": gemm(64, 1, bn=32, preload=2),   # two weight steps before the PDL wait
         "gemm_split_last_reduces": split_gemm(),
+        "gemm_out_proj": split_gemm(last_reduces=False),       # as served: the reduce in its own launch
+        "gemm_out_proj_preload2": split_gemm(last_reduces=False, preload=2),
         "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
                               dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                                    w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
                               dict(SPLIT=4, HAS_RESIDUAL=True, BH=2048, PDL=True), 8, 3,
                               {"N", "stride_rm", "stride_om", "stride_um"}),
+        "gdn_decode_preload": (gdn._gdn_decode_kernel,
+                               dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
+                                    b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"),
+                                    h_ptr=_ptr("fp32"), o_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32"),
+                               dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, HAS_SLOTS=True, PRELOAD=True, PDL=True),
+                               4, 3, {"stride_q", "stride_k", "stride_v"}),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),
@@ -160,7 +175,11 @@ def compile_case(fn, types: dict, constexprs: dict, num_warps: int, num_stages: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = list(inspect.signature(fn.fn).parameters)
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    # a constexpr left out takes its default, as at a launch that does not pass it
+    constexprs = {n: p.default for n, p in params.items()
+                  if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)} | constexprs
     unknown = set(types) | set(constexprs) | div16
     unknown -= set(names)
     if unknown:

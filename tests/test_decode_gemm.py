@@ -341,6 +341,23 @@ def test_tma_loads_give_the_same_bits(m, residual, split):
     assert_matches_reference(tma, x, w, r)
 
 
+@kernel
+@pytest.mark.parametrize("m,residual,split,k", [(1, True, 1, 320), (5, False, 4, 640), (70, True, 2, 320),
+                                                (1, False, 3, 300)])
+@pytest.mark.parametrize("preload", [1, 2])
+def test_preloaded_weight_steps_give_the_same_bits(m, residual, split, k, preload):
+    """The first K steps' weight tiles loaded before the PDL wait (config PRELOAD,
+    DRAMA_DECODE_GEMM_PRELOAD) give the bits of the plain loop: the same dots in the same K order.
+    K 320 / 640 in steps of 128 with a partial last step; K 300 in 3 ranges is 128, 128, 44: the
+    last range has one step, so two preloaded steps are cut to one there."""
+    x, w, r = operands(m, 80, k, torch.bfloat16, residual, seed=16)
+    config = dict(BM=64, BN=32, BK=128, SPLIT=split, num_warps=4, num_stages=3)
+    plain = decode_gemm.decode_linear(x, w, r, config=config)
+    early = decode_gemm.decode_linear(x, w, r, config=dict(config, PRELOAD=preload))
+    assert torch.equal(early, plain), float((early.float() - plain.float()).abs().max())
+    assert_matches_reference(early, x, w, r)
+
+
 def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
     x, w, r = operands(2, 64, 128, torch.bfloat16, True)
     with pytest.raises(ValueError, match="gain"):

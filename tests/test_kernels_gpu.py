@@ -329,6 +329,29 @@ def test_gdn_decode_inplace_matches_reference(b):
 
 
 @cuda
+@pytest.mark.parametrize("b", [1, 3])
+def test_gdn_decode_state_loaded_before_the_wait_gives_the_same_bits(b):
+    """The state stripe (and the slot) read before the kernel's PDL wait (STATE_PRELOAD,
+    DRAMA_PDL_PRELOAD): the output and the new state bit for bit as without, slots too."""
+    hk, hv, dk, dv = 16, 32, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(b)
+    q, k = (torch.randn(b, hk, dk, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(b, hv, dv, device="cuda", generator=gen).to(torch.bfloat16)
+    a, bb = (torch.randn(b, hv, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = torch.randn(hv, device="cuda", generator=gen) * 0.5, torch.randn(hv, device="cuda", generator=gen)
+    pool = torch.randn(b + 2, hv, dk, dv, device="cuda", generator=gen) * 0.1
+    slots = torch.arange(b, device="cuda", dtype=torch.int64).flip(0) + 1
+    outs = []
+    for preload in (False, True):
+        state = pool.clone()
+        o = gdn.gdn_decode_inplace(q, k, v, a, bb, A_log, dt_bias, state, slots=slots, preload=preload)
+        outs.append((o, state))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[1][1], pool)
+
+
+@cuda
 def test_conv_update_kernel_matches_torch():
     b, c = 3, 8192
     proj = torch.randn(b, c + 100, device="cuda").to(torch.bfloat16)

@@ -64,6 +64,13 @@ def use_triton(*tensors) -> bool:
 # and off CUDA; DRAMA_PDL=0 turns it off (read once at import). H200 (session 9, bench/backbone.py,
 # graphed decode step): batch 1 3.41 -> 3.20 ms, batch 128 20.44 -> 20.28, bit for bit the same.
 PDL = HAS_TRITON and not INTERPRET and env_switch("DRAMA_PDL") is not False
+# Under PDL a kernel's programs are resident while the kernel before them still runs. Whatever that
+# kernel does not write they may read before they wait: weights, and state written by earlier
+# kernels (when a program passes its wait, every kernel before its predecessor has finished, since
+# each program of the predecessor waited before it let this kernel launch). DRAMA_PDL_PRELOAD=1
+# (read once at import) has the decode GEMM, the router and GDN's recurrence load their weights or
+# state that way; the same bits.
+PDL_PRELOAD = env_switch("DRAMA_PDL_PRELOAD") is True
 
 if HAS_TRITON:
     if hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import HAS_TRITON, INTERPRET, pdl_args, use_triton
+from . import HAS_TRITON, INTERPRET, PDL_PRELOAD, pdl_args, use_triton
 
 L2_EPS = 1e-6
 
@@ -305,7 +305,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None,
 
 def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None = None,
                        out: torch.Tensor | None = None, block_v: int = 64,
-                       slots: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                       slots: torch.Tensor | None = None, num_warps: int = 4,
+                       preload: bool | None = None) -> torch.Tensor:
     """One decode row per sequence with the gates fused and the state updated where it lies.
 
     q, k [B, Hk, K] and v [B, Hv, V] (any batch stride, heads contiguous: views of the conv
@@ -317,6 +318,7 @@ def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None
     H200 (`python3 bench/gdn_decode.py`) 64 columns with 4 warps read and write the state at
     3.8 TB/s at batch 128 (143 µs per layer; 16 columns and 2 warps: 274 µs) and take 7.6 µs at
     batch 1. A row's result does not depend on the batch whatever the stripe.
+    preload: the state read before the kernel's PDL wait (STATE_PRELOAD unless given); the same bits.
     """
     bsz, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -342,7 +344,7 @@ def gdn_decode_inplace(q, k, v, a, b, A_log, dt_bias, state, scale: float | None
         q, k, v, a, b, A_log, dt_bias, state, out, slots if slots is not None else out, scale,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, HAS_SLOTS=slots is not None,
-        num_warps=num_warps, **pdl_args())
+        PRELOAD=STATE_PRELOAD if preload is None else preload, num_warps=num_warps, **pdl_args())
     return out
 
 
@@ -363,6 +365,8 @@ def naive_gated_rms_norm(o, z, weight, eps: float = 1e-6):
 # one-warp programs took 6.35 µs, 2048 four-warp ones 3.01 (H200, bench/prefill_parts.py,
 # session 14 run 6; 2 warps for 4 heads changed bits).
 GATED_NORM_HEADS = 4
+# the recurrence's state loaded before its PDL wait (DRAMA_PDL_PRELOAD, see kernels/__init__)
+STATE_PRELOAD = PDL_PRELOAD
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -475,15 +479,26 @@ if HAS_TRITON:
     def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h_ptr, o_ptr, slot_ptr, scale,
                            stride_q, stride_k, stride_v, stride_a, stride_b,
                            HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
-        """fla's fused_recurrent_gated_delta_rule_fwd_kernel for T = 1, gates fused, state in place."""
-        pdl_prologue(PDL)
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr, PRELOAD: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
+        """fla's fused_recurrent_gated_delta_rule_fwd_kernel for T = 1, gates fused, state in place.
+        PRELOAD: the state stripe (and the slot) loaded before the PDL wait: only this layer's
+        kernel of the step before wrote them, never the kernel just before this one (see
+        kernels/__init__.PDL_PRELOAD). The same arithmetic, so the same bits."""
         i_bh, i_v = tl.program_id(0), tl.program_id(1)
         i_b, i_hv = i_bh // HV, i_bh % HV
         i_h = i_hv // (HV // HK)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         mk, mv = o_k < K, o_v < V
+        mh = mk[:, None] & mv[None, :]
+        if PRELOAD:
+            p_h = _state_stripe(h_ptr, slot_ptr, i_b, i_hv, i_bh, o_k, o_v, HV, K, V, HAS_SLOTS)
+            h_old = tl.load(p_h, mask=mh, other=0.0)
+            pdl_prologue(PDL)
+        else:
+            pdl_prologue(PDL)
+            p_h = _state_stripe(h_ptr, slot_ptr, i_b, i_hv, i_bh, o_k, o_v, HV, K, V, HAS_SLOTS)
         bq = tl.load(q_ptr + i_b * stride_q + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
         bk = tl.load(k_ptr + i_b * stride_k + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
         bv = tl.load(v_ptr + i_b * stride_v + i_hv * V + o_v, mask=mv, other=0.0).to(tl.float32)
@@ -493,18 +508,25 @@ if HAS_TRITON:
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
         g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
         beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_b + i_hv).to(tl.float32))
-        if HAS_SLOTS:
-            i_sh = tl.load(slot_ptr + i_b).to(tl.int64) * HV + i_hv
+        if PRELOAD:
+            bh = h_old * tl.exp(g)
         else:
-            i_sh = i_bh.to(tl.int64)
-        p_h = h_ptr + i_sh * K * V + o_k[:, None] * V + o_v[None, :]
-        mh = mk[:, None] & mv[None, :]
-        bh = tl.load(p_h, mask=mh, other=0.0) * tl.exp(g)
+            bh = tl.load(p_h, mask=mh, other=0.0) * tl.exp(g)
         bv = beta * (bv - tl.sum(bh * bk[:, None], 0))
         bh += bk[:, None] * bv[None, :]
         bo = tl.sum(bh * bq[:, None], 0)
         tl.store(o_ptr + (i_b * HV + i_hv) * V + o_v, bo.to(o_ptr.dtype.element_ty), mask=mv)
         tl.store(p_h, bh, mask=mh)
+
+    @triton.jit
+    def _state_stripe(h_ptr, slot_ptr, i_b, i_hv, i_bh, o_k, o_v, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, HAS_SLOTS: tl.constexpr):
+        """Pointers [BK, BV] to the program's stripe of its sequence's state (slot i_b's, or row i_b's)."""
+        if HAS_SLOTS:
+            i_sh = tl.load(slot_ptr + i_b).to(tl.int64) * HV + i_hv
+        else:
+            i_sh = i_bh.to(tl.int64)
+        return h_ptr + i_sh * K * V + o_k[:, None] * V + o_v[None, :]
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, stride_o, stride_z, stride_out,

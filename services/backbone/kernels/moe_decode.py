@@ -59,7 +59,7 @@ import torch
 
 from services.common.grpcutil import env_switch
 
-from . import HAS_TRITON, bf16_dot_args, pdl_args, use_triton
+from . import HAS_TRITON, PDL_PRELOAD, bf16_dot_args, pdl_args, use_triton
 from . import fp8_moe
 
 if HAS_TRITON:
@@ -432,14 +432,17 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, k0, H, stride_u,
-                     BK: tl.constexpr, DOT: tl.constexpr):
-        """One BK step of _router_partial_kernel at K offset k0: acc + u[rows, k0:k0+BK]·W[experts, ..]."""
+    def _router_w(w_ptr, experts, e_ok, k0, H, BK: tl.constexpr):
+        """W[experts, k0:k0+BK] (past H zeros): one BK step's router weights."""
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < H
+        return tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :], other=0.0)
+
+    @triton.jit
+    def _router_step(acc, u_ptr, w, rows, r_ok, k0, H, stride_u, BK: tl.constexpr, DOT: tl.constexpr):
+        """One BK step of _router_partial_kernel at K offset k0: acc + u[rows, k0:k0+BK]·w (its _router_w)."""
+        ks = k0 + tl.arange(0, BK)
         u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_u + ks[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * H + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=r_ok[:, None] & (ks < H)[None, :], other=0.0).to(tl.float32)
         if DOT:
             acc = tl.dot(u, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -449,15 +452,19 @@ if HAS_TRITON:
     @triton.jit
     def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
                                KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                               DOT: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+                               DOT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr = False,
+                               PDL: tl.constexpr = False):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
         same instructions on the same values whichever program and tile it lands in.
         UNROLL: the KR/BK steps written out (tl.static_range), so every step's loads can be in
         flight at once; the loop form may wait for each step's load in turn. The same products
-        and sums in the same order either way."""
-        pdl_prologue(PDL)
+        and sums in the same order either way.
+        PRELOAD (KR <= 4·BK): the program's weights, all its steps', are loaded before it waits
+        for the kernel before it (pdl_prologue): no kernel of a step writes them, and under PDL the
+        program is resident while that kernel (the norm that makes u) still runs. The same steps
+        after the wait, so the same bits."""
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rg * RB + tl.arange(0, RB)
         r_ok = rows < M
@@ -466,12 +473,33 @@ if HAS_TRITON:
         # DOT: an IEEE F32 tl.dot (an FMA chain over k); else products accumulated lane by lane
         # over the K steps and summed across the BK lanes once
         acc = tl.zeros([RB, BE], dtype=tl.float32) if DOT else tl.zeros([RB, BE, BK], dtype=tl.float32)
-        if UNROLL:
+        if PRELOAD:
+            tl.static_assert(KR <= 4 * BK, "PRELOAD holds at most four K steps of weights")
+            w0 = _router_w(w_ptr, experts, e_ok, s * KR, H, BK)
+            if KR > BK:
+                w1 = _router_w(w_ptr, experts, e_ok, s * KR + BK, H, BK)
+            if KR > 2 * BK:
+                w2 = _router_w(w_ptr, experts, e_ok, s * KR + 2 * BK, H, BK)
+            if KR > 3 * BK:
+                w3 = _router_w(w_ptr, experts, e_ok, s * KR + 3 * BK, H, BK)
+            pdl_prologue(PDL)
+            acc = _router_step(acc, u_ptr, w0, rows, r_ok, s * KR, H, stride_u, BK, DOT)
+            if KR > BK:
+                acc = _router_step(acc, u_ptr, w1, rows, r_ok, s * KR + BK, H, stride_u, BK, DOT)
+            if KR > 2 * BK:
+                acc = _router_step(acc, u_ptr, w2, rows, r_ok, s * KR + 2 * BK, H, stride_u, BK, DOT)
+            if KR > 3 * BK:
+                acc = _router_step(acc, u_ptr, w3, rows, r_ok, s * KR + 3 * BK, H, stride_u, BK, DOT)
+        elif UNROLL:
+            pdl_prologue(PDL)
             for i in tl.static_range(0, KR, BK):
-                acc = _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, s * KR + i, H, stride_u, BK, DOT)
+                w = _router_w(w_ptr, experts, e_ok, s * KR + i, H, BK)
+                acc = _router_step(acc, u_ptr, w, rows, r_ok, s * KR + i, H, stride_u, BK, DOT)
         else:
+            pdl_prologue(PDL)
             for k0 in range(s * KR, s * KR + KR, BK):
-                acc = _router_step(acc, u_ptr, w_ptr, rows, r_ok, experts, e_ok, k0, H, stride_u, BK, DOT)
+                w = _router_w(w_ptr, experts, e_ok, k0, H, BK)
+                acc = _router_step(acc, u_ptr, w, rows, r_ok, k0, H, stride_u, BK, DOT)
         logits = acc if DOT else tl.sum(acc, axis=2)
         tl.store(ws_ptr + (s * M + rows.to(tl.int64)[:, None]) * E + experts[None, :], logits,
                  mask=r_ok[:, None] & e_ok[None, :])
@@ -533,6 +561,9 @@ if HAS_TRITON:
 # row count (issue #8). UNROLL changes when loads are issued, not the arithmetic: the same logits
 # bits as the loop form (bench/router_decode.py checks them against it on the GPU).
 ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
+# The GEMV's weights loaded before its PDL wait (_router_partial_kernel's PRELOAD; DRAMA_PDL_PRELOAD,
+# see kernels/__init__); a layout's PRELOAD key overrides it
+ROUTER_PRELOAD = PDL_PRELOAD
 
 # The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
 # per pick (fp8_moe._softmax_topk) instead of two (_softmax_topk_argmax); the same ids and weights
@@ -643,11 +674,12 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         lay = layout or ROUTER_LAYOUT
         k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
         split = triton.cdiv(h, k_range)
+        preload = bool(lay.get("PRELOAD", ROUTER_PRELOAD)) and k_range <= 4 * lay["BK"]
         partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
             u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
             RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
-            num_warps=lay.get("num_warps", 4), **pdl_args())
+            PRELOAD=preload, num_warps=lay.get("num_warps", 4), **pdl_args())
     else:
         partials = logits if logits.dim() == 3 else logits.unsqueeze(0)
         if (partials.shape[1:] != (t, e) or partials.stride(-1) != 1 or partials.dtype != torch.float32
