@@ -57,16 +57,16 @@ def cases() -> dict:
                      final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
-    def gemm(bm, tiles, bn=64, tma=False, preload=0):     # GDN in_proj's launch (BK 128, whole K), PDL on
+    def gemm(bm, tiles, bn=64, tma=False):     # GDN in_proj's launch (BK 128, whole K), PDL on
         ptrs = dict(gemm_ptrs, w_desc=f"tensordesc<bf16[{bn},128]>" if tma else _ptr("bf16"))
         return (decode_gemm._decode_gemm_kernel, ptrs,
                 dict(BM=bm, BN=bn, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
-                     TMA=tma, PRELOAD=preload, PDL=True, **dot), 4, 3, gemm_div16)
+                     TMA=tma, PDL=True, **dot), 4, 3, gemm_div16)
 
-    def split_gemm(last_reduces=True, preload=0):   # out_proj's launch (K in 4 ranges, 4 stages)
+    def split_gemm(last_reduces=True):   # out_proj's launch (K in 4 ranges, 4 stages)
         return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32"), w_desc=_ptr("bf16")),
                 dict(BM=64, BN=64, BK=128, TILES=1, FINAL=False, HAS_RESIDUAL=True, LAST_REDUCES=last_reduces,
-                     TMA=False, PRELOAD=preload, PDL=True, **dot), 4, 4, gemm_div16)
+                     TMA=False, PDL=True, **dot), 4, 4, gemm_div16)
 
     def gate_up(reduce):     # REDUCE: the split reduce by each column group's last program (one row: 8 pairs)
         return (moe_decode._gate_up_kernel,
@@ -117,6 +117,14 @@ def cases() -> dict:
                         dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
                              TICKETS=moe_decode.REDUCE_TICKETS, PDL=True),
                         moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
+        "route_quant_preload": (moe_decode._route_quant_kernel,
+                                dict(ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), w_ptr=_ptr("bf16"),
+                                     xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), num_active_ptr=_ptr("i32"),
+                                     sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16"), counts_ptr=_ptr("i32"),
+                                     lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"), tickets_ptr=_ptr("i32")),
+                                dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
+                                     TICKETS=moe_decode.REDUCE_TICKETS, PRELOAD=True, PDL=True),
+                                moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
         "router_partial": (moe_decode._router_partial_kernel,
                            dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
@@ -133,10 +141,13 @@ def cases() -> dict:
         "gemm_bm16_t4": gemm(16, 4),
         "gemm_in_proj": gemm(64, 1, bn=32),                 # as served (decode_gemm.TUNED: BN 32)
         "gemm_in_proj_tma": gemm(64, 1, bn=32, tma=True),   # its weight through TMA box loads
-        "gemm_in_proj_preload2": gemm(64, 1, bn=32, preload=2),   # two weight steps before the PDL wait
         "gemm_split_last_reduces": split_gemm(),
         "gemm_out_proj": split_gemm(last_reduces=False),       # as served: the reduce in its own launch
-        "gemm_out_proj_preload2": split_gemm(last_reduces=False, preload=2),
+        "split_reduce_norm_preload": (decode_gemm._split_reduce_norm_kernel,
+                                      dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
+                                           w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
+                                      dict(SPLIT=4, HAS_RESIDUAL=True, BH=2048, PRELOAD=True, PDL=True), 8, 3,
+                                      {"N", "stride_rm", "stride_om", "stride_um"}),
         "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
                               dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                                    w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
@@ -162,6 +173,11 @@ def cases() -> dict:
                             dict(flag_ptr=_ptr("i64"), seq="i64", src_ptr=_ptr("i32"), dst_ptr=_ptr("i32"),
                                  status_ptr=_ptr("i32"), timeout_ns="i64"),
                             dict(BLOCK=device_handoff.ROW_WORDS_PER_PROGRAM, TIMER=True), 4, 3, set()),
+        "conv_update_preload": (gdn._conv_update_kernel,
+                                dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"),
+                                     out_ptr=_ptr("bf16"), slot_ptr=_ptr("i64")),
+                                dict(TAPS=4, BLOCK=1024, HAS_SLOTS=True, PRELOAD=True, PDL=True), 4, 3,
+                                {"C", "stride_x", "stride_o"}),
         "conv_update": (gdn._conv_update_kernel,
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                              slot_ptr=_ptr("i64")),

@@ -13,11 +13,10 @@ attributes that the kernels read at every call (so graphs captured under a setti
     norm-separate   decode_gemm.NORM_IN_REDUCE off: the post-attention norm in its own launch
                     after the out-projection's split reduce (before session 22)
     tma             decode_gemm.TMA: bf16 weights through TMA box loads (DRAMA_DECODE_GEMM_TMA=1)
-    preload         weights and state read before the PDL wait (DRAMA_PDL_PRELOAD=1): the decode
-                    GEMM's first two K steps, the router's weights, GDN's recurrent state
+    preload         weights and state read before the PDL wait (DRAMA_PDL_PRELOAD=1, see
+                    kernels/__init__.PDL_PRELOAD)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
-    preload-gemm, preload-router, preload-state, preload-gemm1: one of them each (gemm1: the
-                    decode GEMM's first K step only)
+    preload-router, preload-state, preload-conv, preload-reduce, preload-route: one of them each
 """
 
 from __future__ import annotations
@@ -29,19 +28,17 @@ import torch
 from services.backbone.kernels import decode_gemm, gdn, moe_decode
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
+# what DRAMA_PDL_PRELOAD turns on, by the setting that turns on one of them alone
+PRELOADS = {"router": (moe_decode, "ROUTER_PRELOAD"), "route": (moe_decode, "ROUTE_PRELOAD"),
+            "state": (gdn, "STATE_PRELOAD"), "conv": (gdn, "CONV_PRELOAD"), "reduce": (decode_gemm, "REDUCE_PRELOAD")}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
             "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False},
             "tma": {(decode_gemm, "TMA"): True},
-            "preload": {(decode_gemm, "PRELOAD"): 2, (moe_decode, "ROUTER_PRELOAD"): True,
-                        (gdn, "STATE_PRELOAD"): True},
-            "no-preload": {(decode_gemm, "PRELOAD"): 0, (moe_decode, "ROUTER_PRELOAD"): False,
-                           (gdn, "STATE_PRELOAD"): False},
-            "preload-gemm": {(decode_gemm, "PRELOAD"): 2},
-            "preload-gemm1": {(decode_gemm, "PRELOAD"): 1},
-            "preload-router": {(moe_decode, "ROUTER_PRELOAD"): True},
-            "preload-state": {(gdn, "STATE_PRELOAD"): True}}
+            "preload": {key: True for key in PRELOADS.values()},
+            "no-preload": {key: False for key in PRELOADS.values()},
+            **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()}}
 
 
 @contextlib.contextmanager

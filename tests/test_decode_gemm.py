@@ -342,20 +342,21 @@ def test_tma_loads_give_the_same_bits(m, residual, split):
 
 
 @kernel
-@pytest.mark.parametrize("m,residual,split,k", [(1, True, 1, 320), (5, False, 4, 640), (70, True, 2, 320),
-                                                (1, False, 3, 300)])
-@pytest.mark.parametrize("preload", [1, 2])
-def test_preloaded_weight_steps_give_the_same_bits(m, residual, split, k, preload):
-    """The first K steps' weight tiles loaded before the PDL wait (config PRELOAD,
-    DRAMA_DECODE_GEMM_PRELOAD) give the bits of the plain loop: the same dots in the same K order.
-    K 320 / 640 in steps of 128 with a partial last step; K 300 in 3 ranges is 128, 128, 44: the
-    last range has one step, so two preloaded steps are cut to one there."""
-    x, w, r = operands(m, 80, k, torch.bfloat16, residual, seed=16)
-    config = dict(BM=64, BN=32, BK=128, SPLIT=split, num_warps=4, num_stages=3)
-    plain = decode_gemm.decode_linear(x, w, r, config=config)
-    early = decode_gemm.decode_linear(x, w, r, config=dict(config, PRELOAD=preload))
-    assert torch.equal(early, plain), float((early.float() - plain.float()).abs().max())
-    assert_matches_reference(early, x, w, r)
+@pytest.mark.parametrize("m,residual", [(1, True), (3, False), (2, True)])
+def test_split_reduce_with_its_residual_read_before_the_wait_gives_the_same_bits(m, residual, monkeypatch):
+    """The split reduce's residual and norm gain read before its PDL wait (REDUCE_PRELOAD,
+    DRAMA_PDL_PRELOAD): the same sums, so the same bits, with the norm in the reduce or not."""
+    x, w, r = operands(m, 96, 512, torch.bfloat16, residual, seed=17)
+    gain = torch.randn(96).to(torch.bfloat16).to(x.device)
+    config = dict(BM=64, BN=32, BK=128, SPLIT=4, num_warps=4, num_stages=3)
+    outs = []
+    for preload in (False, True):
+        monkeypatch.setattr(decode_gemm, "REDUCE_PRELOAD", preload)
+        outs.append((decode_gemm.decode_linear(x, w, r, config=config),
+                     *decode_gemm.decode_linear(x, w, r, config=config, norm=(gain, 1e-6))))
+    for plain, early in zip(*outs):
+        assert torch.equal(plain, early)
+    assert_matches_reference(outs[1][0], x, w, r)
 
 
 def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():

@@ -365,6 +365,26 @@ def test_conv_update_kernel_matches_torch():
 
 
 @cuda
+@pytest.mark.parametrize("slotted", [False, True])
+def test_conv_update_with_its_state_read_before_the_wait_gives_the_same_bits(slotted, monkeypatch):
+    """The conv update's state, weights and slot read before its PDL wait (CONV_PRELOAD,
+    DRAMA_PDL_PRELOAD): the same output and new state bit for bit."""
+    b, c = 3, 8192
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(b, c + 100, device="cuda", generator=gen).to(torch.bfloat16)[:, :c]
+    w = torch.randn(c, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    pool = torch.randn(b + 2, c, 3, device="cuda", generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([4, 0, 2], device="cuda") if slotted else None
+    outs = []
+    for preload in (False, True):
+        monkeypatch.setattr(gdn, "CONV_PRELOAD", preload)
+        state = pool.clone() if slotted else pool[:b].clone()
+        outs.append((gdn.causal_conv1d_update(x, w, state, slots=slots), state))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+@cuda
 def test_norm_kernels_match_references():
     x = torch.randn(5, 2048 + 64, device="cuda").to(torch.bfloat16)[:, :2048]
     w = torch.randn(2048, device="cuda").to(torch.bfloat16) * 0.1

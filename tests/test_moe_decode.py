@@ -246,15 +246,18 @@ def test_route_decode_new_launches_equal_today():
 
 @pytest.mark.parametrize("t,e,h,bk", [(1, 256, 2048, 32), (9, 64, 384, 32), (1, 64, 200, 16)])
 def test_router_weights_loaded_before_the_wait_give_the_same_bits(t, e, h, bk):
-    """The router GEMV's weights loaded before its PDL wait (layout PRELOAD, DRAMA_PDL_PRELOAD):
-    the same steps in the same order, so every output bit for bit as the unrolled GEMV. H 200 in
-    steps of 16: ranges of 16 and a last range past H (zeros)."""
+    """The router GEMV's weights loaded before its PDL wait (layout PRELOAD), and the routing
+    launch's quantisation and shared gate before its wait (route_config PRELOAD; both
+    DRAMA_PDL_PRELOAD): the same steps in the same order, so every output bit for bit as without.
+    H 200 in steps of 16: ranges of 16 and a last range past H (zeros)."""
     u, router = router_case(t, e, h)
+    _, _, gate = shared_expert(128, h)
     layout = dict(moe_decode.ROUTER_LAYOUT, BK=bk, PRELOAD=False)
-    plain = moe_decode.route_decode(u, router, 8, layout=layout)
-    early = moe_decode.route_decode(u, router, 8, layout=dict(layout, PRELOAD=True))
+    plain = moe_decode.route_decode(u, router, 8, layout=layout, shared_gate=gate, route_config=dict(PRELOAD=False))
+    early = moe_decode.route_decode(u, router, 8, layout=dict(layout, PRELOAD=True), shared_gate=gate,
+                                    route_config=dict(PRELOAD=True))
     for name, a, b in zip(plain._fields, plain, early):
-        if name in ("shared_gate_logit", "lists", "tickets"):   # not asked; written from ids (partly unset)
+        if name in ("lists", "tickets"):        # written from ids (partly left unset)
             continue
         assert torch.equal(bits(a), bits(b)), name
 

@@ -68,8 +68,9 @@ PDL = HAS_TRITON and not INTERPRET and env_switch("DRAMA_PDL") is not False
 # kernel does not write they may read before they wait: weights, and state written by earlier
 # kernels (when a program passes its wait, every kernel before its predecessor has finished, since
 # each program of the predecessor waited before it let this kernel launch). DRAMA_PDL_PRELOAD=1
-# (read once at import) has the decode GEMM, the router and GDN's recurrence load their weights or
-# state that way; the same bits.
+# (read once at import) has the MoE router's GEMV (its weights) and routing launch (u's
+# quantisation), GDN's conv update and recurrence (their state) and the decode GEMM's split reduce
+# (its residual) do so; the same bits. A decode GEMM's own first weight tiles lost (session 28).
 PDL_PRELOAD = env_switch("DRAMA_PDL_PRELOAD") is True
 
 if HAS_TRITON:

@@ -140,9 +140,9 @@ NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   #
 # run 5: no faster at one row, 3-9% faster for three of six shapes at 128 rows); a config's TMA key
 # overrides it (bench/decode_gemm.py --try SHAPE:TMA=1)
 TMA = env_switch("DRAMA_DECODE_GEMM_TMA") is True
-# K steps whose weight tiles a program loads before it waits for the kernel before it (0, 1 or 2;
-# 2 with DRAMA_PDL_PRELOAD=1, see kernels/__init__); a config's PRELOAD key overrides it
-PRELOAD = 2 if PDL_PRELOAD else 0
+# the split reduce's residual (and norm gain) read before its PDL wait (DRAMA_PDL_PRELOAD, see
+# kernels/__init__)
+REDUCE_PRELOAD = PDL_PRELOAD
 
 
 def enabled(decode: bool, x: torch.Tensor) -> bool:
@@ -343,25 +343,24 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
            and weight.data_ptr() % 16 == 0 and weight.stride(0) % 8 == 0)       # TMA's 16-byte alignment
     # made per call (host-side, a few fields): the graphs keep the one of their capture
     w_desc = TensorDescriptor.from_tensor(weight, [plan["BN"], plan["BK"]]) if tma else None
-    # every K range has the preloaded steps: the last (shortest) one bounds them
-    preload = min(plan.get("PRELOAD", PRELOAD), _cdiv(k - (splits - 1) * plan["k_range"], plan["BK"]))
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
         res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], weight if w_desc is None else w_desc,
         BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
         HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None, DOT=dot, PREC=prec, TMA=w_desc is not None,
-        PRELOAD=preload, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
     if splits > 1 and tickets is None and norm is not None and NORM_IN_REDUCE:
         u = invariant.empty_rows(m, n, dtype=torch.bfloat16, device=x.device)   # a GEMM input: padded storage
         _split_reduce_norm_kernel[(m,)](
             part, res, out, norm[0], u, m, n, res.stride(0), out.stride(0), u.stride(0), norm[1], SPLIT=splits,
-            HAS_RESIDUAL=residual is not None, BH=triton.next_power_of_2(n), num_warps=8, **pdl_args())
+            HAS_RESIDUAL=residual is not None, BH=triton.next_power_of_2(n), PRELOAD=REDUCE_PRELOAD, num_warps=8,
+            **pdl_args())
         return out, u
     if splits > 1 and tickets is None:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, res, out, m * n, n, res.stride(0), out.stride(0), SPLIT=splits,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **pdl_args())
+            HAS_RESIDUAL=residual is not None, BLOCK=block, PRELOAD=REDUCE_PRELOAD, num_warps=4, **pdl_args())
     return _normed(out, norm)
 
 
@@ -380,38 +379,6 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
         return tl.dot(x.to(DOT), w, acc, input_precision=PREC, out_dtype=tl.float32)
-
-    @triton.jit
-    def _weight_tile(w_cols, w_desc, pid_n, k0, offs_k, k_hi, n_ok, BN: tl.constexpr, TMA: tl.constexpr,
-                     DOT: tl.constexpr):
-        """The weight tile [BK, BN] of K step k0 (past N or k_hi zeros), as the dot's operand type."""
-        if TMA:        # Hopper's tensor memory accelerator; past N or K a box reads zeros, as the mask
-            w = tl.trans(w_desc.load([pid_n * BN, k0]))
-        else:
-            kk = k0 + offs_k
-            w = tl.load(w_cols + kk[:, None], mask=(kk < k_hi)[:, None] & n_ok[None, :], other=0.0)
-        return w.to(DOT)
-
-    @triton.jit
-    def _k_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_ptr, m0, rows0, M, stride_xm, kk, k_ok, w,
-                BM: tl.constexpr, TILES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """One K step of every BM-row tile of the program's rows (tiles >= TILES pruned at compile time)."""
-        acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 1:
-            acc1 = _tile_dot(acc1, x_ptr, m0 + BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 2:
-            acc2 = _tile_dot(acc2, x_ptr, m0 + 2 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 3:
-            acc3 = _tile_dot(acc3, x_ptr, m0 + 3 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 4:
-            acc4 = _tile_dot(acc4, x_ptr, m0 + 4 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 5:
-            acc5 = _tile_dot(acc5, x_ptr, m0 + 5 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 6:
-            acc6 = _tile_dot(acc6, x_ptr, m0 + 6 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        if TILES > 7:
-            acc7 = _tile_dot(acc7, x_ptr, m0 + 7 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
-        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
     @triton.jit
     def _tile_store(acc, rows, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm,
@@ -433,11 +400,12 @@ if HAS_TRITON:
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                             FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAST_REDUCES: tl.constexpr,
                             DOT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
-                            PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
         rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials),
-        and with LAST_REDUCES the group's last program to finish adds them into final. PRELOAD:
-        K steps (0, 1 or 2, at most the range's) whose weight tiles are loaded before the wait."""
+        and with LAST_REDUCES the group's last program to finish adds them into final."""
+        pdl_prologue(PDL)
+        part_ptr = out_ptr
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -446,6 +414,7 @@ if HAS_TRITON:
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn        # [1, BN]: weight rows n
         offs_k = tl.arange(0, BK)
         rows0 = tl.arange(0, BM)
+        out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
         m0 = pid_m * (BM * TILES)                          # this program's first row
         # one accumulator per BM-row tile; tiles >= TILES are pruned at compile time
         acc0 = tl.zeros([BM, BN], dtype=tl.float32)
@@ -456,35 +425,29 @@ if HAS_TRITON:
         acc5 = tl.zeros([BM, BN], dtype=tl.float32)
         acc6 = tl.zeros([BM, BN], dtype=tl.float32)
         acc7 = tl.zeros([BM, BN], dtype=tl.float32)
-        # Weights are never written by a kernel of the step, so a program may load its first
-        # PRELOAD weight tiles before it waits for its predecessor (pdl_prologue): under PDL it is
-        # resident while that kernel still runs, and those bytes come from HBM meanwhile. x (the
-        # predecessor's output) is read only after the wait.
-        if PRELOAD > 0:
-            w_first = _weight_tile(w_cols, w_desc, pid_n, k_lo, offs_k, k_hi, n_ok, BN, TMA, DOT)
-        if PRELOAD > 1:
-            w_second = _weight_tile(w_cols, w_desc, pid_n, k_lo + BK, offs_k, k_hi, n_ok, BN, TMA, DOT)
-        pdl_prologue(PDL)
-        part_ptr = out_ptr
-        out_ptr += pid_k.to(tl.int64) * M * N                            # this range's partials
-        # ascending K: the one summation order, the preloaded steps first
-        k_rest = k_lo
-        if PRELOAD > 0:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _k_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_ptr, m0, rows0, M, stride_xm, k_lo + offs_k,
-                k_lo + offs_k < k_hi, w_first, BM, TILES, DOT, PREC)
-            k_rest += BK
-        if PRELOAD > 1:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _k_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_ptr, m0, rows0, M, stride_xm,
-                k_lo + BK + offs_k, k_lo + BK + offs_k < k_hi, w_second, BM, TILES, DOT, PREC)
-            k_rest += BK
-        for k0 in range(k_rest, k_hi, BK):
+        for k0 in range(k_lo, k_hi, BK):               # ascending K: the one summation order
             kk = k0 + offs_k
-            w = _weight_tile(w_cols, w_desc, pid_n, k0, offs_k, k_hi, n_ok, BN, TMA, DOT)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _k_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_ptr, m0, rows0, M, stride_xm, kk, kk < k_hi, w,
-                BM, TILES, DOT, PREC)
+            k_ok = kk < k_hi
+            if TMA:        # Hopper's tensor memory accelerator; past N or K a box reads zeros, as the mask
+                w = tl.trans(w_desc.load([pid_n * BN, k0]))                                  # [BK, BN]
+            else:
+                w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+            w = w.to(DOT)
+            acc0 = _tile_dot(acc0, x_ptr, m0 + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 1:
+                acc1 = _tile_dot(acc1, x_ptr, m0 + BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 2:
+                acc2 = _tile_dot(acc2, x_ptr, m0 + 2 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 3:
+                acc3 = _tile_dot(acc3, x_ptr, m0 + 3 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 4:
+                acc4 = _tile_dot(acc4, x_ptr, m0 + 4 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 5:
+                acc5 = _tile_dot(acc5, x_ptr, m0 + 5 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 6:
+                acc6 = _tile_dot(acc6, x_ptr, m0 + 6 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
+            if TILES > 7:
+                acc7 = _tile_dot(acc7, x_ptr, m0 + 7 * BM + rows0, M, stride_xm, kk, k_ok, w, DOT, PREC)
         _tile_store(acc0, m0 + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL, HAS_RESIDUAL)
         if TILES > 1:
             _tile_store(acc1, m0 + BM + rows0, offs_n, n_ok, M, out_ptr, stride_om, r_ptr, stride_rm, FINAL,
@@ -540,38 +503,53 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_reduce_kernel(part_ptr, r_ptr, out_ptr, MN, N, stride_rm, stride_om, SPLIT: tl.constexpr,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """out = ((p0 + p1) + ..) + residual, rounded once: the K ranges in order, for every element."""
-        pdl_prologue(PDL)
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
+        """out = ((p0 + p1) + ..) + residual, rounded once: the K ranges in order, for every element.
+        PRELOAD: the residual read before the PDL wait (the kernel before this one is always its
+        GEMM, which writes only the partials; see kernels/__init__.PDL_PRELOAD)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < MN
         row, col = offs // N, offs % N
+        if HAS_RESIDUAL and PRELOAD:
+            r = tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0)
+        pdl_prologue(PDL)
         acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT):
             acc = acc + tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            acc = acc + tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0).to(tl.float32)
+            if not PRELOAD:
+                r = tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0)
+            acc = acc + r.to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _split_reduce_norm_kernel(part_ptr, r_ptr, out_ptr, w_ptr, u_ptr, M, N, stride_rm, stride_om, stride_um, eps,
                                   SPLIT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr,
-                                  PDL: tl.constexpr = False):
+                                  PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program per row: out = ((p0 + p1) + ..) + residual rounded once (_split_reduce_kernel's
-        arithmetic), then u = RMSNorm⁺ of the rounded row (decode_graph._rms_norm_kernel's)."""
-        pdl_prologue(PDL)
+        arithmetic), then u = RMSNorm⁺ of the rounded row (decode_graph._rms_norm_kernel's).
+        PRELOAD: the residual and the norm's gain read before the PDL wait (as _split_reduce_kernel)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BH)
         ok = offs < N
+        if PRELOAD:
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+        pdl_prologue(PDL)
         p = part_ptr + row * N + offs
         acc = tl.load(p, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT):
             acc = acc + tl.load(p + s * M * N, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            acc = acc + tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0).to(tl.float32)
+            if not PRELOAD:
+                r = tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+            acc = acc + r.to(tl.float32)
         h = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_om + offs, h, mask=ok)
         x = h.to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps) * (1.0 + w)).to(tl.bfloat16)
+        if not PRELOAD:
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps) * (1.0 + w.to(tl.float32))).to(tl.bfloat16)
         tl.store(u_ptr + row * stride_um + offs, y, mask=ok)

@@ -113,7 +113,8 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     block = 1024
     _conv_update_kernel[(b, triton.cdiv(c, block))](
         x, weight, conv_state, out, slots if slots is not None else x, c, x.stride(0), out.stride(0),
-        TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, num_warps=4, **pdl_args())
+        TAPS=taps, BLOCK=block, HAS_SLOTS=slots is not None, PRELOAD=CONV_PRELOAD and taps == 4, num_warps=4,
+        **pdl_args())
     return out
 
 
@@ -365,8 +366,9 @@ def naive_gated_rms_norm(o, z, weight, eps: float = 1e-6):
 # one-warp programs took 6.35 µs, 2048 four-warp ones 3.01 (H200, bench/prefill_parts.py,
 # session 14 run 6; 2 warps for 4 heads changed bits).
 GATED_NORM_HEADS = 4
-# the recurrence's state loaded before its PDL wait (DRAMA_PDL_PRELOAD, see kernels/__init__)
-STATE_PRELOAD = PDL_PRELOAD
+# the recurrence's state, and the conv update's state and weights, loaded before their PDL waits
+# (DRAMA_PDL_PRELOAD, see kernels/__init__)
+STATE_PRELOAD = CONV_PRELOAD = PDL_PRELOAD
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -394,17 +396,50 @@ if HAS_TRITON:
     @triton.jit
     def _conv_update_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slot_ptr, C, stride_x, stride_o,
                             TAPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        pdl_prologue(PDL)
+                            PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+        """PRELOAD (TAPS 4): the conv state, the taps' weights and the slot loaded before the PDL
+        wait (only the step's in_proj, which writes x, runs before it; see
+        kernels/__init__.PDL_PRELOAD); the same arithmetic, so the same bits."""
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = ch < C
-        if HAS_SLOTS:
-            row = tl.load(slot_ptr + b).to(tl.int64)
+        if PRELOAD:
+            tl.static_assert(TAPS == 4, "PRELOAD is written for 4 taps")
+            row = _conv_row(slot_ptr, b, HAS_SLOTS)
+            s_base = state_ptr + (row * C + ch) * (TAPS - 1)
+            s0 = tl.load(s_base, mask=ok, other=0.0)
+            s1 = tl.load(s_base + 1, mask=ok, other=0.0)
+            s2 = tl.load(s_base + 2, mask=ok, other=0.0)
+            w0 = tl.load(w_ptr + ch * TAPS, mask=ok, other=0.0).to(tl.float32)
+            w1 = tl.load(w_ptr + ch * TAPS + 1, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + ch * TAPS + 2, mask=ok, other=0.0).to(tl.float32)
+            w3 = tl.load(w_ptr + ch * TAPS + 3, mask=ok, other=0.0).to(tl.float32)
+            pdl_prologue(PDL)
+            x_ptr += b * stride_x
+            x_new = tl.load(x_ptr + ch, mask=ok, other=0.0)
+            # _conv_channels' sum and shifts, its loop written out
+            acc = tl.zeros(ch.shape, dtype=tl.float32)
+            acc += s0.to(tl.float32) * w0
+            acc += s1.to(tl.float32) * w1
+            tl.store(s_base, s1, mask=ok)
+            acc += s2.to(tl.float32) * w2
+            tl.store(s_base + 1, s2, mask=ok)
+            acc += x_new.to(tl.float32) * w3
+            tl.store(s_base + 2, x_new.to(state_ptr.dtype.element_ty), mask=ok)
+            y = (acc * tl.sigmoid(acc)).to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
-            row = b.to(tl.int64)
-        y = _conv_channels(x_ptr + b * stride_x, w_ptr, state_ptr, row, C, ch, ok, TAPS)
+            pdl_prologue(PDL)
+            row = _conv_row(slot_ptr, b, HAS_SLOTS)
+            y = _conv_channels(x_ptr + b * stride_x, w_ptr, state_ptr, row, C, ch, ok, TAPS)
         tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _conv_row(slot_ptr, b, HAS_SLOTS: tl.constexpr):
+        """The conv state row of sequence b: its slot, or b."""
+        if HAS_SLOTS:
+            return tl.load(slot_ptr + b).to(tl.int64)
+        else:
+            return b.to(tl.int64)
 
     @triton.jit
     def _prefill_conv_kernel(x_ptr, stride_x, w_ptr, state_ptr, slot_ptr, first_ptr, seg_ptr, q_ptr, k_ptr, v_ptr,

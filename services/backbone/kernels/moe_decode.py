@@ -509,7 +509,7 @@ if HAS_TRITON:
                             stride_ws, sg_ptr, gl_ptr, counts_ptr, lists_ptr, active_ptr, tickets_ptr,
                             S: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                             GP: tl.constexpr, GATE: tl.constexpr, KEYED_TOPK: tl.constexpr, LISTS: tl.constexpr = False,
-                            TICKETS: tl.constexpr = 16, PDL: tl.constexpr = False):
+                            TICKETS: tl.constexpr = 16, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
         """Row t: its logits = the S partials ws[s, t] (row stride stride_ws, S = 1: the logits
         themselves) added in order 0, 1, ..; fp8_moe._softmax_topk (KEYED_TOPK, else its two-reduction
         form _softmax_topk_argmax: the same bits) -> ids, bf16 weights; its §4.7
@@ -519,9 +519,16 @@ if HAS_TRITON:
         for expert_lists; or, LISTS (M = 1, K <= E), writes what expert_lists would: the row's K
         picks are K distinct experts (a pick removes its expert from the next), pair j the one
         pair of expert ids[j], slot j in the active list; and zeroes the TICKETS tickets of the
-        split reduce inside gate/up (_last_program_reduces)."""
-        pdl_prologue(PDL)
+        split reduce inside gate/up (_last_program_reduces).
+        PRELOAD: u's quantisation and the shared gate's logit computed before the PDL wait: u
+        comes from the norm before the router's GEMV, which has finished once this kernel runs
+        (kernels/__init__.PDL_PRELOAD); the same arithmetic, so the same bits."""
         t = tl.program_id(0)
+        groups = tl.arange(0, GP)
+        cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+        if PRELOAD:
+            xq, a, gate = _quant_and_gate(u_ptr, sg_ptr, t, H, stride_u, cols, GATE)
+        pdl_prologue(PDL)
         if not LISTS:
             if t == 0:
                 tl.store(num_active_ptr, 0)
@@ -543,17 +550,26 @@ if HAS_TRITON:
             tl.store(active_ptr + slots, ids, mask=slots < K)
             tl.store(num_active_ptr, K)
             tl.store(tickets_ptr + tl.arange(0, TICKETS), tl.zeros([TICKETS], tl.int32))
-        groups = tl.arange(0, GP)
-        cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
         g_count = tl.cdiv(H, 128)
-        x = tl.load(u_ptr + t.to(tl.int64) * stride_u + cols, mask=cols < H, other=0.0).to(tl.float32)
-        xq, a = fp8_moe._quant_tile(x)
+        if not PRELOAD:
+            xq, a, gate = _quant_and_gate(u_ptr, sg_ptr, t, H, stride_u, cols, GATE)
         tl.store(xq_ptr + t.to(tl.int64) * H + cols, xq.to(tl.float8e4nv), mask=cols < H)
         tl.store(xa_ptr + t * g_count + groups, a, mask=groups < g_count)
         if GATE:
+            tl.store(gl_ptr + t, gate.to(tl.bfloat16))
+
+    @triton.jit
+    def _quant_and_gate(u_ptr, sg_ptr, t, H, stride_u, cols, GATE: tl.constexpr):
+        """Row t of u: its §4.7 quantisation (fp8_moe._quant_tile: values, group scales) and, with
+        GATE, the shared expert's gate logit u·sg in F32 (a fixed sum tree; 0 without GATE)."""
+        x = tl.load(u_ptr + t.to(tl.int64) * stride_u + cols, mask=cols < H, other=0.0).to(tl.float32)
+        xq, a = fp8_moe._quant_tile(x)
+        gate = 0.0
+        if GATE:
             sg = tl.load(sg_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
             gate = tl.sum(tl.sum(x * sg, axis=1), axis=0)
-            tl.store(gl_ptr + t, gate.to(tl.bfloat16))
+        return xq, a, gate
+
 
 
 # The decode router's GEMV layout: RB rows x BE experts per program over one of SPLIT K ranges
@@ -564,6 +580,9 @@ ROUTER_LAYOUT = dict(RB=8, BE=16, BK=32, SPLIT=16, UNROLL=True)
 # The GEMV's weights loaded before its PDL wait (_router_partial_kernel's PRELOAD; DRAMA_PDL_PRELOAD,
 # see kernels/__init__); a layout's PRELOAD key overrides it
 ROUTER_PRELOAD = PDL_PRELOAD
+# the routing launch's quantisation of u and shared gate logit before its PDL wait (_route_quant_kernel's
+# PRELOAD; DRAMA_PDL_PRELOAD); a route_config's PRELOAD key overrides it
+ROUTE_PRELOAD = PDL_PRELOAD
 
 # The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
 # per pick (fp8_moe._softmax_topk) instead of two (_softmax_topk_argmax); the same ids and weights
@@ -710,6 +729,8 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
                               S=split, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
                               GP=triton.next_power_of_2(groups), GATE=gate is not None,
                               KEYED_TOPK=route["KEYED_TOPK"], LISTS=lists is not None, TICKETS=REDUCE_TICKETS,
+                              # only after our GEMV: then the kernel before this one never writes u
+                              PRELOAD=bool(route.get("PRELOAD", ROUTE_PRELOAD)) and logits is None,
                               num_warps=route["num_warps"], **pdl_args())
     return DecodeRoute(ids, weights, xq, xa, num_active, gate, lists, tickets)
 
