@@ -57,11 +57,11 @@ def cases() -> dict:
                      final_ptr=_ptr("bf16"), tickets_ptr=_ptr("i32"))
     gemm_div16 = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_fm", "K_RANGE"}
 
-    def gemm(bm, tiles, bn=64, tma=False, prefetch=0):     # GDN in_proj's launch (BK 128, whole K), PDL on
+    def gemm(bm, tiles, bn=64, tma=False):     # GDN in_proj's launch (BK 128, whole K), PDL on
         ptrs = dict(gemm_ptrs, w_desc=f"tensordesc<bf16[{bn},128]>" if tma else _ptr("bf16"))
         return (decode_gemm._decode_gemm_kernel, ptrs,
                 dict(BM=bm, BN=bn, BK=128, TILES=tiles, FINAL=True, HAS_RESIDUAL=False, LAST_REDUCES=False,
-                     TMA=tma, PREFETCH=prefetch, PDL=True, **dot), 4, 3, gemm_div16)
+                     TMA=tma, PDL=True, **dot), 4, 3, gemm_div16)
 
     def split_gemm(last_reduces=True):   # out_proj's launch (K in 4 ranges, 4 stages)
         return (decode_gemm._decode_gemm_kernel, dict(gemm_ptrs, out_ptr=_ptr("fp32"), w_desc=_ptr("bf16")),
@@ -125,22 +125,13 @@ def cases() -> dict:
                                 dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
                                      TICKETS=moe_decode.REDUCE_TICKETS, PRELOAD=True, PDL=True),
                                 moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
-        "router_partial_prefetch": (moe_decode._router_partial_kernel,
-                                    dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32"),
-                                         pf0_ptr=_ptr("bf16"), pf1_ptr=_ptr("bf16")),
-                                    dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
-                                         BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PRELOAD=True,
-                                         PREFETCH=2, PDL=True),
-                                    4, 3, {"H", "E", "stride_u"}),
         "router_partial": (moe_decode._router_partial_kernel,
-                           dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32"),
-                                pf0_ptr=_ptr("bf16"), pf1_ptr=_ptr("bf16")),
+                           dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
         "router_partial_preload": (moe_decode._router_partial_kernel,
-                                   dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32"),
-                                        pf0_ptr=_ptr("bf16"), pf1_ptr=_ptr("bf16")),
+                                   dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
                                    dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                         BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PRELOAD=True,
                                         PDL=True),
@@ -150,7 +141,6 @@ def cases() -> dict:
         "gemm_bm16_t4": gemm(16, 4),
         "gemm_in_proj": gemm(64, 1, bn=32),                 # as served (decode_gemm.TUNED: BN 32)
         "gemm_in_proj_tma": gemm(64, 1, bn=32, tma=True),   # its weight through TMA box loads
-        "gemm_in_proj_prefetch4": gemm(64, 1, bn=32, prefetch=4),   # 4 K steps asked of L2 before the wait
         "gemm_split_last_reduces": split_gemm(),
         "gemm_out_proj": split_gemm(last_reduces=False),       # as served: the reduce in its own launch
         "split_reduce_norm_preload": (decode_gemm._split_reduce_norm_kernel,

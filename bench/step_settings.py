@@ -17,10 +17,6 @@ attributes that the kernels read at every call (so graphs captured under a setti
                     kernels/__init__.PDL_PRELOAD)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
     preload-router, preload-state, preload-conv, preload-reduce, preload-route: one of them each
-    prefetch-shared preload, and the router's GEMV asks L2 for the shared expert's weights
-                    (moe_decode.SHARED_PREFETCH)
-    prefetch-gemmN  preload, and each decode GEMM program asks L2 for its first N K steps of
-                    weights before its wait (decode_gemm.PREFETCH)
 """
 
 from __future__ import annotations
@@ -40,13 +36,9 @@ SETTINGS = {"tuned": {},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
             "norm-separate": {(decode_gemm, "NORM_IN_REDUCE"): False},
             "tma": {(decode_gemm, "TMA"): True},
-            "preload": {key: True for key in PRELOADS.values()} | {(moe_decode, "SHARED_PREFETCH"): False},
-            "no-preload": {key: False for key in PRELOADS.values()} | {(moe_decode, "SHARED_PREFETCH"): False,
-                                                                       (decode_gemm, "PREFETCH"): 0},
-            **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()},
-            "prefetch-shared": {key: True for key in PRELOADS.values()} | {(moe_decode, "SHARED_PREFETCH"): True},
-            **{f"prefetch-gemm{n}": {key: True for key in PRELOADS.values()} | {(decode_gemm, "PREFETCH"): n}
-               for n in (2, 4, 8)}}
+            "preload": {key: True for key in PRELOADS.values()},
+            "no-preload": {key: False for key in PRELOADS.values()},
+            **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()}}
 
 
 @contextlib.contextmanager

@@ -359,19 +359,6 @@ def test_split_reduce_with_its_residual_read_before_the_wait_gives_the_same_bits
     assert_matches_reference(outs[1][0], x, w, r)
 
 
-@gpu
-@pytest.mark.parametrize("m,residual,split", [(1, True, 1), (5, False, 4), (70, True, 2)])
-@pytest.mark.parametrize("prefetch", [1, 2, 8])
-def test_weight_lines_asked_of_l2_change_no_bit(m, residual, split, prefetch):
-    """PREFETCH K steps of weights asked of L2 before the PDL wait (a config's PREFETCH): the same
-    bits (a prefetch moves no value); 8 steps is more than a K range has (cut to its steps)."""
-    x, w, r = operands(m, 80, 640, torch.bfloat16, residual, seed=18)
-    config = dict(BM=64, BN=32, BK=128, SPLIT=split, num_warps=4, num_stages=3)
-    plain = decode_gemm.decode_linear(x, w, r, config=config)
-    asked = decode_gemm.decode_linear(x, w, r, config=dict(config, PREFETCH=prefetch))
-    assert torch.equal(asked, plain)
-
-
 def test_norm_wants_a_bf16_output_and_a_gain_of_its_width():
     x, w, r = operands(2, 64, 128, torch.bfloat16, True)
     with pytest.raises(ValueError, match="gain"):

@@ -262,24 +262,6 @@ def test_router_weights_loaded_before_the_wait_give_the_same_bits(t, e, h, bk):
         assert torch.equal(bits(a), bits(b)), name
 
 
-@pytest.mark.skipif(INTERPRET, reason="a prefetch is PTX: the interpreter leaves it out")
-def test_shared_weights_asked_of_l2_change_no_bit(monkeypatch):
-    """route_decode(prefetch=): the shared expert's weights asked of L2 by the GEMV's programs
-    (SHARED_PREFETCH) change no output bit; a tensor the bulk prefetch cannot take (not a
-    multiple of 16 bytes) is left out."""
-    u, router = router_case(1, 256, 2048)
-    gate_up, down, gate = shared_expert(512, 2048)
-    monkeypatch.setattr(moe_decode, "SHARED_PREFETCH", True)
-    plain = moe_decode.route_decode(u, router, 8, shared_gate=gate)
-    asked = moe_decode.route_decode(u, router, 8, shared_gate=gate, prefetch=(gate_up, down))
-    odd = moe_decode.route_decode(u, router, 8, shared_gate=gate, prefetch=(gate_up[:, :3].contiguous(),))
-    for name in ("ids", "weights", "xq", "xa", "shared_gate_logit"):
-        assert torch.equal(bits(getattr(plain, name)), bits(getattr(asked, name))), name
-        assert torch.equal(bits(getattr(plain, name)), bits(getattr(odd, name))), name
-    assert [n for _, n in moe_decode._prefetch_regions((gate_up, down, gate))] == [2 * 512 * 2048 * 2,
-                                                                                  2048 * 512 * 2]
-
-
 @pytest.mark.parametrize("e,k", [(256, 8), (16, 4), (8, 8)])
 def test_one_row_route_writes_the_expert_lists(e, k):
     """A one-row step's routing launch writes expert_lists' output itself (DecodeRoute.lists):

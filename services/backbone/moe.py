@@ -263,9 +263,7 @@ class SparseMoE(nn.Module):
             logits = None if dense_decode else moe_decode.router_partials(
                 u if u32 is None else u32, self.gate.weight, gemm_rows or invariant.TILE)
             route = moe_decode.route_decode(u, self.gate.weight, self.top_k, logits=logits,
-                                            shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None,
-                                            prefetch=(self.shared_fused[:2 * i_s], self.shared_down) if fuse_shared
-                                            else ())
+                                            shared_gate=self.shared_fused[2 * i_s] if fuse_shared else None)
             args = (u, route.ids, route.weights, self.w_gate_up, self.s_gate_up, self.w_down, self.s_down)
             if fuse_shared:
                 pairs, shared = moe_decode.moe_decode_pairs(

@@ -73,7 +73,8 @@ PDL = HAS_TRITON and not INTERPRET and env_switch("DRAMA_PDL") is not False
 # (its residual) do so; the same bits. H200 (session 28 run 2, bench/backbone.py --settings, one
 # process), graphed batch-1 decode step 2.68 / 2.69 / 2.55 -> 2.50 / 2.53 / 2.37 ms. A decode GEMM's
 # own first weight tiles in registers lost (in_proj 14.9 -> 20.0 µs: the peeled steps' dots and
-# shared memory).
+# shared memory); asking L2 for them, or for the shared expert's weights from the router's GEMV,
+# before the wait changed nothing (run 3).
 PDL_PRELOAD = env_switch("DRAMA_PDL_PRELOAD") is not False
 
 if HAS_TRITON:
@@ -90,29 +91,6 @@ if HAS_TRITON:
         @triton.jit
         def pdl_prologue(ENABLED: tl.constexpr):
             pass
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def prefetch_l2_lines(ptrs):
-        """Ask L2 for the 128-byte line of each element of `ptrs` (`prefetch.global.L2`); returns at
-        once and changes no value. Not in Triton's interpreter (PTX)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def prefetch_l2_bytes(ptr, nbytes):
-        """Ask L2 for bytes [ptr, ptr + nbytes) (ptr 16-byte aligned, nbytes a multiple of 16 and
-        > 0): one bulk (TMA) prefetch by the program's thread 0; returns at once and changes no
-        value. Not in Triton's interpreter (PTX)."""
-        tl.inline_asm_elementwise("""{
-        .reg .pred p; .reg .u32 t;
-        mov.u32 t, %tid.x;
-        setp.eq.u32 p, t, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_args() -> dict:

@@ -119,7 +119,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from . import pdl_prologue, prefetch_l2_lines
+    from . import pdl_prologue
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -140,9 +140,6 @@ NORM_IN_REDUCE = env_switch("DRAMA_DECODE_GEMM_NORM_IN_REDUCE") is not False   #
 # run 5: no faster at one row, 3-9% faster for three of six shapes at 128 rows); a config's TMA key
 # overrides it (bench/decode_gemm.py --try SHAPE:TMA=1)
 TMA = env_switch("DRAMA_DECODE_GEMM_TMA") is True
-# K steps of each program's weights asked of L2 before its PDL wait (_decode_gemm_kernel's PREFETCH;
-# a config's PREFETCH key overrides it); not in Triton's interpreter (PTX)
-PREFETCH = 0
 # the split reduce's residual (and norm gain) read before its PDL wait (DRAMA_PDL_PRELOAD, see
 # kernels/__init__)
 REDUCE_PRELOAD = PDL_PRELOAD
@@ -346,14 +343,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
            and weight.data_ptr() % 16 == 0 and weight.stride(0) % 8 == 0)       # TMA's 16-byte alignment
     # made per call (host-side, a few fields): the graphs keep the one of their capture
     w_desc = TensorDescriptor.from_tensor(weight, [plan["BN"], plan["BK"]]) if tma else None
-    prefetch = 0 if INTERPRET else min(plan.get("PREFETCH", PREFETCH), _cdiv(plan["k_range"], plan["BK"]))
-    prefetch = 1 << prefetch.bit_length() - 1 if prefetch else 0        # a power of two (tl.arange)
     _decode_gemm_kernel[grid](
         x, weight, res, part, out, tickets if tickets is not None else out, m, n, k, x.stride(0), weight.stride(0),
         res.stride(0), part.stride(-2), out.stride(0), plan["k_range"], weight if w_desc is None else w_desc,
         BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], TILES=plan["tiles"], FINAL=splits == 1,
         HAS_RESIDUAL=residual is not None, LAST_REDUCES=tickets is not None, DOT=dot, PREC=prec, TMA=w_desc is not None,
-        PREFETCH=prefetch, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_args())
     if splits > 1 and tickets is None and norm is not None and NORM_IN_REDUCE:
         u = invariant.empty_rows(m, n, dtype=torch.bfloat16, device=x.device)   # a GEMM input: padded storage
         _split_reduce_norm_kernel[(m,)](
@@ -405,18 +400,13 @@ if HAS_TRITON:
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                             FINAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAST_REDUCES: tl.constexpr,
                             DOT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
         """Program (row group, column block, K range): out[rows, block] for the group's BM·TILES
         rows. FINAL: out is the result; else out is the workspace [SPLIT, M, N] (F32 partials),
-        and with LAST_REDUCES the group's last program to finish adds them into final.
-        PREFETCH: K steps of the program's weight tile asked of L2 before the PDL wait (weights
-        are never written by a step's kernels): the loop then finds its first tiles there."""
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PREFETCH > 0:
-            _prefetch_weight_lines(w_ptr, pid_n, pid_k * K_RANGE, K, N, stride_wn, BN, PREFETCH * BK,
-                                   1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+        and with LAST_REDUCES the group's last program to finish adds them into final."""
         pdl_prologue(PDL)
         part_ptr = out_ptr
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         k_lo = pid_k * K_RANGE
@@ -483,16 +473,6 @@ if HAS_TRITON:
         if LAST_REDUCES:
             _last_program_reduces(part_ptr, r_ptr, final_ptr, tickets_ptr, M, N, stride_rm, stride_fm, m0, offs_n,
                                   n_ok, BM, TILES, HAS_RESIDUAL)
-
-    @triton.jit
-    def _prefetch_weight_lines(w_ptr, pid_n, k_lo, K, N, stride_wn, BN: tl.constexpr, KP: tl.constexpr,
-                               LINE: tl.constexpr):
-        """Ask L2 for weight rows pid_n·BN.. (BN of them), columns k_lo..k_lo+KP (within K): one
-        prefetch per LINE elements (128 bytes)."""
-        rows = pid_n * BN + tl.arange(0, BN)
-        cols = k_lo + tl.arange(0, KP // LINE) * LINE
-        lines = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
-        prefetch_l2_lines(tl.where((rows < N)[:, None] & (cols < K)[None, :], lines, w_ptr))
 
     @triton.jit
     def _last_program_reduces(part_ptr, r_ptr, final_ptr, tickets_ptr, M, N, stride_rm, stride_fm, m0, offs_n, n_ok,

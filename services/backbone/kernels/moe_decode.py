@@ -59,14 +59,14 @@ import torch
 
 from services.common.grpcutil import env_switch
 
-from . import HAS_TRITON, INTERPRET, PDL_PRELOAD, bf16_dot_args, pdl_args, use_triton
+from . import HAS_TRITON, PDL_PRELOAD, bf16_dot_args, pdl_args, use_triton
 from . import fp8_moe
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from . import pdl_prologue, prefetch_l2_bytes
+    from . import pdl_prologue
 
 # BM pairs per tl.dot (16 is tl.dot's smallest M), BN_GU / BN_DOWN output columns per program
 # (gate_up covers gate and up columns n..n+BN together), SPLIT = K split of gate_up over H,
@@ -450,20 +450,10 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _prefetch_share(ptr, nbytes, me, programs):
-        """Program `me` of `programs` asks L2 for its share of [ptr, ptr + nbytes): 16-byte
-        multiples, the last share shorter, none past the end."""
-        share = tl.cdiv(tl.cdiv(nbytes, programs), 16) * 16
-        start = me * share
-        size = tl.minimum(nbytes - start, share)
-        if size > 0:
-            prefetch_l2_bytes(ptr + start, size)
-
-    @triton.jit
-    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u, pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
+    def _router_partial_kernel(u_ptr, w_ptr, ws_ptr, M, H, E, stride_u,
                                KR: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                                DOT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr = False,
-                               PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False):
         """ws[s, m, e] = Σ_{h in K range s} u[m, h]·W[e, h] in F32 (IEEE products and sums, never
         TF32: §4.6), for RB rows and BE experts; u bf16 or F32 is widened in registers.
         Every shape here is a constexpr fixed by the weight, never by M: a row's partials are the
@@ -474,17 +464,8 @@ if HAS_TRITON:
         PRELOAD (KR <= 4·BK): the program's weights, all its steps', are loaded before it waits
         for the kernel before it (pdl_prologue): no kernel of a step writes them, and under PDL the
         program is resident while that kernel (the norm that makes u) still runs. The same steps
-        after the wait, so the same bits.
-        PREFETCH (1 or 2): the programs first ask L2 for the bytes of one or two other weights
-        (pf0, pf1: the shared expert's, which the launches after the routing read), each program
-        its share, before the wait: at one row this launch and the routing leave HBM idle."""
+        after the wait, so the same bits."""
         rg, eb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PREFETCH > 0:
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            me = (rg * tl.num_programs(1) + eb) * tl.num_programs(2) + s
-            _prefetch_share(pf0_ptr, pf0_bytes, me, programs)
-            if PREFETCH > 1:
-                _prefetch_share(pf1_ptr, pf1_bytes, me, programs)
         rows = rg * RB + tl.arange(0, RB)
         r_ok = rows < M
         experts = eb * BE + tl.arange(0, BE)
@@ -602,9 +583,6 @@ ROUTER_PRELOAD = PDL_PRELOAD
 # the routing launch's quantisation of u and shared gate logit before its PDL wait (_route_quant_kernel's
 # PRELOAD; DRAMA_PDL_PRELOAD); a route_config's PRELOAD key overrides it
 ROUTE_PRELOAD = PDL_PRELOAD
-# route_decode(prefetch=): the shared expert's weights asked of L2 by the router's GEMV before its PDL
-# wait (DRAMA_PDL_PRELOAD, see kernels/__init__)
-SHARED_PREFETCH = PDL_PRELOAD
 
 # The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
 # per pick (fp8_moe._softmax_topk) instead of two (_softmax_topk_argmax); the same ids and weights
@@ -681,20 +659,9 @@ def router_partials(u: torch.Tensor, router_weight: torch.Tensor, tile: int,
     return out
 
 
-def _prefetch_regions(tensors) -> list[tuple[torch.Tensor, int]]:
-    """(tensor, bytes) of each of the first two tensors a bulk L2 prefetch can take: contiguous,
-    16-byte aligned, a multiple of 16 bytes (others are left out: a prefetch changes no value)."""
-    out = []
-    for t in tensors[:2]:
-        nbytes = t.numel() * t.element_size()
-        if t.is_contiguous() and t.data_ptr() % 16 == 0 and nbytes % 16 == 0 and 0 < nbytes < 1 << 31:
-            out.append((t, nbytes))
-    return out
-
-
 def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: torch.Tensor | None = None,
                  layout: dict | None = None, shared_gate: torch.Tensor | None = None,
-                 route_config: dict | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> DecodeRoute:
+                 route_config: dict | None = None) -> DecodeRoute:
     """The front of a decode step's MoE in two launches, for u [T, H] (bf16, CUDA) and the F32
     router [E, H]: the router GEMV as ROUTER_SPLIT partial sums, then one program per row that
     adds them, routes (softmax, top-k, renormalise) and quantises the row for gate/up.
@@ -727,12 +694,9 @@ def route_decode(u: torch.Tensor, router_weight: torch.Tensor, k: int, logits: t
         k_range = triton.cdiv(triton.cdiv(h, lay["SPLIT"]), lay["BK"]) * lay["BK"]
         split = triton.cdiv(h, k_range)
         preload = bool(lay.get("PRELOAD", ROUTER_PRELOAD)) and k_range <= 4 * lay["BK"]
-        pf = _prefetch_regions(prefetch) if SHARED_PREFETCH and not INTERPRET else []
-        (pf0, pf0_bytes), (pf1, pf1_bytes) = (pf + [(u, 0), (u, 0)])[:2]
         partials = torch.empty(split, t, e, dtype=torch.float32, device=dev)
         _router_partial_kernel[(triton.cdiv(t, lay["RB"]), triton.cdiv(e, lay["BE"]), split)](
-            u, router_weight, partials, t, h, e, u.stride(0), pf0, pf0_bytes, pf1, pf1_bytes, PREFETCH=len(pf),
-            KR=k_range,
+            u, router_weight, partials, t, h, e, u.stride(0), KR=k_range,
             RB=lay["RB"], BE=lay["BE"], BK=lay["BK"], DOT=lay.get("DOT", False), UNROLL=lay.get("UNROLL", False),
             PRELOAD=preload, num_warps=lay.get("num_warps", 4), **pdl_args())
     else:
