@@ -45,7 +45,7 @@ def cases() -> dict:
     int arguments that are multiples of 16 at the full preset)."""
     import triton.language as tl
 
-    from services.backbone.kernels import decode_gemm, gdn, moe_decode
+    from services.backbone.kernels import decode_gemm, decode_graph, gdn, moe_decode
     from services.common import device_handoff
     from services.tower import kernels as tower
 
@@ -104,6 +104,20 @@ def cases() -> dict:
                  dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PDL=True, **dot),
                  cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
                  {"H", "I", "stride_we", "stride_wn", "IS"}),
+        "down_preload": (moe_decode._down_kernel,
+                         dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
+                              out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
+                              shared_out_ptr=_ptr("fp32"), **moe_ptrs),
+                         dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PRELOAD=4, PDL=True,
+                              **dot),
+                         cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
+                         {"H", "I", "stride_we", "stride_wn", "IS"}),
+        "combine_norm_preload": (decode_graph._moe_combine_norm_kernel,
+                                 dict(pairs_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), sh_ptr=_ptr("bf16"),
+                                      shg_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"),
+                                      normed_ptr=_ptr("bf16"), eps="fp32"),
+                                 dict(K=8, HAS_SHARED=True, BH=2048, PRELOAD=True, PDL=True), 8, 3,
+                                 {"H", "stride_res", "stride_sh"}),
         "split_reduce": (moe_decode._split_reduce_shared_kernel,
                          dict(ws_ptr=_ptr("fp32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), wss_ptr=_ptr("fp32"),
                               hs_ptr=_ptr("bf16")),

@@ -13,10 +13,12 @@ attributes that the kernels read at every call (so graphs captured under a setti
     norm-separate   decode_gemm.NORM_IN_REDUCE off: the post-attention norm in its own launch
                     after the out-projection's split reduce (before session 22)
     tma             decode_gemm.TMA: bf16 weights through TMA box loads (DRAMA_DECODE_GEMM_TMA=1)
-    preload         weights and state read before the PDL wait (DRAMA_PDL_PRELOAD=1, see
-                    kernels/__init__.PDL_PRELOAD)
+    preload         weights and state read before the PDL wait (DRAMA_PDL_PRELOAD, on by default,
+                    see kernels/__init__.PDL_PRELOAD)
+    early           preload without the down launch's weights and the combine's inputs (the
+                    set of session 28 run 2)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
-    preload-router, preload-state, preload-conv, preload-reduce, preload-route: one of them each
+    preload-router, -route, -state, -conv, -reduce, -down, -combine: one of them each
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import contextlib
 
 import torch
 
-from services.backbone.kernels import decode_gemm, gdn, moe_decode
+from services.backbone.kernels import decode_gemm, decode_graph, gdn, moe_decode
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 # what DRAMA_PDL_PRELOAD turns on, by the setting that turns on one of them alone
 PRELOADS = {"router": (moe_decode, "ROUTER_PRELOAD"), "route": (moe_decode, "ROUTE_PRELOAD"),
-            "state": (gdn, "STATE_PRELOAD"), "conv": (gdn, "CONV_PRELOAD"), "reduce": (decode_gemm, "REDUCE_PRELOAD")}
+            "state": (gdn, "STATE_PRELOAD"), "conv": (gdn, "CONV_PRELOAD"), "reduce": (decode_gemm, "REDUCE_PRELOAD"),
+            "down": (moe_decode, "DOWN_PRELOAD"), "combine": (decode_graph, "COMBINE_PRELOAD")}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
@@ -38,6 +41,7 @@ SETTINGS = {"tuned": {},
             "tma": {(decode_gemm, "TMA"): True},
             "preload": {key: True for key in PRELOADS.values()},
             "no-preload": {key: False for key in PRELOADS.values()},
+            "early": {key: name not in ("down", "combine") for name, key in PRELOADS.items()},
             **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()}}
 
 

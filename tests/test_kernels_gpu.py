@@ -461,6 +461,24 @@ def test_moe_combine_with_norm_kernel():
 
 
 @cuda
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_combine_inputs_read_before_the_wait_give_the_same_bits(shared, monkeypatch):
+    """The combine + norm's residual, shared gate logit and gain read before its PDL wait
+    (COMBINE_PRELOAD, DRAMA_PDL_PRELOAD): the same rows bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    pairs = torch.randn(2, 8, 2048, device="cuda", generator=gen)
+    res = torch.randn(2, 2048, device="cuda", generator=gen).bfloat16()
+    sh = torch.randn(2, 2048, device="cuda", generator=gen).bfloat16() if shared else None
+    gl = torch.randn(2, 9, device="cuda", generator=gen).bfloat16()[:, 4] if shared else None
+    w = (torch.randn(2048, device="cuda", generator=gen) * 0.1).bfloat16()
+    runs = []
+    for preload in (False, True):
+        monkeypatch.setattr(dg, "COMBINE_PRELOAD", preload)
+        runs.append(dg.moe_combine(pairs, res, sh, gl, norm_weight=w, eps=1e-6))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@cuda
 def test_embed_kernel_equals_the_torch_embed():
     """Backbone.embed's one-launch kernel path against its torch code, bit for bit, on the GPU."""
     from types import SimpleNamespace

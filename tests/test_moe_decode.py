@@ -322,6 +322,26 @@ def test_reduce_in_gate_up_equals_its_own_launch(i_s, split, monkeypatch):
             assert torch.equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("t,i,i_s", [(1, 512, 256), (1, 200, None), (9, 256, None), (5, 200, 128)])
+def test_down_weights_loaded_before_the_wait_give_the_same_bits(t, i, i_s):
+    """The down launch's expert weights and scales loaded before its PDL wait (config DOWN_PRELOAD,
+    DRAMA_PDL_PRELOAD): the same dots in the same order, so the same bits, with the shared expert
+    and without, I of 4 and 2 K blocks (200: the last one partial)."""
+    if INTERPRET and t > 1:
+        pytest.skip("several rows through the expert lists corrupt the interpreter's heap, old kernels too")
+    h, e, k = 256, 16, 4
+    weights = experts(e, i, h)
+    u, router = router_case(t, e, h)
+    gate_up, down, gate = shared_expert(i_s, h) if i_s else (None, None, None)
+    route = moe_decode.route_decode(u, router, k, shared_gate=gate)
+    runs = [moe_decode.moe_decode_pairs(u, route.ids, route.weights, *weights, route=route,
+                                        shared=(gate_up, down) if i_s else None,
+                                        config=dict(moe_decode.DECODE_CONFIG, DOWN_PRELOAD=preload))
+            for preload in (False, True)]
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in runs)):
+        assert torch.equal(bits(a), bits(b))
+
+
 def nan_filled(x):
     return x.fill_(float("nan")) if x.is_floating_point() else x
 

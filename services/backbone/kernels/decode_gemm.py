@@ -511,8 +511,8 @@ if HAS_TRITON:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < MN
         row, col = offs // N, offs % N
-        if HAS_RESIDUAL and PRELOAD:
-            r = tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0)
+        if HAS_RESIDUAL and PRELOAD:       # .cg: from L2, never a stale line of this SM's L1
+            r = tl.load(r_ptr + row.to(tl.int64) * stride_rm + col, mask=ok, other=0.0, cache_modifier=".cg")
         pdl_prologue(PDL)
         acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT):
@@ -535,8 +535,8 @@ if HAS_TRITON:
         ok = offs < N
         if PRELOAD:
             w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+            if HAS_RESIDUAL:               # .cg: from L2, never a stale line of this SM's L1
+                r = tl.load(r_ptr + row * stride_rm + offs, mask=ok, other=0.0, cache_modifier=".cg")
         pdl_prologue(PDL)
         p = part_ptr + row * N + offs
         acc = tl.load(p, mask=ok, other=0.0)

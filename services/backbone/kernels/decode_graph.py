@@ -34,7 +34,11 @@ import torch.nn.functional as F
 from services.common import cuda_graphs
 from services.common.invariant import empty_rows
 
-from . import HAS_TRITON, pdl_args, use_triton
+from . import HAS_TRITON, PDL_PRELOAD, pdl_args, use_triton
+
+# the MoE combine + norm launch's residual, shared gate logit and gain read before its PDL wait
+# (DRAMA_PDL_PRELOAD, see kernels/__init__)
+COMBINE_PRELOAD = PDL_PRELOAD
 
 if HAS_TRITON:
     import triton
@@ -149,7 +153,8 @@ def moe_combine(pairs, residual, shared=None, shared_gate_logit=None, norm_weigh
             pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual,
             out, norm_weight, normed, eps, h, residual.stride(0), shared.stride(0) if has_shared else 0,
             shared_gate_logit.stride(0) if has_shared else 0,
-            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), num_warps=8, **pdl_args())
+            K=k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(h), PRELOAD=COMBINE_PRELOAD, num_warps=8,
+            **pdl_args())
         return out, normed
     _moe_combine_kernel[(t, triton.cdiv(h, 1024))](
         pairs, residual, shared if has_shared else residual, shared_gate_logit if has_shared else residual, out,
@@ -291,17 +296,27 @@ if HAS_TRITON:
             tl.store(vc_ptr + seq * stride_cs + kvh * stride_ch + pos * stride_cl + d, v)
 
     @triton.jit
-    def _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
+    def _combine_rows(pairs_ptr, sh_ptr, r, gl, t, offs, ok, H, stride_sh,
                       K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
-        """Row t's columns `offs` of the combine: bf16(residual + bf16(Σ_j pairs_j + σ(g)·shared))."""
+        """Row t's columns `offs` of the combine: bf16(residual + bf16(Σ_j pairs_j + σ(g)·shared)),
+        given the residual's columns r and the shared gate's logit gl (_combine_inputs)."""
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             acc += tl.load(pairs_ptr + (t * K + j) * H + offs, mask=ok, other=0.0)
         if HAS_SHARED:
-            gl = tl.load(shg_ptr + t * stride_shg).to(tl.float32)
             acc += tl.sigmoid(gl) * tl.load(sh_ptr + t * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
         return (r + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+
+    @triton.jit
+    def _combine_inputs(res_ptr, shg_ptr, t, offs, ok, stride_res, stride_shg, HAS_SHARED: tl.constexpr):
+        """Row t's residual columns (F32) and shared gate logit (F32; 0 without HAS_SHARED). Both
+        come from launches before the experts' (the out-projection's, the routing's), and are read
+        from L2 (.cg) so that reading them before the PDL wait never takes a stale L1 line."""
+        r = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        gl = 0.0
+        if HAS_SHARED:
+            gl = tl.load(shg_ptr + t * stride_shg, cache_modifier=".cg").to(tl.float32)
+        return r, gl
 
     @triton.jit
     def _moe_combine_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, H, stride_res, stride_sh, stride_shg,
@@ -310,25 +325,33 @@ if HAS_TRITON:
         t = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
-        y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
-                          K, HAS_SHARED, BLOCK)
+        r, gl = _combine_inputs(res_ptr, shg_ptr, t, offs, ok, stride_res, stride_shg, HAS_SHARED)
+        y = _combine_rows(pairs_ptr, sh_ptr, r, gl, t, offs, ok, H, stride_sh, K, HAS_SHARED, BLOCK)
         tl.store(out_ptr + t * H + offs, y, mask=ok)
 
     @triton.jit
     def _moe_combine_norm_kernel(pairs_ptr, res_ptr, sh_ptr, shg_ptr, out_ptr, w_ptr, normed_ptr, eps, H,
                                  stride_res, stride_sh, stride_shg,
                                  K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
-                                 PDL: tl.constexpr = False):
-        """_moe_combine_kernel for a whole row, then _rms_norm_kernel's RMSNorm⁺ of the bf16 result."""
-        pdl_prologue(PDL)
+                                 PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+        """_moe_combine_kernel for a whole row, then _rms_norm_kernel's RMSNorm⁺ of the bf16 result.
+        PRELOAD: the residual, the shared gate logit and the norm's gain read before the PDL wait
+        (only the down launch, which writes the pairs and the shared output, runs just before;
+        kernels/__init__.PDL_PRELOAD). The same arithmetic, so the same bits."""
         t = tl.program_id(0)
         offs = tl.arange(0, BH)
         ok = offs < H
-        y = _combine_rows(pairs_ptr, res_ptr, sh_ptr, shg_ptr, t, offs, ok, H, stride_res, stride_sh, stride_shg,
-                          K, HAS_SHARED, BH)
+        if PRELOAD:
+            r, gl = _combine_inputs(res_ptr, shg_ptr, t, offs, ok, stride_res, stride_shg, HAS_SHARED)
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            pdl_prologue(PDL)
+        else:
+            pdl_prologue(PDL)
+            r, gl = _combine_inputs(res_ptr, shg_ptr, t, offs, ok, stride_res, stride_shg, HAS_SHARED)
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = _combine_rows(pairs_ptr, sh_ptr, r, gl, t, offs, ok, H, stride_sh, K, HAS_SHARED, BH)
         tl.store(out_ptr + t * H + offs, y, mask=ok)
         x = tl.where(ok, y.to(tl.float32), 0.0)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * (1.0 + w)
         tl.store(normed_ptr + t * H + offs, normed.to(tl.bfloat16), mask=ok)
 

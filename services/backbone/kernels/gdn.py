@@ -407,9 +407,9 @@ if HAS_TRITON:
             tl.static_assert(TAPS == 4, "PRELOAD is written for 4 taps")
             row = _conv_row(slot_ptr, b, HAS_SLOTS)
             s_base = state_ptr + (row * C + ch) * (TAPS - 1)
-            s0 = tl.load(s_base, mask=ok, other=0.0)
-            s1 = tl.load(s_base + 1, mask=ok, other=0.0)
-            s2 = tl.load(s_base + 2, mask=ok, other=0.0)
+            s0 = tl.load(s_base, mask=ok, other=0.0, cache_modifier=".cg")     # .cg: as the GDN state
+            s1 = tl.load(s_base + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            s2 = tl.load(s_base + 2, mask=ok, other=0.0, cache_modifier=".cg")
             w0 = tl.load(w_ptr + ch * TAPS, mask=ok, other=0.0).to(tl.float32)
             w1 = tl.load(w_ptr + ch * TAPS + 1, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(w_ptr + ch * TAPS + 2, mask=ok, other=0.0).to(tl.float32)
@@ -437,7 +437,7 @@ if HAS_TRITON:
     def _conv_row(slot_ptr, b, HAS_SLOTS: tl.constexpr):
         """The conv state row of sequence b: its slot, or b."""
         if HAS_SLOTS:
-            return tl.load(slot_ptr + b).to(tl.int64)
+            return tl.load(slot_ptr + b, cache_modifier=".cg").to(tl.int64)
         else:
             return b.to(tl.int64)
 
@@ -529,7 +529,8 @@ if HAS_TRITON:
         mh = mk[:, None] & mv[None, :]
         if PRELOAD:
             p_h = _state_stripe(h_ptr, slot_ptr, i_b, i_hv, i_bh, o_k, o_v, HV, K, V, HAS_SLOTS)
-            h_old = tl.load(p_h, mask=mh, other=0.0)
+            # from L2 (.cg): another SM wrote it a step ago, and this SM's L1 may hold an older copy
+            h_old = tl.load(p_h, mask=mh, other=0.0, cache_modifier=".cg")
             pdl_prologue(PDL)
         else:
             pdl_prologue(PDL)
@@ -558,7 +559,7 @@ if HAS_TRITON:
                       V: tl.constexpr, HAS_SLOTS: tl.constexpr):
         """Pointers [BK, BV] to the program's stripe of its sequence's state (slot i_b's, or row i_b's)."""
         if HAS_SLOTS:
-            i_sh = tl.load(slot_ptr + i_b).to(tl.int64) * HV + i_hv
+            i_sh = tl.load(slot_ptr + i_b, cache_modifier=".cg").to(tl.int64) * HV + i_hv
         else:
             i_sh = i_bh.to(tl.int64)
         return h_ptr + i_sh * K * V + o_k[:, None] * V + o_v[None, :]

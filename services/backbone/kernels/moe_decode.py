@@ -360,12 +360,38 @@ if HAS_TRITON:
                      hs_ptr, sw_ptr, shared_out_ptr, IS, shared_slot,
                      BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, FP8_DOT: tl.constexpr, SHARED: tl.constexpr,
-                     N_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
+                     N_FAST: tl.constexpr = False, PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = False):
         """out[p, n] = w_p · fp8_linear(h[p], down_e)[n], F32, for every pair p of one active
         expert and BN hidden columns (h pre-quantised per 1x128 group). SHARED: the slots from
-        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down)."""
-        pdl_prologue(PDL)
+        `shared_slot` on apply the shared expert's down to hs, one BM-row tile each (_shared_down).
+        PRELOAD (1-4: I's 128-wide K blocks, all of them): a routed program reads its expert and
+        loads its weight tiles and scales before the PDL wait. The expert lists come from the
+        routing (or expert_lists) launch, which has finished once this kernel runs: only gate/up
+        or the split reduce, which write h, run between (kernels/__init__.PDL_PRELOAD). The same
+        dots in the same order, so the same bits."""
         slot, pid_n = _slot_and_column_block(N_FAST)
+        if PRELOAD > 0:
+            routed = slot < tl.load(num_active_ptr, cache_modifier=".cg")
+            if SHARED:
+                routed = routed & (slot < shared_slot)
+            expert = tl.load(active_ptr + slot, mask=routed, other=0, cache_modifier=".cg")   # .cg: L2's copy
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+            s_base = s_ptr + expert.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+            # (the routed flag widened first: Triton's interpreter refuses the mask otherwise)
+            w_ok = (tl.full([BN, 1], 1, tl.int1) & routed) & (offs_n < H)[:, None]
+            w0 = _down_tile(w_base, w_ok, 0, I)
+            s0 = tl.load(s_base, mask=routed, other=0.0).to(tl.float32)
+            if PRELOAD > 1:
+                w1 = _down_tile(w_base, w_ok, 1, I)
+                s1 = tl.load(s_base + 1, mask=routed, other=0.0).to(tl.float32)
+            if PRELOAD > 2:
+                w2 = _down_tile(w_base, w_ok, 2, I)
+                s2 = tl.load(s_base + 2, mask=routed, other=0.0).to(tl.float32)
+            if PRELOAD > 3:
+                w3 = _down_tile(w_base, w_ok, 3, I)
+                s3 = tl.load(s_base + 3, mask=routed, other=0.0).to(tl.float32)
+        pdl_prologue(PDL)
         if SHARED:
             if slot >= shared_slot:
                 _shared_down(hs_ptr, sw_ptr, shared_out_ptr, T, H, IS, pid_n, (slot - shared_slot) * BM,
@@ -386,21 +412,40 @@ if HAS_TRITON:
             r_ok = r < count
             pairs = tl.load(lists_ptr + expert * T + r, mask=r_ok, other=0).to(tl.int64)
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for kb in range(0, G):
-                kk = kb * 128 + offs_k
-                k_ok = kk < I
-                hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :],
-                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
-                w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if not FP8_DOT:
-                    hq, w = hq.to(DOT), w.to(DOT)
-                s = tl.load(s_base + kb).to(tl.float32)
-                acc += tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
+            if PRELOAD > 0:        # every K block preloaded (the launch checks PRELOAD = G)
+                acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, 0, I, G, w0, s0, DOT, PREC, FP8_DOT)
+                if PRELOAD > 1:
+                    acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, 1, I, G, w1, s1, DOT, PREC, FP8_DOT)
+                if PRELOAD > 2:
+                    acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, 2, I, G, w2, s2, DOT, PREC, FP8_DOT)
+                if PRELOAD > 3:
+                    acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, 3, I, G, w3, s3, DOT, PREC, FP8_DOT)
+            else:
+                for kb in range(0, G):
+                    kk = kb * 128 + offs_k
+                    w = tl.load(w_base + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
+                    s = tl.load(s_base + kb).to(tl.float32)
+                    acc = _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, kb, I, G, w, s, DOT, PREC, FP8_DOT)
             rw = tl.load(weights_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc * rw[:, None],
                      mask=r_ok[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _down_tile(w_base, w_ok, kb, I):
+        """K block kb of a down program's weight rows [BN, 128] (past I zeros)."""
+        kk = kb * 128 + tl.arange(0, 128)
+        return tl.load(w_base + kk[None, :], mask=w_ok & (kk < I)[None, :], other=0.0)
+
+    @triton.jit
+    def _down_step(acc, hq_ptr, ha_ptr, pairs, r_ok, kb, I, G, w, s, DOT: tl.constexpr, PREC: tl.constexpr,
+                   FP8_DOT: tl.constexpr):
+        """acc + K block kb of the pairs' h (quantised, group scale a) times w (block scale s)."""
+        kk = kb * 128 + tl.arange(0, 128)
+        hq = tl.load(hq_ptr + pairs[:, None] * I + kk[None, :], mask=r_ok[:, None] & (kk < I)[None, :], other=0.0)
+        a = tl.load(ha_ptr + pairs * G + kb, mask=r_ok, other=0.0)
+        if not FP8_DOT:
+            hq, w = hq.to(DOT), w.to(DOT)
+        return acc + tl.dot(hq, tl.trans(w), input_precision=PREC) * a[:, None] * s
 
     @triton.jit
     def _split_reduce_shared_kernel(ws_ptr, hq_ptr, ha_ptr, n_pairs, I, wss_ptr, hs_ptr, T, IS, pair_blocks,
@@ -562,7 +607,9 @@ if HAS_TRITON:
     def _quant_and_gate(u_ptr, sg_ptr, t, H, stride_u, cols, GATE: tl.constexpr):
         """Row t of u: its §4.7 quantisation (fp8_moe._quant_tile: values, group scales) and, with
         GATE, the shared expert's gate logit u·sg in F32 (a fixed sum tree; 0 without GATE)."""
-        x = tl.load(u_ptr + t.to(tl.int64) * stride_u + cols, mask=cols < H, other=0.0).to(tl.float32)
+        # .cg: u from L2 (before the wait, never a stale line of this SM's L1)
+        x = tl.load(u_ptr + t.to(tl.int64) * stride_u + cols, mask=cols < H, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
         xq, a = fp8_moe._quant_tile(x)
         gate = 0.0
         if GATE:
@@ -583,6 +630,9 @@ ROUTER_PRELOAD = PDL_PRELOAD
 # the routing launch's quantisation of u and shared gate logit before its PDL wait (_route_quant_kernel's
 # PRELOAD; DRAMA_PDL_PRELOAD); a route_config's PRELOAD key overrides it
 ROUTE_PRELOAD = PDL_PRELOAD
+# the down launch's expert weights and scales loaded before its PDL wait (_down_kernel's PRELOAD;
+# DRAMA_PDL_PRELOAD); a config's DOWN_PRELOAD key overrides it
+DOWN_PRELOAD = PDL_PRELOAD
 
 # The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
 # per pick (fp8_moe._softmax_topk) instead of two (_softmax_topk_argmax); the same ids and weights
@@ -847,11 +897,13 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
                 ws, hq, ha, n, i, SPLIT=split, BM=16, num_warps=4, **pdl_args())
     out = torch.empty(n, h, dtype=torch.float32, device=dev)
     weights = topk_weights.reshape(-1)
+    blocks = triton.cdiv(i, 128)
     _down_kernel[_expert_grid(slots + shared_tiles, triton.cdiv(h, bn2), n_fast)](
         hq, ha, w_down, s_down, out, weights, counts, lists, active, num_active, t, h, i,
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
+        PRELOAD=blocks if cfg.get("DOWN_PRELOAD", DOWN_PRELOAD) and blocks <= 4 else 0,
         num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
         **pdl_args())
     pairs = out.view(t, k, h)
