@@ -631,7 +631,9 @@ ROUTER_PRELOAD = PDL_PRELOAD
 # PRELOAD; DRAMA_PDL_PRELOAD); a route_config's PRELOAD key overrides it
 ROUTE_PRELOAD = PDL_PRELOAD
 # the down launch's expert weights and scales loaded before its PDL wait (_down_kernel's PRELOAD;
-# DRAMA_PDL_PRELOAD); a config's DOWN_PRELOAD key overrides it
+# DRAMA_PDL_PRELOAD), for one row (the single-stream decode step: H200, session 28 run 4, the
+# step 2.37 -> 2.33 ms with the combine's); a config's DOWN_PRELOAD key overrides it. Prefill
+# pieces lost with it (256 rows 15.4 -> 18.9 ms: 5 programs per SM instead of 8).
 DOWN_PRELOAD = PDL_PRELOAD
 
 # The routing launch (_route_quant_kernel, one program per row). KEYED_TOPK: one block reduction
@@ -903,7 +905,7 @@ def moe_decode_pairs(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_
         w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
         hs, sw_down, shared_out, i_s, slots,
         BM=bm, BN=bn2, **bf16_dot_args(), FP8_DOT=fp8_dot, SHARED=has_shared, N_FAST=n_fast,
-        PRELOAD=blocks if cfg.get("DOWN_PRELOAD", DOWN_PRELOAD) and blocks <= 4 else 0,
+        PRELOAD=blocks if cfg.get("DOWN_PRELOAD", DOWN_PRELOAD and t == 1) and blocks <= 4 else 0,
         num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]),
         **pdl_args())
     pairs = out.view(t, k, h)
