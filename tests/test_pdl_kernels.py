@@ -1,12 +1,16 @@
 """Programmatic dependent launch (services/backbone/kernels.pdl_args / pdl_prologue), checked
 from the source, so it runs without Triton or a GPU: every kernel launched with pdl_args()
-declares `PDL` and calls pdl_prologue(PDL) as its first statement.
+declares `PDL` and calls pdl_prologue(PDL) first, or, with a `PRELOAD` parameter, after reads
+only: on every path, before it stores anything or returns.
 
 Why it matters: a kernel launched with PDL may start before the kernel before it has finished.
-It must wait (griddepcontrol.wait, in pdl_prologue) before it reads anything, in every program:
-a program that returned early without waiting could let the kernel finish before its
-predecessor, and the next kernel, which waits only for it, would read stale memory. Bit equality
-with PDL on and off is tests/test_backbone_gpu.py's (CUDA only)."""
+It must wait (griddepcontrol.wait, in pdl_prologue) in every program before it writes, returns,
+or reads what that kernel writes: a program that returned early without waiting could let the
+kernel finish before its predecessor, and the next kernel, which waits only for it, would read
+stale memory. What a PRELOAD kernel reads before its wait is kernels/__init__.PDL_PRELOAD's
+contract (never the predecessor's output), which the source cannot show: each such kernel has a
+GPU or interpreter test that its bits do not change. Bit equality with PDL on and off is
+tests/test_backbone_gpu.py's (CUDA only)."""
 
 from __future__ import annotations
 
@@ -48,7 +52,35 @@ def test_every_pdl_launch_targets_a_kernel_that_waits_first():
         assert params[-1] == "PDL", f"{name}: PDL must be its last parameter (default False)"
         body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
             else fn.body
-        assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{name} does not wait first: {ast.unparse(body[0])}"
+        if ast.unparse(body[0]) == "pdl_prologue(PDL)":
+            continue
+        assert "PRELOAD" in params, f"{name} does not wait first: {ast.unparse(body[0])}"
+        waits = [i for i, stmt in enumerate(body) if _waits(stmt)]
+        assert waits, f"{name}: not every path reaches pdl_prologue(PDL) at its top level"
+        for stmt in body[:waits[0]]:
+            text = ast.unparse(stmt)
+            assert not any(isinstance(n, ast.Return) for n in ast.walk(stmt)), f"{name} returns before it waits"
+            assert "tl.store" not in text and "tl.atomic" not in text, f"{name} writes before it waits: {text}"
+
+
+def _waits(stmt) -> bool:
+    """Does every path through `stmt` call pdl_prologue(PDL) at its top level, before any store
+    or return of that path?"""
+    if ast.unparse(stmt) == "pdl_prologue(PDL)":
+        return True
+    if not isinstance(stmt, ast.If) or not stmt.orelse:
+        return False
+    return all(_branch_waits(branch) for branch in (stmt.body, stmt.orelse))
+
+
+def _branch_waits(body) -> bool:
+    for stmt in body:
+        if _waits(stmt):
+            return True
+        text = ast.unparse(stmt)
+        if any(isinstance(n, ast.Return) for n in ast.walk(stmt)) or "tl.store" in text or "tl.atomic" in text:
+            return False
+    return False
 
 
 def test_no_kernel_waits_without_being_launched_for_it():
