@@ -87,7 +87,7 @@ def cases() -> dict:
         return (kernel, dict(logits_ptr=_ptr("bf16"), **draw_ptrs, **ptrs),
                 dict(BM=launch["BM"], PRECISE_LOG=True, PDL=True, **constexprs), launch["num_warps"], 3, set())
 
-    return {
+    served = {
         "semantic_draw": draw(tower._semantic_draw_kernel, 4097,
                               dict(slot_ptr=_ptr("i64"), history_ptr=_ptr("i64"), penalty_ptr=_ptr("fp32"),
                                    ras_temperature="fp32", ras_top_p="fp32", drawn_temperature_ptr=_ptr("fp32"),
@@ -104,20 +104,6 @@ def cases() -> dict:
                  dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PDL=True, **dot),
                  cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
                  {"H", "I", "stride_we", "stride_wn", "IS"}),
-        "down_preload": (moe_decode._down_kernel,
-                         dict(hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), w_ptr=_ptr("fp8e4nv"), s_ptr=_ptr("fp32"),
-                              out_ptr=_ptr("fp32"), weights_ptr=_ptr("bf16"), hs_ptr=_ptr("bf16"), sw_ptr=_ptr("bf16"),
-                              shared_out_ptr=_ptr("fp32"), **moe_ptrs),
-                         dict(BM=cfg["BM"], BN=cfg["BN_DOWN"], FP8_DOT=cfg["FP8_DOT"], SHARED=True, PRELOAD=4, PDL=True,
-                              **dot),
-                         cfg.get("DOWN_WARPS", cfg["num_warps"]), cfg.get("DOWN_STAGES", cfg["num_stages"]),
-                         {"H", "I", "stride_we", "stride_wn", "IS"}),
-        "combine_norm_preload": (decode_graph._moe_combine_norm_kernel,
-                                 dict(pairs_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), sh_ptr=_ptr("bf16"),
-                                      shg_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"),
-                                      normed_ptr=_ptr("bf16"), eps="fp32"),
-                                 dict(K=8, HAS_SHARED=True, BH=2048, PRELOAD=True, PDL=True), 8, 3,
-                                 {"H", "stride_res", "stride_sh"}),
         "split_reduce": (moe_decode._split_reduce_shared_kernel,
                          dict(ws_ptr=_ptr("fp32"), hq_ptr=_ptr("fp8e4nv"), ha_ptr=_ptr("fp32"), wss_ptr=_ptr("fp32"),
                               hs_ptr=_ptr("bf16")),
@@ -131,25 +117,11 @@ def cases() -> dict:
                         dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
                              TICKETS=moe_decode.REDUCE_TICKETS, PDL=True),
                         moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
-        "route_quant_preload": (moe_decode._route_quant_kernel,
-                                dict(ws_ptr=_ptr("fp32"), u_ptr=_ptr("bf16"), ids_ptr=_ptr("i32"), w_ptr=_ptr("bf16"),
-                                     xq_ptr=_ptr("fp8e4nv"), xa_ptr=_ptr("fp32"), num_active_ptr=_ptr("i32"),
-                                     sg_ptr=_ptr("bf16"), gl_ptr=_ptr("bf16"), counts_ptr=_ptr("i32"),
-                                     lists_ptr=_ptr("i32"), active_ptr=_ptr("i32"), tickets_ptr=_ptr("i32")),
-                                dict(S=16, KP=8, BE=256, GP=16, GATE=True, KEYED_TOPK=True, LISTS=True,
-                                     TICKETS=moe_decode.REDUCE_TICKETS, PRELOAD=True, PDL=True),
-                                moe_decode.ROUTE_CONFIG["num_warps"], 3, {"H", "E", "stride_u", "stride_ws"}),
         "router_partial": (moe_decode._router_partial_kernel,
                            dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
                            dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
                                 BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PDL=True),
                            4, 3, {"H", "E", "stride_u"}),
-        "router_partial_preload": (moe_decode._router_partial_kernel,
-                                   dict(u_ptr=_ptr("bf16"), w_ptr=_ptr("fp32"), ws_ptr=_ptr("fp32")),
-                                   dict(KR=128, RB=moe_decode.ROUTER_LAYOUT["RB"], BE=moe_decode.ROUTER_LAYOUT["BE"],
-                                        BK=moe_decode.ROUTER_LAYOUT["BK"], DOT=False, UNROLL=True, PRELOAD=True,
-                                        PDL=True),
-                                   4, 3, {"H", "E", "stride_u"}),
         "gemm_bm64": gemm(64, 1),
         "gemm_bm64_t2": gemm(64, 2),
         "gemm_bm16_t4": gemm(16, 4),
@@ -157,22 +129,11 @@ def cases() -> dict:
         "gemm_in_proj_tma": gemm(64, 1, bn=32, tma=True),   # its weight through TMA box loads
         "gemm_split_last_reduces": split_gemm(),
         "gemm_out_proj": split_gemm(last_reduces=False),       # as served: the reduce in its own launch
-        "split_reduce_norm_preload": (decode_gemm._split_reduce_norm_kernel,
-                                      dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
-                                           w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
-                                      dict(SPLIT=4, HAS_RESIDUAL=True, BH=2048, PRELOAD=True, PDL=True), 8, 3,
-                                      {"N", "stride_rm", "stride_om", "stride_um"}),
         "split_reduce_norm": (decode_gemm._split_reduce_norm_kernel,     # out_proj's reduce + the next norm
                               dict(part_ptr=_ptr("fp32"), r_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                                    w_ptr=_ptr("bf16"), u_ptr=_ptr("bf16"), eps="fp32"),
                               dict(SPLIT=4, HAS_RESIDUAL=True, BH=2048, PDL=True), 8, 3,
                               {"N", "stride_rm", "stride_om", "stride_um"}),
-        "gdn_decode_preload": (gdn._gdn_decode_kernel,
-                               dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
-                                    b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"),
-                                    h_ptr=_ptr("fp32"), o_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"), scale="fp32"),
-                               dict(HK=16, HV=32, K=128, V=128, BK=128, BV=64, HAS_SLOTS=True, PRELOAD=True, PDL=True),
-                               4, 3, {"stride_q", "stride_k", "stride_v"}),
         "gdn_decode": (gdn._gdn_decode_kernel,
                        dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), a_ptr=_ptr("bf16"),
                             b_ptr=_ptr("bf16"), A_log_ptr=_ptr("fp32"), dt_bias_ptr=_ptr("fp32"), h_ptr=_ptr("fp32"),
@@ -187,16 +148,28 @@ def cases() -> dict:
                             dict(flag_ptr=_ptr("i64"), seq="i64", src_ptr=_ptr("i32"), dst_ptr=_ptr("i32"),
                                  status_ptr=_ptr("i32"), timeout_ns="i64"),
                             dict(BLOCK=device_handoff.ROW_WORDS_PER_PROGRAM, TIMER=True), 4, 3, set()),
-        "conv_update_preload": (gdn._conv_update_kernel,
-                                dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"),
-                                     out_ptr=_ptr("bf16"), slot_ptr=_ptr("i64")),
-                                dict(TAPS=4, BLOCK=1024, HAS_SLOTS=True, PRELOAD=True, PDL=True), 4, 3,
-                                {"C", "stride_x", "stride_o"}),
         "conv_update": (gdn._conv_update_kernel,
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                              slot_ptr=_ptr("i64")),
                         dict(TAPS=4, BLOCK=1024, HAS_SLOTS=True, PDL=True), 4, 3, {"C", "stride_x", "stride_o"}),
     }
+    # the same launches reading ahead of their PDL wait (kernels/__init__.PDL_PRELOAD); the down
+    # launch's PRELOAD counts its K blocks (I 512: 4)
+    preloads = {name: dict(PRELOAD=True) for name in ("router_partial", "route_quant", "split_reduce_norm",
+                                                       "gdn_decode", "conv_update")}
+    preloads["down"] = dict(PRELOAD=4)
+    combine = (decode_graph._moe_combine_norm_kernel,
+               dict(pairs_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), sh_ptr=_ptr("bf16"), shg_ptr=_ptr("bf16"),
+                    out_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), normed_ptr=_ptr("bf16"), eps="fp32"),
+               dict(K=8, HAS_SHARED=True, BH=2048, PDL=True), 8, 3, {"H", "stride_res", "stride_sh"})
+    return served | {"combine_norm": combine, "combine_norm_preload": _variant(combine, PRELOAD=True)} | {
+        f"{name}_preload": _variant(served[name], **change) for name, change in preloads.items()}
+
+
+def _variant(case: tuple, **constexprs) -> tuple:
+    """A case with some constexprs changed."""
+    fn, types, given, num_warps, num_stages, div16 = case
+    return fn, types, dict(given, **constexprs), num_warps, num_stages, div16
 
 
 def compile_case(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, div16: set):

@@ -58,9 +58,7 @@ def test_every_pdl_launch_targets_a_kernel_that_waits_first():
         waits = [i for i, stmt in enumerate(body) if _waits(stmt)]
         assert waits, f"{name}: not every path reaches pdl_prologue(PDL) at its top level"
         for stmt in body[:waits[0]]:
-            text = ast.unparse(stmt)
-            assert not any(isinstance(n, ast.Return) for n in ast.walk(stmt)), f"{name} returns before it waits"
-            assert "tl.store" not in text and "tl.atomic" not in text, f"{name} writes before it waits: {text}"
+            assert not _writes_or_returns(stmt), f"{name} writes or returns before it waits: {ast.unparse(stmt)}"
 
 
 def _waits(stmt) -> bool:
@@ -77,10 +75,14 @@ def _branch_waits(body) -> bool:
     for stmt in body:
         if _waits(stmt):
             return True
-        text = ast.unparse(stmt)
-        if any(isinstance(n, ast.Return) for n in ast.walk(stmt)) or "tl.store" in text or "tl.atomic" in text:
+        if _writes_or_returns(stmt):
             return False
     return False
+
+
+def _writes_or_returns(stmt) -> bool:
+    text = ast.unparse(stmt)
+    return any(isinstance(n, ast.Return) for n in ast.walk(stmt)) or "tl.store" in text or "tl.atomic" in text
 
 
 def test_no_kernel_waits_without_being_launched_for_it():
