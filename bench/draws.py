@@ -16,7 +16,10 @@ Two parts, each captured as a CUDA graph of `--repeat` copies and timed by repla
   advance_ras_windows) against kernels.FusedFrameDraws, at the API's defaults, half the rows on RAS.
 
 Logits are random bf16 (std 3), as flat as the random-weight tower's: the cut then keeps many
-candidates, which is the bisections' worst case.
+candidates, which is the bisections' worst case. Each copy of a `draw` case in the graph has its
+own draw index, so its own noise: with the race first (kernels.RACE_FIRST, `--race-first on off`
+compares) some copies answer from the race and others bisect, as served draws do. The `semantic`
+and `frame` copies repeat one noise.
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ def do_bench(fn) -> float:
 
 
 def graphed(fn, repeat: int):
-    """fn captured `repeat` times in one CUDA graph; returns the replay."""
-    fn()                                                  # compile outside the capture
+    """fn(copy) captured for copy = 0 .. repeat-1 in one CUDA graph; returns the replay."""
+    fn(0)                                                 # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
+        for copy in range(repeat):
+            fn(copy)
     return graph.replay
 
 
@@ -65,9 +68,11 @@ def draw_cases(rows: int, repeat: int) -> list[dict]:
             args = dict(temperature=torch.full((rows,), temperature, device="cuda"),
                         top_p=torch.full((rows,), top_p, device="cuda"),
                         top_k=torch.full((rows,), top_k, dtype=torch.int64, device="cuda"),
-                        seeds=seeds, takes=takes, frames=frames, draw_index=1)
+                        seeds=seeds, takes=takes, frames=frames)
             row = dict(part="draw", rows=rows, m=m, setting=name)
-            row["us"] = do_bench(graphed(lambda args=args: kernels.draw(logits, **args), repeat)) * 1000 / repeat
+            # each copy its own draw index, so its own noise: the race first answers some and not others
+            row["us"] = do_bench(graphed(lambda copy, args=args: kernels.draw(logits, draw_index=1 + copy, **args),
+                                         repeat)) * 1000 / repeat
             out.append(row)
     return out
 
@@ -108,7 +113,7 @@ def semantic_cases(rows: int, repeat: int) -> list[dict]:
 
     f = frame_inputs(rows, ras_rows=False)
 
-    def fn():
+    def fn(copy):
         fused_frame_draws(f["cfg"], f["pool"], f["ints"], f["floats"]).semantic(f["logits"][0], f["codes"],
                                                                                 f["draw_rows"])
 
@@ -143,7 +148,7 @@ def frame_cases(rows: int, repeat: int) -> list[dict]:
     row = dict(part="frame", rows=rows, setting="defaults",
                m=f"{cfg.semantic_codebook_size + 1}+{cfg.num_codebooks - 1}x{cfg.residual_codebook_size}")
     for fused in (False, True):
-        row["fused" if fused else "torch"] = do_bench(graphed(lambda fused=fused: frame(fused), repeat)) * 1000 / repeat
+        row["fused" if fused else "torch"] = do_bench(graphed(lambda copy, fused=fused: frame(fused), repeat)) * 1000 / repeat
     return [row]
 
 
@@ -156,6 +161,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warps", nargs="+", metavar="S[,R]",
                         help="the draws over 4096+ candidates with S warps and the smaller ones with R "
                         "(kernels._draw_warps: 16 and 4), each entry in turn, e.g. 16 16,8 8,2")
+    parser.add_argument("--race-first", nargs="+", choices=["on", "off"], default=["on"],
+                        help="kernels.RACE_FIRST for each pass in turn (on: the default, off: always bisect)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,7 +171,10 @@ def main(argv=None) -> list[dict]:
 
     rows_out = []
     default_warps = kernels._draw_warps
-    for entry in args.warps or [None]:
+    default_race_first = kernels.RACE_FIRST
+    passes = [(entry, race) for race in args.race_first for entry in args.warps or [None]]
+    for entry, race in passes:
+        kernels.RACE_FIRST = race == "on"
         if entry is not None:
             big, small = (int(w) for w in (entry.split(",") + [str(default_warps(1024))])[:2])
             kernels._draw_warps = lambda m, big=big, small=small: big if kernels._next_pow2(m) >= 4096 else small
@@ -178,15 +188,19 @@ def main(argv=None) -> list[dict]:
                 rows_out += frame_cases(rows, args.repeat)
         for r in rows_out[first:]:
             r["warps"] = f"{kernels._draw_warps(4097)},{kernels._draw_warps(1024)}"
+            r["race_first"] = race
         kernels._draw_warps = default_warps
-    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'warps':>6} {'µs':>8} {'µs, fused':>10}")
+    kernels.RACE_FIRST = default_race_first
+    print(f"{'part':8} {'rows':>4} {'M':>14} {'setting':12} {'warps':>6} {'race':>4} {'µs':>8} {'µs, fused':>10}")
     for r in rows_out:
         if r["part"] == "frame":
-            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['torch']:8.1f} "
+            print(f"{'frame':8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['race_first']:>4} "
+                  f"{r['torch']:8.1f} "
                   f"{r['fused']:10.1f}"
                   f"  torch | fused")
         else:
-            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['us']:8.1f}")
+            print(f"{r['part']:8} {r['rows']:4d} {r['m']:>14} {r['setting']:12} {r['warps']:>6} {r['race_first']:>4} "
+                  f"{r['us']:8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2))
     return rows_out

@@ -85,7 +85,8 @@ def cases() -> dict:
     def draw(kernel, m, ptrs, **constexprs):     # the tower's draws at the full preset's M (4097, 1024)
         launch = tower._draw_launch(m)
         return (kernel, dict(logits_ptr=_ptr("bf16"), **draw_ptrs, **ptrs),
-                dict(BM=launch["BM"], PRECISE_LOG=True, PDL=True, **constexprs), launch["num_warps"], 3, set())
+                dict(BM=launch["BM"], PRECISE_LOG=True, RACE_FIRST=launch["RACE_FIRST"], PDL=True, **constexprs),
+                launch["num_warps"], 3, set())
 
     served = {
         "semantic_draw": draw(tower._semantic_draw_kernel, 4097,

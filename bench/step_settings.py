@@ -19,6 +19,9 @@ attributes that the kernels read at every call (so graphs captured under a setti
                     set of session 28 run 2)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
     preload-router, -route, -state, -conv, -reduce, -down, -combine: one of them each
+    race-first      the tower's draws answer from the race when its winner is inside the cut
+                    (tower kernels.RACE_FIRST, DRAMA_DRAW_RACE_FIRST, on by default)
+    no-race-first   every draw bisects for its cut (before session 29)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import torch
 
 from services.backbone.kernels import decode_gemm, decode_graph, gdn, moe_decode
+from services.tower import kernels as tower_kernels
 
 SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 # what DRAMA_PDL_PRELOAD turns on, by the setting that turns on one of them alone
@@ -42,7 +46,9 @@ SETTINGS = {"tuned": {},
             "preload": {key: True for key in PRELOADS.values()},
             "no-preload": {key: False for key in PRELOADS.values()},
             "early": {key: name not in ("down", "combine") for name, key in PRELOADS.items()},
-            **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()}}
+            **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()},
+            "race-first": {(tower_kernels, "RACE_FIRST"): True},
+            "no-race-first": {(tower_kernels, "RACE_FIRST"): False}}
 
 
 @contextlib.contextmanager

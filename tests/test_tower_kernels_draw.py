@@ -102,6 +102,34 @@ def test_fused_draw_equals_the_references_away_from_boundaries(m):
 
 
 @runnable
+@pytest.mark.parametrize("m", [4097, 1024, 33])
+def test_the_race_first_gives_the_bisections_codes(m, monkeypatch):
+    """kernels.RACE_FIRST answers a draw whose race winner lies inside the cut without bisecting:
+    the same codes as the bisection on every row, in rows where it answers and rows where it
+    bisects (both kinds must be there, or the test proves nothing)."""
+    rows = 256 if DEVICE == "cuda" else 40
+    logits, temperature, top_p, top_k, seeds, takes, frames = _inputs(rows, m, seed=100 + m)
+    temperature[rows // 2:] = 0.8                  # the served default on the flat half: wide cuts
+    logits[rows // 2:] = logits[rows // 2:] / 8
+    codes, inside = {}, []
+    for race_first in (False, True):
+        monkeypatch.setattr(kernels, "RACE_FIRST", race_first)
+        codes[race_first] = torch.stack([
+            kernels.draw(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds, takes=takes,
+                         frames=frames, draw_index=draw_index).cpu() for draw_index in (0, 5)])
+    assert torch.equal(codes[True], codes[False])
+    for draw_index in (0, 5):
+        keys = sampling.noise_key(seeds, takes, frames, draw_index).cpu()
+        probs = torch.softmax(logits.cpu().double() / temperature.cpu().double().clamp(min=1e-30)[:, None], dim=-1)
+        kept = sampling.kept_candidates(probs, top_p.cpu().double(), top_k.cpu())
+        score = torch.where(probs > 0, probs / sampling.exponential_noise(keys, m).double(), 0.0)
+        winner = score.argmax(dim=-1)
+        inside.append(kept.gather(1, winner[:, None])[:, 0] & (temperature.cpu() > 0))
+    share = torch.cat(inside).float().mean()
+    assert 0.2 < share < 0.9, f"the race first would answer {share:.0%} of the draws"
+
+
+@runnable
 def test_fused_draw_corners():
     """Hand-made rows with known answers: ties, greedy, rank 1 only, a zero-probability field."""
     m = 9

@@ -400,6 +400,11 @@ if HAS_TRITON:
 # A row's candidates live in one program's registers; above this the draw takes the torch path.
 FUSED_DRAW_MAX_CANDIDATES = 16384
 
+# The race first (_draw_row's docstring): a draw whose race winner is inside the top-p/top-k cut
+# needs no bisection. On by default; DRAMA_DRAW_RACE_FIRST=0 always bisects (the same codes).
+# Read at every launch, so bench/step_settings.py can switch it inside one process.
+RACE_FIRST = env_switch("DRAMA_DRAW_RACE_FIRST") is not False
+
 
 def draw(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
          takes: Tensor, frames: Tensor, draw_index: int) -> Tensor:
@@ -491,7 +496,7 @@ def _float32(value: float) -> float:
 
 def _draw_launch(num_candidates: int) -> dict:
     """The launch arguments every draw kernel takes for a row of this many candidates."""
-    return dict(BM=max(16, _next_pow2(num_candidates)), PRECISE_LOG=not _INTERPRET,
+    return dict(BM=max(16, _next_pow2(num_candidates)), PRECISE_LOG=not _INTERPRET, RACE_FIRST=RACE_FIRST,
                 num_warps=_draw_warps(num_candidates))
 
 
@@ -504,6 +509,10 @@ def _draw_warps(num_candidates: int) -> int:
 
 
 if HAS_TRITON:
+
+    # how far below top_p the race winner's float64 cumulative probability must lie for the race
+    # first to answer (_draw_row): ~10^6 times the sums' worst rounding
+    CUT_MARGIN = tl.constexpr(1e-9)
 
     @triton.jit
     def _splitmix64(x):
@@ -519,21 +528,32 @@ if HAS_TRITON:
 
     @triton.jit
     def _draw_row(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
-                  PRECISE_LOG: tl.constexpr):
+                  PRECISE_LOG: tl.constexpr, RACE_FIRST: tl.constexpr = False):
         """One row's draw (§6.1) -> the drawn index: x float32 [BM] its logits (-inf past M), its
         M <= BM candidates held in one program's registers.
 
-        The top-p/top-k cut needs no sort. Both keep a prefix of the ranking (probability
-        descending, ties to the lower index), so the kept set is "the first R ranks" for
-        R = max(1, min(R_p, R_k)), and the first R ranks are every candidate above the R-th
-        rank's probability v plus the lowest-indexed of those equal to v. Probabilities are
-        >= 0, so their float32 bits (`key`) order like the values, and v is found by bisection
-        over the bits: count(key >= x) >= R holds up to x = v. R_p is found the same way: c(v),
-        the cumulative probability at the first rank of value v, Σ_{p > v} p + v, falls as v
-        rises, so the smallest value with c(v) <= top_p is a bisection too, and its tie group
-        keeps floor((top_p - Σ_{p > v} p) / v) members. The sums are float64 over the float32
-        probabilities: sampling.draw's float32 cumsum and the naive reference's float64 one may
-        differ from it only where a cumulative sum is within rounding of top_p.
+        The race first (RACE_FIRST): the answer is the best race score among the kept
+        candidates, and the kept set is a prefix of the ranking (probability descending, ties to
+        the lower index). So when the race's winner over every candidate lies inside the cut, it
+        is the answer, and the cut itself is never needed. Whether it does takes three
+        reductions: its rank r (within top_k), and its cumulative probability c_r (r = 1, or
+        c_r <= top_p). c_r is summed in float64 and must clear top_p by CUT_MARGIN, far above
+        any float64 rounding of the bisection's sums below (<= ~1e-15 for 16384 probabilities of
+        at most 1). So wherever the race first answers, the bisection keeps the winner too and
+        gives the same index; otherwise (p below the winner's c_r missing top_p: ~1 - top_p of
+        the draws, or top_k too small) the draw bisects as before. Greedy draws never bisect.
+
+        The top-p/top-k cut needs no sort. Both keep a prefix of the ranking, so the kept set is
+        "the first R ranks" for R = max(1, min(R_p, R_k)), and the first R ranks are every
+        candidate above the R-th rank's probability v plus the lowest-indexed of those equal to
+        v. Probabilities are >= 0, so their float32 bits (`key`) order like the values, and v is
+        found by bisection over the bits: count(key >= x) >= R holds up to x = v. R_p is found
+        the same way: c(v), the cumulative probability at the first rank of value v,
+        Σ_{p > v} p + v, falls as v rises, so the smallest value with c(v) <= top_p is a
+        bisection too, and its tie group keeps floor((top_p - Σ_{p > v} p) / v) members. The sums
+        are float64 over the float32 probabilities: sampling.draw's float32 cumsum and the naive
+        reference's float64 one may differ from it only where a cumulative sum is within
+        rounding of top_p.
         """
         greedy_index = tl.argmax(x, axis=0, tie_break_left=True)
         greedy = temperature <= 0
@@ -544,61 +564,8 @@ if HAS_TRITON:
         # so the bisections' differences never overflow and their loops always end
         p = tl.where(p == p, p, 0.0)
         key = tl.where(ok, p.to(tl.int32, bitcast=True), -1)    # padding ranks below every p >= 0
-        key_max = tl.max(key, axis=0)
-        big = 2147483647
-
-        # R_p: the smallest present value v with c(v) <= top_p, then how many of v's tie group
-        # fit. One reduction per bisection step: S(x) = Σ_{key >= x} p falls as x rises; for x_A,
-        # the least x with S(x) <= top_p, and v_A (the least key >= x_A) c(v_A) <= S(x_A) <= top_p,
-        # while every value below v_prev (the largest key < x_A) has c >= S(v_prev) > top_p. So v
-        # is v_prev when c(v_prev) = S(x_A) + v_prev <= top_p, else v_A (else, no v_A: the top tie
-        # group alone exceeds top_p, v = key_max, and only rank 1 survives below). The sums are
-        # over the same masked vectors as c's own formula (no key lies between v_prev and x_A),
-        # so this is the bisection over c with half the reductions, each step waiting on one.
         top_p = top_p.to(tl.float64)
         rank_k = tl.where(top_k <= 0, M, tl.minimum(top_k, M).to(tl.int32))
-        key_min = tl.min(tl.where(ok, key, big), axis=0)
-        cut = key_min                      # top_p >= 1 keeps every rank: the cut is the last one
-        rank_p = M
-        if top_p < 1.0:
-            lo = key_min
-            hi = key_max + 1               # S(key_max + 1) = 0 <= top_p
-            while lo < hi:
-                mid = lo + (hi - lo) // 2
-                if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
-            c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
-            v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
-                         tl.minimum(tl.min(tl.where(key >= lo, key, big), axis=0), key_max))
-            above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
-            count_above = tl.sum((key > v).to(tl.int32), axis=0)
-            count_equal = tl.sum((key == v).to(tl.int32), axis=0)
-            v64 = _as_float64(v)
-            room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)),
-                            count_equal.to(tl.float64))
-            room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
-            first_fits = above + v64 <= top_p                    # else only rank 1 survives
-            rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
-            cut = v
-        ranks = tl.maximum(tl.minimum(rank_p, rank_k), 1)
-        if ranks < rank_p:
-            # top-k cuts first: its cut is the largest x with count(key >= x) >= ranks
-            lo = key_min
-            hi = key_max
-            while lo < hi:
-                mid = hi - (hi - lo) // 2
-                if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            cut = lo
-        # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
-        tie = key == cut
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1           # 0-based among the ties
-        kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
 
         # §6.3 noise: h = sm(seed), then h = sm(h ^ v) for take, frame, draw; uint64 arithmetic.
         h = _splitmix64(seed.to(tl.uint64, bitcast=True))
@@ -611,35 +578,101 @@ if HAS_TRITON:
             q = -libdevice.log(u)          # CUDA's logf: the same bits as torch.log
         else:
             q = -tl.log(u)
-        # the race: kept p > 0 scores p / q (IEEE division, as torch; q = 0 gives +inf), kept
-        # p = 0 scores 0, dropped -1; padding -2 never wins; ties go to the lowest index.
-        score = tl.where(p > 0, tl.math.div_rn(p, q), 0.0)
-        score = tl.where(kept, score, -1.0)
-        score = tl.where(ok, score, -2.0)
-        raced = tl.argmax(score, axis=0, tie_break_left=True)
-        return tl.where(greedy, greedy_index, raced).to(tl.int64)
+        # the race: p > 0 scores p / q (IEEE division, as torch; q = 0 gives +inf), p = 0 scores
+        # 0; below, a dropped candidate -1; padding -2 never wins; ties go to the lowest index.
+        score = tl.where(ok, tl.where(p > 0, tl.math.div_rn(p, q), 0.0), -2.0)
+
+        drawn = greedy_index.to(tl.int64)
+        need_cut = ~greedy
+        if RACE_FIRST:
+            winner = tl.argmax(score, axis=0, tie_break_left=True)
+            p_winner = tl.sum(tl.where(i == winner, p, 0.0), axis=0)
+            key_winner = p_winner.to(tl.int32, bitcast=True)
+            ahead = (key > key_winner) | ((key == key_winner) & (i < winner))   # the ranks before it
+            rank = tl.sum(ahead.to(tl.int32), axis=0) + 1
+            cumulative = tl.sum(tl.where(ahead, p, 0.0).to(tl.float64), axis=0) + p_winner.to(tl.float64)
+            inside_p = (rank == 1) | ~(top_p < 1.0) | (cumulative <= top_p - CUT_MARGIN)
+            inside = (p_winner > 0) & inside_p & (rank <= rank_k)
+            need_cut = need_cut & ~inside
+            drawn = tl.where(greedy, drawn, winner.to(tl.int64))
+        if need_cut:
+            key_max = tl.max(key, axis=0)
+            big = 2147483647
+            # R_p: the smallest present value v with c(v) <= top_p, then how many of v's tie
+            # group fit. One reduction per bisection step: S(x) = Σ_{key >= x} p falls as x
+            # rises; for x_A, the least x with S(x) <= top_p, and v_A (the least key >= x_A)
+            # c(v_A) <= S(x_A) <= top_p, while every value below v_prev (the largest key < x_A)
+            # has c >= S(v_prev) > top_p. So v is v_prev when c(v_prev) = S(x_A) + v_prev <=
+            # top_p, else v_A (else, no v_A: the top tie group alone exceeds top_p, v = key_max,
+            # and only rank 1 survives below). The sums are over the same masked vectors as c's
+            # own formula (no key lies between v_prev and x_A), so this is the bisection over c
+            # with half the reductions, each step waiting on one.
+            key_min = tl.min(tl.where(ok, key, big), axis=0)
+            cut = key_min                  # top_p >= 1 keeps every rank: the cut is the last one
+            rank_p = M
+            if top_p < 1.0:
+                lo = key_min
+                hi = key_max + 1           # S(key_max + 1) = 0 <= top_p
+                while lo < hi:
+                    mid = lo + (hi - lo) // 2
+                    if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
+                c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
+                v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
+                             tl.minimum(tl.min(tl.where(key >= lo, key, big), axis=0), key_max))
+                above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
+                count_above = tl.sum((key > v).to(tl.int32), axis=0)
+                count_equal = tl.sum((key == v).to(tl.int32), axis=0)
+                v64 = _as_float64(v)
+                room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)),
+                                count_equal.to(tl.float64))
+                room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
+                first_fits = above + v64 <= top_p                # else only rank 1 survives
+                rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
+                cut = v
+            ranks = tl.maximum(tl.minimum(rank_p, rank_k), 1)
+            if ranks < rank_p:
+                # top-k cuts first: its cut is the largest x with count(key >= x) >= ranks
+                lo = key_min
+                hi = key_max
+                while lo < hi:
+                    mid = hi - (hi - lo) // 2
+                    if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                cut = lo
+            # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
+            tie = key == cut
+            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1           # 0-based among the ties
+            kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
+            drawn = tl.argmax(tl.where(kept | ~ok, score, -1.0), axis=0, tie_break_left=True).to(tl.int64)
+        return drawn
 
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
                      frame_ptr, out_ptr, M, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     RACE_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
         """kernels.draw: one program per row, its draw into out[row]."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
         drawn = _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr,
-                             take_ptr, frame_ptr, draw_index, BM, PRECISE_LOG)
+                             take_ptr, frame_ptr, draw_index, BM, PRECISE_LOG, RACE_FIRST)
         tl.store(out_ptr + row, drawn)
 
     @triton.jit
     def _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
-                     frame_ptr, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr):
+                     frame_ptr, draw_index, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, RACE_FIRST: tl.constexpr):
         """_draw_row of row `row`: its logits and parameters loaded from [R] arrays."""
         i = tl.arange(0, BM)
         ok = i < M
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + i, mask=ok, other=float("-inf")).to(tl.float32)
         return _draw_row(x, i, ok, M, tl.load(temperature_ptr + row), tl.load(top_p_ptr + row),
                          tl.load(top_k_ptr + row), tl.load(seed_ptr + row), tl.load(take_ptr + row),
-                         tl.load(frame_ptr + row), draw_index, PRECISE_LOG)
+                         tl.load(frame_ptr + row), draw_index, PRECISE_LOG, RACE_FIRST)
 
     @triton.jit
     def _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped):
@@ -653,7 +686,8 @@ if HAS_TRITON:
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
                               stopped_ptr, drawn_temperature_ptr, drawn_top_p_ptr, drawn_top_k_ptr,
                               BM: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, RECENT: tl.constexpr,
-                              PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+                              PRECISE_LOG: tl.constexpr, RACE_FIRST: tl.constexpr = False,
+                              PDL: tl.constexpr = False):
         """FrameDraws.semantic for one row: everything the engine's torch sampler does around
         draw 0 (sampling.ras_active, the RAS parameters, apply_repetition_penalty, the draw, EOS,
         the code write, the RAS window's advance), in one program.
@@ -696,7 +730,7 @@ if HAS_TRITON:
         x = tl.where(seen & (i < eos), penalised, x)
 
         drawn = _draw_row(x, i, ok, M, temperature, top_p, top_k, tl.load(seed_ptr + row),
-                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG)
+                          tl.load(take_ptr + row), tl.load(frame_ptr + row), 0, PRECISE_LOG, RACE_FIRST)
         stopped = drawn == eos
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, 0, drawn, stopped)
         tl.store(stopped_ptr + row, stopped.to(tl.uint8))
@@ -715,12 +749,13 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["column"])
     def _residual_draw_kernel(logits_ptr, stride_row, M, column, temperature_ptr, top_p_ptr, top_k_ptr,
                               seed_ptr, take_ptr, frame_ptr, codes_ptr, stride_codes, stride_column, draw_rows_ptr,
-                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr, PDL: tl.constexpr = False):
+                              stopped_ptr, BM: tl.constexpr, PRECISE_LOG: tl.constexpr,
+                              RACE_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
         """FrameDraws.residual for one row: draw `column` (codebook `column`) with the parameters
         the semantic draw chose, its code written into codes (-1 for a stopped row)."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
         drawn = _draw_row_at(logits_ptr, stride_row, row, M, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr,
-                             take_ptr, frame_ptr, column, BM, PRECISE_LOG)
+                             take_ptr, frame_ptr, column, BM, PRECISE_LOG, RACE_FIRST)
         stopped = tl.load(stopped_ptr + row) != 0
         _write_code(codes_ptr, stride_codes, stride_column, draw_rows_ptr, row, column, drawn, stopped)
