@@ -20,8 +20,10 @@ int64 kernels. So:
         depend on the batch): softmax, the top-p/top-k cut, the splitmix64 key and noise (§6.3),
         the race with IEEE division, the greedy argmax. The cut takes no sort: both top-p and
         top-k keep a prefix of the ranking, and the prefix's last probability is found by
-        bisection over the float32 bits (the kernel's docstring). It replaced ~25 kernels per
-        draw, a radix sort among them (~0.9 ms of a 3.5 ms batch-1 frame step on the H200).
+        bisection over the float32 bits (the kernel's docstring). Most draws need no cut at all:
+        when the race's winner over every candidate lies inside it, that winner is the answer
+        (RACE_FIRST). It replaced ~25 kernels per draw, a radix sort among them (~0.9 ms of a
+        3.5 ms batch-1 frame step on the H200).
         Reference: sampling.draw, equal on every row whose outcome is not within rounding of a
         boundary (a cumulative sum at top_p, two race scores), which a float64 analysis flags
         (tests/test_tower_kernels_draw.py). On the CPU: `sampling.draw` itself.
