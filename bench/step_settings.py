@@ -19,7 +19,8 @@ attributes that the kernels read at every call (so graphs captured under a setti
                     tower's attention (the set of session 28 run 2)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
     preload-router, -route, -state, -conv, -reduce, -down, -combine, -attention: one of them each
-                    (attention: the tower's decode attention, tower kernels.ATTENTION_PRELOAD)
+                    (attention: the tower's decode attention, tower kernels.ATTENTION_PRELOAD);
+    no-preload-router, ... -attention: all but that one (as DRAMA_PDL_PRELOAD says)
     race-first      the tower's draws answer from the race when its winner is inside the cut
                     (tower kernels.RACE_FIRST, DRAMA_DRAW_RACE_FIRST, on by default)
     no-race-first   every draw bisects for its cut (before session 29)
@@ -49,6 +50,7 @@ SETTINGS = {"tuned": {},
             "no-preload": {key: False for key in PRELOADS.values()},
             "early": {key: name not in ("down", "combine", "attention") for name, key in PRELOADS.items()},
             **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()},
+            **{f"no-preload-{name}": {key: False} for name, key in PRELOADS.items()},
             "race-first": {(tower_kernels, "RACE_FIRST"): True},
             "no-race-first": {(tower_kernels, "RACE_FIRST"): False}}
 
