@@ -20,7 +20,7 @@ attributes that the kernels read at every call (so graphs captured under a setti
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
     preload-router, -route, -state, -conv, -reduce, -down, -combine, -attention: one of them each
                     (attention: the tower's decode attention, tower kernels.ATTENTION_PRELOAD);
-    no-preload-router, ... -attention: all but that one (as DRAMA_PDL_PRELOAD says)
+    no-preload-router, ... -attention: that one off, the others as DRAMA_PDL_PRELOAD says
     race-first      the tower's draws answer from the race when its winner is inside the cut
                     (tower kernels.RACE_FIRST, DRAMA_DRAW_RACE_FIRST, on by default)
     no-race-first   every draw bisects for its cut (before session 29)
