@@ -149,12 +149,6 @@ def cases() -> dict:
                             dict(flag_ptr=_ptr("i64"), seq="i64", src_ptr=_ptr("i32"), dst_ptr=_ptr("i32"),
                                  status_ptr=_ptr("i32"), timeout_ns="i64"),
                             dict(BLOCK=device_handoff.ROW_WORDS_PER_PROGRAM, TIMER=True), 4, 3, set()),
-        "tower_attention": (tower._decode_attention_kernel,     # the tower's decode attention, a piece
-                            dict(q_ptr=_ptr("bf16"), k_ptr=_ptr("bf16"), v_ptr=_ptr("bf16"), slot_ptr=_ptr("i64"),
-                                 pos_ptr=_ptr("i64"), part_o_ptr=_ptr("fp32"), part_lse_ptr=_ptr("fp32"),
-                                 scale="fp32"),
-                            dict(G=8, BG=16, BD=256, BN=32, SPLIT_POSITIONS=128, PDL=True), 4, 2,
-                            {"stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_cl", "D"}),
         "conv_update": (gdn._conv_update_kernel,
                         dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), state_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"),
                              slot_ptr=_ptr("i64")),
@@ -163,7 +157,7 @@ def cases() -> dict:
     # the same launches reading ahead of their PDL wait (kernels/__init__.PDL_PRELOAD); the down
     # launch's PRELOAD counts its K blocks (I 512: 4)
     preloads = {name: dict(PRELOAD=True) for name in ("router_partial", "route_quant", "split_reduce_norm",
-                                                       "gdn_decode", "conv_update", "tower_attention")}
+                                                       "gdn_decode", "conv_update")}
     preloads["down"] = dict(PRELOAD=4)
     combine = (decode_graph._moe_combine_norm_kernel,
                dict(pairs_ptr=_ptr("fp32"), res_ptr=_ptr("bf16"), sh_ptr=_ptr("bf16"), shg_ptr=_ptr("bf16"),

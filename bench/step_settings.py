@@ -15,12 +15,11 @@ attributes that the kernels read at every call (so graphs captured under a setti
     tma             decode_gemm.TMA: bf16 weights through TMA box loads (DRAMA_DECODE_GEMM_TMA=1)
     preload         weights and state read before the PDL wait (DRAMA_PDL_PRELOAD, on by default,
                     see kernels/__init__.PDL_PRELOAD)
-    early           preload without the down launch's weights, the combine's inputs and the
-                    tower's attention (the set of session 28 run 2)
+    early           preload without the down launch's weights and the combine's inputs (the
+                    set of session 28 run 2)
     no-preload      none of them (whatever DRAMA_PDL_PRELOAD says)
-    preload-router, -route, -state, -conv, -reduce, -down, -combine, -attention: one of them each
-                    (attention: the tower's decode attention, tower kernels.ATTENTION_PRELOAD);
-    no-preload-router, ... -attention: that one off, the others as DRAMA_PDL_PRELOAD says
+    preload-router, -route, -state, -conv, -reduce, -down, -combine: one of them each
+    no-preload-router, ... -combine: that one off, the others as DRAMA_PDL_PRELOAD says
     race-first      the tower's draws answer from the race when its winner is inside the cut
                     (tower kernels.RACE_FIRST, DRAMA_DRAW_RACE_FIRST, on by default)
     no-race-first   every draw bisects for its cut (before session 29)
@@ -39,8 +38,7 @@ SESSION20_TUNED = {(2048, 12288, torch.bfloat16): dict(BN=64, BK=128, SPLIT=4)}
 # what DRAMA_PDL_PRELOAD turns on, by the setting that turns on one of them alone
 PRELOADS = {"router": (moe_decode, "ROUTER_PRELOAD"), "route": (moe_decode, "ROUTE_PRELOAD"),
             "state": (gdn, "STATE_PRELOAD"), "conv": (gdn, "CONV_PRELOAD"), "reduce": (decode_gemm, "REDUCE_PRELOAD"),
-            "down": (moe_decode, "DOWN_PRELOAD"), "combine": (decode_graph, "COMBINE_PRELOAD"),
-            "attention": (tower_kernels, "ATTENTION_PRELOAD")}
+            "down": (moe_decode, "DOWN_PRELOAD"), "combine": (decode_graph, "COMBINE_PRELOAD")}
 SETTINGS = {"tuned": {},
             "last-reduces": {(decode_gemm, "LAST_REDUCES"): True},
             "session20": {(decode_gemm, "TUNED"): SESSION20_TUNED},
@@ -48,7 +46,7 @@ SETTINGS = {"tuned": {},
             "tma": {(decode_gemm, "TMA"): True},
             "preload": {key: True for key in PRELOADS.values()},
             "no-preload": {key: False for key in PRELOADS.values()},
-            "early": {key: name not in ("down", "combine", "attention") for name, key in PRELOADS.items()},
+            "early": {key: name not in ("down", "combine") for name, key in PRELOADS.items()},
             **{f"preload-{name}": {key: True} for name, key in PRELOADS.items()},
             **{f"no-preload-{name}": {key: False} for name, key in PRELOADS.items()},
             "race-first": {(tower_kernels, "RACE_FIRST"): True},

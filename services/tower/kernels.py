@@ -50,7 +50,7 @@ import os
 import torch
 from torch import Tensor
 
-from services.backbone.kernels import PDL_PRELOAD, pdl_args
+from services.backbone.kernels import pdl_args
 from services.common import invariant
 from services.common.grpcutil import env_switch
 from services.tower import sampling
@@ -100,11 +100,6 @@ def _next_pow2(n: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 _MOST_SPLITS = 32
-# The tower layer's decode attention reads, before its PDL wait, everything but the block of the
-# row's own position (decode_attention(preload=), _decode_attention_kernel's docstring): on with
-# DRAMA_PDL_PRELOAD (kernels/__init__.PDL_PRELOAD). Read at every call, so bench/step_settings.py
-# can switch it inside one process.
-ATTENTION_PRELOAD = PDL_PRELOAD
 _SPLIT_POSITIONS = 128      # a row's history is cut into pieces of at least this many positions
 
 
@@ -116,16 +111,13 @@ def attention_splits(max_context: int) -> int:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
-                     splits: int | None = None, gate: Tensor | None = None, preload: bool = False) -> Tensor:
+                     splits: int | None = None, gate: Tensor | None = None) -> Tensor:
     """o [T, H, d] in q's dtype: row t attends over positions 0..positions[t] of slot slots[t].
 
     q [T, H, d] (any strides with a unit last stride); caches [S, K, L, d] with the row's key and
     value already written at its position. Without Triton/CUDA: the SDPA-free torch reference.
     gate [T, H, d] (unit last stride): return model.gate_output(o, gate), the §4.4 output gate, applied
     in the merge's launch with the same bits as torch's (three launches fewer per layer).
-    preload: attend before the PDL wait to all but each row's own position, whose key and value
-    alone the launch just before may write (q and older positions written earlier): the caller
-    vouches for that order (the tower's layer, with ATTENTION_PRELOAD). The same bits either way.
     """
     if not use_triton(q, k_cache, v_cache):
         from services.tower.model import gate_output
@@ -147,8 +139,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         q, k_cache, v_cache, slots, positions, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim ** -0.5, head_dim, splits,
-        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, PRELOAD=preload,
-        num_warps=4, num_stages=2, **_pdl_args())
+        G=group, BG=block_g, BD=block_d, BN=block_n, SPLIT_POSITIONS=_SPLIT_POSITIONS, num_warps=4, num_stages=2, **_pdl_args())
     out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_gate = gate is not None
     if has_gate and (gate.shape != q.shape or gate.stride(-1) != 1):
@@ -175,41 +166,45 @@ if HAS_TRITON:
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_o_ptr, part_lse_ptr,
                                  stride_qt, stride_qh, stride_cs, stride_ch, stride_cl, scale, D, SPLITS,
                                  G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                                 SPLIT_POSITIONS: tl.constexpr, PRELOAD: tl.constexpr = False,
-                                 PDL: tl.constexpr = False):
-        """One piece of one (row, kv head)'s history: its online softmax's (o, lse) into the parts.
-
-        PRELOAD: everything but the block that holds the row's own position is attended before
-        the PDL wait. The kernel just before this one (norm_rope_to_cache) writes only that
-        position's key and value; q comes from norm_rope, the launch before it, and older keys
-        and values from earlier steps (kernels/__init__.PDL_PRELOAD's rule). The blocks run in
-        the same order through the same arithmetic, so the same bits."""
+                                 SPLIT_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        length = tl.load(pos_ptr + row).to(tl.int32) + 1
+        # This row's pieces (by its own length only), of whole BN blocks; the grid's other
+        # pieces are empty (then m = -inf, l = 0, and the merge gives them weight 0).
+        pieces = tl.minimum(tl.cdiv(length, SPLIT_POSITIONS), SPLITS)
+        chunk = tl.cdiv(tl.cdiv(length, pieces), BN) * BN
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+
         g = tl.arange(0, BG)
         d = tl.arange(0, BD)
+        n = tl.arange(0, BN)
         g_ok = g < G
         d_ok = d < D
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + (kv * G + g)[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)                          # [BG, BD]
+        base = slot * stride_cs + kv.to(tl.int64) * stride_ch
         m_i = tl.full([BG], float("-inf"), tl.float32)
         l_i = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, BD], tl.float32)
-        if PRELOAD:
-            q, base, start, end, newest = _attention_piece(q_ptr, slot_ptr, pos_ptr, row, kv, stride_qt, stride_qh,
-                                                           stride_cs, stride_ch, SPLITS, g, d, g_ok, d_ok, G, BN,
-                                                           SPLIT_POSITIONS, True)
-            m_i, l_i, acc = _attend_blocks(q, k_ptr, v_ptr, base, stride_cl, scale, start, newest, d, d_ok,
-                                           m_i, l_i, acc, BN, True)
-            pdl_prologue(PDL)
-            m_i, l_i, acc = _attend_blocks(q, k_ptr, v_ptr, base, stride_cl, scale, newest, end, d, d_ok,
-                                           m_i, l_i, acc, BN, True)
-        else:
-            pdl_prologue(PDL)
-            q, base, start, end, newest = _attention_piece(q_ptr, slot_ptr, pos_ptr, row, kv, stride_qt, stride_qh,
-                                                           stride_cs, stride_ch, SPLITS, g, d, g_ok, d_ok, G, BN,
-                                                           SPLIT_POSITIONS, False)
-            m_i, l_i, acc = _attend_blocks(q, k_ptr, v_ptr, base, stride_cl, scale, start, end, d, d_ok,
-                                           m_i, l_i, acc, BN, False)
+        for first in range(start, end, BN):
+            pos = first + n
+            ok = pos < end
+            offsets = base + pos.to(tl.int64)[:, None] * stride_cl + d[None, :]
+            k = tl.load(k_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)   # [BN, BD]
+            scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BN] f32
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         filled = l_i > 0
         o = acc / tl.where(filled, l_i, 1.0)[:, None]
         lse = tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf"))
@@ -217,57 +212,6 @@ if HAS_TRITON:
         tl.store(part_o_ptr + (piece.to(tl.int64) * BG + g[:, None]) * D + d[None, :], o,
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(part_lse_ptr + piece * BG + g, lse, mask=g_ok)
-
-    @triton.jit
-    def _attention_piece(q_ptr, slot_ptr, pos_ptr, row, kv, stride_qt, stride_qh, stride_cs, stride_ch, SPLITS,
-                         g, d, g_ok, d_ok, G: tl.constexpr, BN: tl.constexpr, SPLIT_POSITIONS: tl.constexpr,
-                         FROM_L2: tl.constexpr):
-        """(q [BG, BD], the cache offset of the row's slot and kv head, the piece's positions
-        [start, end), and where the block holding the row's own position starts, or end if the
-        piece does not hold it). FROM_L2: q read through L2 (.cg), written by another SM's kernel."""
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        length = tl.load(pos_ptr + row).to(tl.int32) + 1
-        # This row's pieces (by its own length only), of whole BN blocks; the grid's other
-        # pieces are empty (then m = -inf, l = 0, and the merge gives them weight 0).
-        pieces = tl.minimum(tl.cdiv(length, SPLIT_POSITIONS), SPLITS)
-        chunk = tl.cdiv(tl.cdiv(length, pieces), BN) * BN
-        start = tl.program_id(2) * chunk
-        end = tl.minimum(start + chunk, length)
-        newest = tl.where((start < end) & (end == length), start + (end - 1 - start) // BN * BN, end)
-        q_at = q_ptr + row.to(tl.int64) * stride_qt + (kv * G + g)[:, None] * stride_qh + d[None, :]
-        if FROM_L2:
-            q = tl.load(q_at, mask=g_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        else:
-            q = tl.load(q_at, mask=g_ok[:, None] & d_ok[None, :], other=0.0)                    # [BG, BD]
-        return q, slot * stride_cs + kv.to(tl.int64) * stride_ch, start, end, newest
-
-    @triton.jit
-    def _attend_blocks(q, k_ptr, v_ptr, base, stride_cl, scale, start, end, d, d_ok, m_i, l_i, acc,
-                       BN: tl.constexpr, FROM_L2: tl.constexpr):
-        """The online softmax (m_i, l_i, acc) carried over positions [start, end), BN at a time.
-        FROM_L2: keys and values read through L2 (.cg)."""
-        n = tl.arange(0, BN)
-        for first in range(start, end, BN):
-            pos = first + n
-            ok = pos < end
-            offsets = base + pos.to(tl.int64)[:, None] * stride_cl + d[None, :]
-            if FROM_L2:
-                k = tl.load(k_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            else:
-                k = tl.load(k_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-            scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BN] f32
-            scores = tl.where(ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if FROM_L2:
-                v = tl.load(v_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            else:
-                v = tl.load(v_ptr + offsets, mask=ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        return m_i, l_i, acc
 
     @triton.jit
     def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, stride_gt, stride_gh, D, SPLITS,

@@ -421,10 +421,8 @@ class GatedAttention(nn.Module):
             self.k_cache[rows.slots, :, rows.positions] = norm_rope(k, self.k_norm, cos, sin)
             self.v_cache[rows.slots, :, rows.positions] = v
         if gpu_path and rows.all_decode:  # decode rows: the output gate in the merge's launch
-            # norm_rope_to_cache, just before, wrote only the rows' own positions: the attention
-            # may read the rest before its PDL wait
             o = kernels.decode_attention(q, self.k_cache, self.v_cache, rows.decode_slots,
-                                         rows.decode_positions, gate=gate, preload=kernels.ATTENTION_PRELOAD)
+                                         rows.decode_positions, gate=gate)
         else:
             attend = attend_rowwise if self.batch_invariant else attend_segments
             o = gate_output(attend(q, self.k_cache, self.v_cache, rows), gate)   # [T, H, d]
