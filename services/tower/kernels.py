@@ -543,7 +543,8 @@ if HAS_TRITON:
         any float64 rounding of the bisection's sums below (<= ~1e-15 for 16384 probabilities of
         at most 1). So wherever the race first answers, the bisection keeps the winner too and
         gives the same index; otherwise (p below the winner's c_r missing top_p: ~1 - top_p of
-        the draws, or top_k too small) the draw bisects as before. Greedy draws never bisect.
+        the draws, or top_k too small) the draw bisects as before. A greedy draw (temperature <= 0)
+        is its argmax alone: no softmax, noise or race.
 
         The top-p/top-k cut needs no sort. Both keep a prefix of the ranking, so the kept set is
         "the first R ranks" for R = max(1, min(R_p, R_k)), and the first R ranks are every
@@ -557,9 +558,17 @@ if HAS_TRITON:
         reference's float64 one may differ from it only where a cumulative sum is within
         rounding of top_p.
         """
-        greedy_index = tl.argmax(x, axis=0, tie_break_left=True)
-        greedy = temperature <= 0
-        z = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
+        drawn = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64)      # greedy: the first maximum
+        if (temperature <= 0) == 0:        # (a NaN temperature samples, as before: no index is lost)
+            drawn = _sampled_index(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
+                                   PRECISE_LOG, RACE_FIRST)
+        return drawn
+
+    @triton.jit
+    def _sampled_index(x, i, ok, M, temperature, top_p, top_k, seed, take, frame, draw_index,
+                       PRECISE_LOG: tl.constexpr, RACE_FIRST: tl.constexpr):
+        """_draw_row's draw at a temperature that is not <= 0: softmax, cut, noise and race."""
+        z = tl.math.div_rn(x, temperature)
         e = tl.exp(z - tl.max(z, axis=0))                       # padding: exp(-inf) = 0
         p = tl.math.div_rn(e, tl.sum(e, axis=0))
         # a NaN (from NaN or all -inf logits) counts as 0: every key is then in [0, +inf's bits],
@@ -584,8 +593,8 @@ if HAS_TRITON:
         # 0; below, a dropped candidate -1; padding -2 never wins; ties go to the lowest index.
         score = tl.where(ok, tl.where(p > 0, tl.math.div_rn(p, q), 0.0), -2.0)
 
-        drawn = greedy_index.to(tl.int64)
-        need_cut = ~greedy
+        drawn = tl.zeros([], tl.int64)
+        need_cut = True
         if RACE_FIRST:
             winner = tl.argmax(score, axis=0, tie_break_left=True)
             p_winner = tl.sum(tl.where(i == winner, p, 0.0), axis=0)
@@ -595,8 +604,8 @@ if HAS_TRITON:
             cumulative = tl.sum(tl.where(ahead, p, 0.0).to(tl.float64), axis=0) + p_winner.to(tl.float64)
             inside_p = (rank == 1) | ~(top_p < 1.0) | (cumulative <= top_p - CUT_MARGIN)
             inside = (p_winner > 0) & inside_p & (rank <= rank_k)
-            need_cut = need_cut & ~inside
-            drawn = tl.where(greedy, drawn, winner.to(tl.int64))
+            need_cut = ~inside
+            drawn = winner.to(tl.int64)
         if need_cut:
             key_max = tl.max(key, axis=0)
             big = 2147483647
