@@ -148,7 +148,8 @@ def frame_cases(rows: int, repeat: int) -> list[dict]:
     row = dict(part="frame", rows=rows, setting="defaults",
                m=f"{cfg.semantic_codebook_size + 1}+{cfg.num_codebooks - 1}x{cfg.residual_codebook_size}")
     for fused in (False, True):
-        row["fused" if fused else "torch"] = do_bench(graphed(lambda copy, fused=fused: frame(fused), repeat)) * 1000 / repeat
+        replay = graphed(lambda copy, fused=fused: frame(fused), repeat)
+        row["fused" if fused else "torch"] = do_bench(replay) * 1000 / repeat
     return [row]
 
 
