@@ -537,14 +537,14 @@ if HAS_TRITON:
         The race first (RACE_FIRST): the answer is the best race score among the kept
         candidates, and the kept set is a prefix of the ranking (probability descending, ties to
         the lower index). So when the race's winner over every candidate lies inside the cut, it
-        is the answer, and the cut itself is never needed. Whether it does takes three
-        reductions: its rank r (within top_k), and its cumulative probability c_r (r = 1, or
+        is the answer, and the cut itself is never needed. Checking that takes three reductions:
+        the winner's rank r (at most top_k) and its cumulative probability c_r (r = 1, or
         c_r <= top_p). c_r is summed in float64 and must clear top_p by CUT_MARGIN, far above
         any float64 rounding of the bisection's sums below (<= ~1e-15 for 16384 probabilities of
-        at most 1). So wherever the race first answers, the bisection keeps the winner too and
-        gives the same index; otherwise (p below the winner's c_r missing top_p: ~1 - top_p of
-        the draws, or top_k too small) the draw bisects as before. A greedy draw (temperature <= 0)
-        is its argmax alone: no softmax, noise or race.
+        at most 1). So wherever the race first answers, the bisection would keep the winner too
+        and give the same index. Otherwise the draw bisects as before: when the winner lies past
+        the top-p cut (the winner is a sample of p, so ~1 - top_p of the draws) or past top_k.
+        A greedy draw (temperature <= 0) is its argmax alone: no softmax, noise or race.
 
         The top-p/top-k cut needs no sort. Both keep a prefix of the ranking, so the kept set is
         "the first R ranks" for R = max(1, min(R_p, R_k)), and the first R ranks are every
