@@ -607,61 +607,68 @@ if HAS_TRITON:
             need_cut = ~inside
             drawn = winner.to(tl.int64)
         if need_cut:
-            key_max = tl.max(key, axis=0)
-            big = 2147483647
-            # R_p: the smallest present value v with c(v) <= top_p, then how many of v's tie
-            # group fit. One reduction per bisection step: S(x) = Σ_{key >= x} p falls as x
-            # rises; for x_A, the least x with S(x) <= top_p, and v_A (the least key >= x_A)
-            # c(v_A) <= S(x_A) <= top_p, while every value below v_prev (the largest key < x_A)
-            # has c >= S(v_prev) > top_p. So v is v_prev when c(v_prev) = S(x_A) + v_prev <=
-            # top_p, else v_A (else, no v_A: the top tie group alone exceeds top_p, v = key_max,
-            # and only rank 1 survives below). The sums are over the same masked vectors as c's
-            # own formula (no key lies between v_prev and x_A), so this is the bisection over c
-            # with half the reductions, each step waiting on one.
-            key_min = tl.min(tl.where(ok, key, big), axis=0)
-            cut = key_min                  # top_p >= 1 keeps every rank: the cut is the last one
-            rank_p = M
-            if top_p < 1.0:
-                lo = key_min
-                hi = key_max + 1           # S(key_max + 1) = 0 <= top_p
-                while lo < hi:
-                    mid = lo + (hi - lo) // 2
-                    if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
-                c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
-                v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
-                             tl.minimum(tl.min(tl.where(key >= lo, key, big), axis=0), key_max))
-                above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
-                count_above = tl.sum((key > v).to(tl.int32), axis=0)
-                count_equal = tl.sum((key == v).to(tl.int32), axis=0)
-                v64 = _as_float64(v)
-                room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)),
-                                count_equal.to(tl.float64))
-                room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
-                first_fits = above + v64 <= top_p                # else only rank 1 survives
-                rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
-                cut = v
-            ranks = tl.maximum(tl.minimum(rank_p, rank_k), 1)
-            if ranks < rank_p:
-                # top-k cuts first: its cut is the largest x with count(key >= x) >= ranks
-                lo = key_min
-                hi = key_max
-                while lo < hi:
-                    mid = hi - (hi - lo) // 2
-                    if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                cut = lo
-            # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
-            tie = key == cut
-            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1           # 0-based among the ties
-            kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
+            kept = _cut(key, p, ok, M, top_p, rank_k)
             drawn = tl.argmax(tl.where(kept | ~ok, score, -1.0), axis=0, tie_break_left=True).to(tl.int64)
         return drawn
+
+    @triton.jit
+    def _cut(key, p, ok, M, top_p, rank_k):
+        """The kept mask [BM] of _draw_row's top-p/top-k cut (its docstring): the first
+        max(1, min(R_p, rank_k)) ranks, found by bisection over the probabilities' bits `key`."""
+        key_max = tl.max(key, axis=0)
+        big = 2147483647
+        # R_p: the smallest present value v with c(v) <= top_p, then how many of v's tie
+        # group fit. One reduction per bisection step: S(x) = Σ_{key >= x} p falls as x
+        # rises; for x_A, the least x with S(x) <= top_p, and v_A (the least key >= x_A)
+        # c(v_A) <= S(x_A) <= top_p, while every value below v_prev (the largest key < x_A)
+        # has c >= S(v_prev) > top_p. So v is v_prev when c(v_prev) = S(x_A) + v_prev <=
+        # top_p, else v_A (else, no v_A: the top tie group alone exceeds top_p, v = key_max,
+        # and only rank 1 survives below). The sums are over the same masked vectors as c's
+        # own formula (no key lies between v_prev and x_A), so this is the bisection over c
+        # with half the reductions, each step waiting on one.
+        key_min = tl.min(tl.where(ok, key, big), axis=0)
+        cut = key_min                  # top_p >= 1 keeps every rank: the cut is the last one
+        rank_p = M
+        if top_p < 1.0:
+            lo = key_min
+            hi = key_max + 1           # S(key_max + 1) = 0 <= top_p
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                if tl.sum(tl.where(key >= mid, p, 0.0).to(tl.float64), axis=0) <= top_p:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            v_prev = tl.max(tl.where(ok & (key < lo), key, -1), axis=0)
+            c_prev = tl.sum(tl.where(key > v_prev, p, 0.0).to(tl.float64), axis=0) + _as_float64(v_prev)
+            v = tl.where((v_prev >= 0) & (c_prev <= top_p), v_prev,
+                         tl.minimum(tl.min(tl.where(key >= lo, key, big), axis=0), key_max))
+            above = tl.sum(tl.where(key > v, p, 0.0).to(tl.float64), axis=0)
+            count_above = tl.sum((key > v).to(tl.int32), axis=0)
+            count_equal = tl.sum((key == v).to(tl.int32), axis=0)
+            v64 = _as_float64(v)
+            room = tl.where(v64 > 0, tl.floor((top_p - above) / tl.where(v64 > 0, v64, 1.0)),
+                            count_equal.to(tl.float64))
+            room = tl.minimum(tl.maximum(room, 1.0), count_equal.to(tl.float64))
+            first_fits = above + v64 <= top_p                # else only rank 1 survives
+            rank_p = tl.where(first_fits, count_above + room.to(tl.int32), 1)
+            cut = v
+        ranks = tl.maximum(tl.minimum(rank_p, rank_k), 1)
+        if ranks < rank_p:
+            # top-k cuts first: its cut is the largest x with count(key >= x) >= ranks
+            lo = key_min
+            hi = key_max
+            while lo < hi:
+                mid = hi - (hi - lo) // 2
+                if tl.sum((key >= mid).to(tl.int32), axis=0) >= ranks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cut = lo
+        # the first `ranks` ranks: every key above the cut, and the lowest-indexed of its ties
+        tie = key == cut
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1           # 0-based among the ties
+        kept = (key > cut) | (tie & (tie_rank < ranks - tl.sum((key > cut).to(tl.int32), axis=0)))
+        return kept
 
     @triton.jit(do_not_specialize=["draw_index"])
     def _draw_kernel(logits_ptr, stride_row, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, take_ptr,
