@@ -357,7 +357,8 @@ def gateway_phases(client, url: str) -> dict[str, tuple[float, int]]:
 
 
 def phase_line(phases: dict | None) -> str:
-    """'admitted 12 | first_frames 55 (+43) | ...' ms from arrival, each with its step from the last."""
+    """'admitted 12; first_frames 55 (+43); ...' ms from arrival, each with its step from the last
+    (';' between them: the line goes into a markdown table's cell, where '|' would split it)."""
     if not phases:
         return "-"
     parts, last = [], 0.0
@@ -365,7 +366,7 @@ def phase_line(phases: dict | None) -> str:
         if phase in phases:
             parts.append(f"{phase} {phases[phase]:.1f} (+{phases[phase] - last:.1f})")
             last = phases[phase]
-    return " | ".join(parts)
+    return "; ".join(parts)
 
 
 def plan_frames(frames: list[int], chunks: list[int], warmup: Spoken,
@@ -452,7 +453,7 @@ def micro_codec(preset: str, device: torch.device, history: int, repeats: int) -
         pool.decode_streams([slot], [random_codes(codec, history)[0]])
         chunk = random_codes(codec, 4)[0]
         times = timed(lambda: pool.decode_pcm16([slot], [chunk]), device, repeats, warmup=2)
-    del pool, codec
+    pool = codec = None              # freed before _free (not `del`: the lambda above names pool)
     _free(device)
     return statistics.median(times)
 
